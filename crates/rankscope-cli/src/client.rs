@@ -1,0 +1,156 @@
+//! Talking to one probe over its unix socket.
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use rankscope_core::http;
+use rankscope_core::paths;
+use rankscope_core::protocol::{EnvReply, EvalReply, EvalRequest, ProcessMeta, StacksReply};
+use serde::de::DeserializeOwned;
+
+use crate::hint::Hinted;
+
+/// Replies can be large (every frame's locals of many threads).
+const MAX_REPLY_BYTES: usize = 256 * 1024 * 1024;
+
+pub struct Probe {
+    pub pid: u32,
+    socket: PathBuf,
+}
+
+/// A one-word description of a PID for error messages: its command line.
+fn describe(pid: u32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let words: Vec<String> = raw
+        .split(|&b| b == 0)
+        .filter(|w| !w.is_empty())
+        .take(4)
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    if words.is_empty() {
+        format!("process {pid}")
+    } else {
+        format!("process {pid} ({})", words.join(" "))
+    }
+}
+
+impl Probe {
+    /// The probe of `pid` if it has one; an error only when there is no such process.
+    pub fn find(pid: u32) -> Result<Option<Probe>> {
+        match Probe::locate(pid) {
+            Ok(probe) => Ok(Some(probe)),
+            Err(_) if paths::pid_alive(pid) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Finds the probe of `pid`, or says precisely why there is none.
+    pub fn locate(pid: u32) -> Result<Probe> {
+        let dir = paths::endpoint_dir();
+        let socket = paths::socket_path(&dir, pid);
+        if !paths::pid_alive(pid) {
+            if socket.exists() {
+                paths::remove_endpoint_files(&dir, pid);
+            }
+            return Err(Hinted::new(
+                format!("no process with PID {pid}"),
+                "`rankscope list` shows the processes that have a probe",
+            )
+            .into());
+        }
+        if !socket.exists() {
+            return Err(Hinted::new(
+                format!("{} has no rankscope probe", describe(pid)),
+                "`rankscope inject PID` starts one in the running process; or start it with RANKSCOPE=1 or `rankscope run -- ...`",
+            )
+            .into());
+        }
+        Ok(Probe { pid, socket })
+    }
+
+    fn connect(&self, timeout: Duration) -> Result<UnixStream> {
+        let stream = UnixStream::connect(&self.socket).map_err(|e| {
+            let stale = matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound);
+            if stale {
+                Hinted::new(
+                    format!("the probe socket of {} does not accept connections", describe(self.pid)),
+                    "the probe was stopped, or the socket is left from an earlier process; \
+                     `rankscope list` cleans up stale sockets",
+                )
+            } else if e.kind() == io::ErrorKind::PermissionDenied {
+                Hinted::new(
+                    format!("permission denied on {}", self.socket.display()),
+                    "run rankscope as the user that owns the target process",
+                )
+            } else {
+                Hinted::new(format!("cannot connect to {}: {e}", self.socket.display()), "`rankscope list` shows live probes")
+            }
+        })?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+        Ok(stream)
+    }
+
+    /// One request, one answer; `timeout` bounds the wait for the answer.
+    fn request<T: DeserializeOwned>(&self, method: &str, path: &str, body: &[u8], timeout: Duration) -> Result<T> {
+        let mut stream = self.connect(timeout)?;
+        http::write_request(&mut stream, method, path, &[], body)?;
+        let response = http::read_response(&mut stream, MAX_REPLY_BYTES).map_err(|e| match e {
+            http::HttpError::Io(io) if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Hinted::new(
+                    format!("the probe of {} did not answer within {:.1}s", describe(self.pid), timeout.as_secs_f64()),
+                    "a thread may be holding the GIL in native code; try again, or raise --timeout",
+                )
+                .into()
+            }
+            other => anyhow::anyhow!("bad answer from the probe of PID {}: {other}", self.pid),
+        })?;
+        if response.status != 200 {
+            let message = serde_json::from_slice::<serde_json::Value>(&response.body)
+                .ok()
+                .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+                .unwrap_or_else(|| String::from_utf8_lossy(&response.body).into_owned());
+            anyhow::bail!("the probe of PID {} answered {}: {message}", self.pid, response.status);
+        }
+        serde_json::from_slice(&response.body)
+            .map_err(|e| anyhow::anyhow!("unreadable answer from the probe of PID {}: {e}", self.pid))
+    }
+
+    pub fn meta(&self, timeout: Duration) -> Result<ProcessMeta> {
+        let meta: ProcessMeta = self.request("GET", "/v1/meta", b"", timeout)?;
+        if meta.protocol != rankscope_core::PROTOCOL_VERSION {
+            return Err(Hinted::new(
+                format!(
+                    "the probe of PID {} speaks protocol {} (rankscope {}), this CLI speaks {}",
+                    self.pid,
+                    meta.protocol,
+                    meta.rankscope_version,
+                    rankscope_core::PROTOCOL_VERSION
+                ),
+                "use the rankscope command from the same install as the target's package",
+            )
+            .into());
+        }
+        Ok(meta)
+    }
+
+    pub fn stacks(&self, with_locals: bool, timeout: Duration) -> Result<StacksReply> {
+        let path = if with_locals { "/v1/stacks?locals=1" } else { "/v1/stacks" };
+        self.request("GET", path, b"", timeout)
+    }
+
+    pub fn env(&self, timeout: Duration) -> Result<EnvReply> {
+        self.request("GET", "/v1/env", b"", timeout)
+    }
+
+    /// The CLI waits a little longer than the probe's own deadline, so that
+    /// an interrupted eval can still report what it printed.
+    pub fn eval(&self, request: &EvalRequest) -> Result<EvalReply> {
+        let body = serde_json::to_vec(request)?;
+        let wait = Duration::from_secs_f64(request.timeout_s + 2.0);
+        self.request("POST", "/v1/eval", &body, wait)
+    }
+}

@@ -1,0 +1,355 @@
+//! `rankscope crashes`: the crash records probes left in run directories,
+//! readable after the processes are gone.
+//!
+//! Two kinds of entry: `crash-*.json` (an uncaught exception with its frames
+//! and locals, written by `rankscope._probe.crashes`) and non-empty
+//! `native-*.log` (faulthandler's output after a segfault or abort).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use rankscope_core::crash::{self, CrashRecord};
+use rankscope_core::paths;
+use serde_json::json;
+
+use crate::hint::Hinted;
+use crate::ListFormat;
+
+enum Kind {
+    Exception(Box<CrashRecord>),
+    Native { pid: Option<u32>, text: String },
+}
+
+struct Entry {
+    time: f64,
+    path: PathBuf,
+    /// The run directory's name (the job), shown when listing several.
+    job: String,
+    kind: Kind,
+}
+
+impl Entry {
+    fn rank(&self) -> Option<i64> {
+        match &self.kind {
+            Kind::Exception(r) => Some(r.rank),
+            Kind::Native { .. } => None,
+        }
+    }
+
+    fn pid(&self) -> Option<u32> {
+        match &self.kind {
+            Kind::Exception(r) => Some(r.pid),
+            Kind::Native { pid, .. } => *pid,
+        }
+    }
+
+    /// "Type: message" for an exception, "native crash: Fatal Python error: ..." otherwise.
+    fn summary(&self) -> String {
+        match &self.kind {
+            Kind::Exception(r) => match r.last_exception() {
+                Some(e) if e.message.is_empty() => e.type_name.clone(),
+                Some(e) => format!("{}: {}", e.type_name, first_line(&e.message)),
+                None => "(no exception)".to_string(),
+            },
+            Kind::Native { text, .. } => {
+                let fatal = text.lines().find(|l| l.starts_with("Fatal Python error")).or_else(|| text.lines().next());
+                format!("native crash: {}", fatal.unwrap_or_default().trim())
+            }
+        }
+    }
+
+    fn location(&self) -> String {
+        match &self.kind {
+            Kind::Exception(r) => r.location().map(|f| format!("{}:{}", f.file, f.lineno)).unwrap_or_default(),
+            Kind::Native { text, .. } => native_location(text).unwrap_or_default(),
+        }
+    }
+}
+
+fn first_line(text: &str) -> &str {
+    text.lines().next().unwrap_or_default()
+}
+
+/// The innermost Python frame faulthandler printed for the crashing thread:
+/// `  File "x.py", line 3 in f` -> `x.py:3`.
+fn native_location(text: &str) -> Option<String> {
+    let line = text.lines().find(|l| l.trim_start().starts_with("File \""))?;
+    let rest = line.trim_start().strip_prefix("File \"")?;
+    let (file, rest) = rest.split_once('"')?;
+    let number: String = rest.trim_start_matches(", line ").chars().take_while(char::is_ascii_digit).collect();
+    Some(if number.is_empty() { file.to_string() } else { format!("{file}:{number}") })
+}
+
+fn mtime(path: &Path) -> f64 {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn job_of(dir: &Path) -> String {
+    dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string())
+}
+
+fn read_dir_entries(dir: &Path, out: &mut Vec<Entry>) -> Result<()> {
+    let job = job_of(dir);
+    for path in crash::record_files(dir)? {
+        let parsed = std::fs::read(&path)
+            .map_err(anyhow::Error::from)
+            .and_then(|bytes| serde_json::from_slice::<CrashRecord>(&bytes).map_err(anyhow::Error::from));
+        match parsed {
+            Ok(record) => out.push(Entry { time: record.time, path, job: job.clone(), kind: Kind::Exception(Box::new(record)) }),
+            Err(err) => eprintln!("warning: skipped {}: {err}", path.display()),
+        }
+    }
+    for path in crash::native_logs(dir)? {
+        let Ok(bytes) = std::fs::read(&path) else { continue };
+        let pid = crash::native_log_pid(&path);
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            // A live process's log, or one left by a process that ended
+            // without its atexit (SIGKILL, os._exit): that one goes.
+            if pid.is_some_and(|p| !paths::pid_alive(p)) {
+                let _ = std::fs::remove_file(&path);
+            }
+            continue;
+        }
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        out.push(Entry { time: mtime(&path), path, job: job.clone(), kind: Kind::Native { pid, text } });
+    }
+    Ok(())
+}
+
+/// Which run directories to read: `--run`, else RANKSCOPE_RUN_DIR, else every
+/// job's directory under ~/.local/state/rankscope/runs. Returns the entries
+/// in time order (ids are 1-based positions in it) and whether several run
+/// directories were read.
+fn collect(run: Option<PathBuf>) -> Result<(Vec<Entry>, bool)> {
+    let explicit = run.or_else(|| std::env::var_os(crash::RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from));
+    let mut entries = Vec::new();
+    let several = match explicit {
+        Some(dir) => {
+            if !dir.is_dir() {
+                return Err(Hinted::new(
+                    format!("no run directory at {}", dir.display()),
+                    "crash records are written there by processes started with RANKSCOPE=1 (or rankscope.start()); \
+                     check --run or RANKSCOPE_RUN_DIR, or leave both out to read every job under ~/.local/state/rankscope/runs",
+                )
+                .into());
+            }
+            read_dir_entries(&dir, &mut entries)?;
+            false
+        }
+        None => {
+            let root = crash::runs_root();
+            let mut dirs: Vec<PathBuf> = match std::fs::read_dir(&root) {
+                Ok(read) => read.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect(),
+                Err(_) => Vec::new(),
+            };
+            dirs.sort();
+            for dir in &dirs {
+                read_dir_entries(dir, &mut entries)?;
+            }
+            dirs.len() > 1
+        }
+    };
+    entries.sort_by(|a, b| a.time.total_cmp(&b.time).then_with(|| a.path.cmp(&b.path)));
+    Ok((entries, several))
+}
+
+/// Local time, to the second.
+fn local_time(epoch: f64) -> String {
+    let secs = epoch as libc::time_t;
+    // SAFETY: localtime_r writes into the tm we own and reads only `secs`.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    if unsafe { libc::localtime_r(&secs, &mut tm) }.is_null() {
+        return format!("{epoch:.0}");
+    }
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    )
+}
+
+fn opt<T: ToString>(value: Option<T>) -> String {
+    value.map(|v| v.to_string()).unwrap_or_else(|| "?".to_string())
+}
+
+pub fn list(run: Option<PathBuf>, format: ListFormat) -> Result<u8> {
+    let (entries, several) = collect(run)?;
+    match format {
+        ListFormat::Json => {
+            let rows: Vec<_> = entries
+                .iter()
+                .enumerate()
+                .map(|(i, e)| {
+                    let (kind, record) = match &e.kind {
+                        Kind::Exception(r) => ("exception", Some(r)),
+                        Kind::Native { .. } => ("native", None),
+                    };
+                    json!({
+                        "id": i + 1,
+                        "kind": kind,
+                        "time": e.time,
+                        "rank": e.rank(),
+                        "pid": e.pid(),
+                        "host": record.map(|r| r.host.clone()),
+                        "thread": record.map(|r| r.thread.clone()),
+                        "source": record.map(|r| r.source.clone()),
+                        "type": record.and_then(|r| r.last_exception()).map(|x| x.type_name.clone()),
+                        "message": match &e.kind {
+                            Kind::Exception(r) => r.last_exception().map(|x| x.message.clone()),
+                            Kind::Native { .. } => Some(e.summary()),
+                        },
+                        "location": e.location(),
+                        "job": e.job,
+                        "path": e.path.display().to_string(),
+                    })
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        }
+        ListFormat::Table => {
+            if entries.is_empty() {
+                println!("No crashes recorded.");
+                println!("hint: processes started with RANKSCOPE=1 (or rankscope.start()) record uncaught exceptions here");
+                return Ok(0);
+            }
+            let job_head = if several { format!("{:<14} ", "JOB") } else { String::new() };
+            println!("{:>3}  {:<19} {:>4} {:>8}  {job_head}{:<40} LOCATION", "ID", "TIME", "RANK", "PID", "EXCEPTION");
+            for (i, e) in entries.iter().enumerate() {
+                let job = if several { format!("{:<14} ", e.job) } else { String::new() };
+                println!(
+                    "{:>3}  {:<19} {:>4} {:>8}  {job}{:<40} {}",
+                    i + 1,
+                    local_time(e.time),
+                    opt(e.rank()),
+                    opt(e.pid()),
+                    e.summary(),
+                    e.location()
+                );
+            }
+        }
+    }
+    Ok(0)
+}
+
+pub fn show(id: usize, run: Option<PathBuf>, format: ListFormat) -> Result<u8> {
+    let (entries, _) = collect(run)?;
+    let count = entries.len();
+    let Some(entry) = id.checked_sub(1).and_then(|i| entries.get(i)) else {
+        let hint = if count == 0 {
+            "no crashes are recorded there; `rankscope crashes` lists what is".to_string()
+        } else {
+            format!("ids go from 1 to {count}; `rankscope crashes` lists them")
+        };
+        let there = if count == 1 { "is 1 crash record".to_string() } else { format!("are {count} crash records") };
+        return Err(Hinted::new(format!("no crash {id}: there {there}"), hint).into());
+    };
+    let text = match (&entry.kind, format) {
+        (Kind::Exception(record), ListFormat::Json) => serde_json::to_string_pretty(record)? + "\n",
+        (Kind::Native { pid, text }, ListFormat::Json) => {
+            serde_json::to_string_pretty(&json!({"kind": "native", "pid": pid, "time": entry.time, "log": text}))? + "\n"
+        }
+        (Kind::Exception(record), ListFormat::Table) => render(id, count, record, &entry.path),
+        (Kind::Native { pid, text }, ListFormat::Table) => {
+            let mut out = format!(
+                "Crash {id} of {count}: native crash of pid {} at {}\n{}\n\n",
+                opt(*pid),
+                local_time(entry.time),
+                entry.path.display()
+            );
+            out.push_str(text);
+            if !out.ends_with('\n') {
+                out.push('\n');
+            }
+            out
+        }
+    };
+    print!("{text}");
+    Ok(0)
+}
+
+/// Like Python's own traceback, innermost frame last, with each frame's
+/// locals under its source line.
+fn render(id: usize, count: usize, record: &CrashRecord, path: &Path) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "Crash {id} of {count}: rank {}, pid {} on {}, thread \"{}\" ({})",
+        record.rank, record.pid, record.host, record.thread, record.source
+    );
+    let python = if record.python_version.is_empty() { String::new() } else { format!(", Python {}", record.python_version) };
+    let _ = writeln!(out, "at {}{python}: {}", local_time(record.time), record.argv.join(" "));
+    let _ = writeln!(out, "{}", path.display());
+    for exception in &record.exceptions {
+        match exception.via.as_deref() {
+            Some("cause") => out.push_str("\nThe above exception was the direct cause of the following exception:\n"),
+            Some(_) => out.push_str("\nDuring handling of the above exception, another exception occurred:\n"),
+            None => {}
+        }
+        if !exception.frames.is_empty() {
+            out.push_str("\nTraceback (most recent call last):\n");
+        } else {
+            out.push('\n');
+        }
+        for frame in &exception.frames {
+            let name = if frame.qualname.is_empty() { &frame.func } else { &frame.qualname };
+            let _ = writeln!(out, "  File \"{}\", line {}, in {name}", frame.file, frame.lineno);
+            if let Some(source) = frame.source.as_deref().filter(|s| !s.is_empty()) {
+                let _ = writeln!(out, "    {source}");
+            }
+            for local in &frame.locals {
+                let _ = writeln!(out, "        {} = {}", local.name, local.repr.replace('\n', "\n          "));
+            }
+        }
+        if exception.message.is_empty() {
+            let _ = writeln!(out, "{}", exception.type_name);
+        } else {
+            let _ = writeln!(out, "{}: {}", exception.type_name, exception.message);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FAULTHANDLER: &str = "Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f (most recent call first):\n  File \"/tmp/t.py\", line 3 in <module>\n";
+
+    #[test]
+    fn a_native_log_is_summarized_by_its_fatal_error_and_frame() {
+        let entry = Entry {
+            time: 0.0,
+            path: PathBuf::from("native-5.log"),
+            job: "local".into(),
+            kind: Kind::Native { pid: Some(5), text: FAULTHANDLER.into() },
+        };
+        assert_eq!(entry.summary(), "native crash: Fatal Python error: Segmentation fault");
+        assert_eq!(entry.location(), "/tmp/t.py:3");
+    }
+
+    #[test]
+    fn a_record_renders_like_a_traceback_with_locals() {
+        let record: CrashRecord = serde_json::from_str(
+            r#"{"version": 1, "source": "excepthook", "time": 0, "host": "h", "rank": 0, "pid": 1,
+                "thread": "MainThread", "exceptions": [
+                {"type": "KeyError", "message": "'k'", "frames": [
+                  {"func": "f", "file": "t.py", "lineno": 2, "source": "d['k']",
+                   "locals": [{"name": "d", "repr": "{}", "type": "dict"}]}]},
+                {"type": "ValueError", "message": "bad", "via": "cause", "frames": []}]}"#,
+        )
+        .unwrap();
+        let text = render(1, 1, &record, Path::new("crash.json"));
+        assert!(text.contains("  File \"t.py\", line 2, in f\n    d['k']\n        d = {}\nKeyError: 'k'\n"), "{text}");
+        assert!(text.contains("direct cause of the following exception:\n\nValueError: bad\n"), "{text}");
+    }
+}

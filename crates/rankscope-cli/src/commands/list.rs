@@ -1,0 +1,142 @@
+//! `rankscope list`: live probes on this machine; stale sockets are removed.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use rankscope_core::paths;
+use rankscope_core::protocol::ProcessMeta;
+use serde_json::json;
+
+use crate::client::Probe;
+use crate::ListFormat;
+
+const PING_TIMEOUT: Duration = Duration::from_millis(500);
+
+struct Entry {
+    pid: u32,
+    meta: Option<ProcessMeta>,
+    responsive: bool,
+}
+
+fn human_duration(seconds: f64) -> String {
+    let s = seconds.max(0.0) as u64;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+pub fn run(format: ListFormat) -> Result<u8> {
+    let dir = paths::endpoint_dir();
+    let mut cleaned = 0;
+    let live: Vec<u32> = paths::listed_pids(&dir)
+        .into_iter()
+        .filter(|&pid| {
+            let alive = paths::pid_alive(pid);
+            if !alive {
+                paths::remove_endpoint_files(&dir, pid);
+                cleaned += 1;
+            }
+            alive
+        })
+        .collect();
+    // Ask every probe at once: one hung target must not slow the listing.
+    let dir_ref = &dir;
+    let entries: Vec<Entry> = std::thread::scope(|scope| {
+        let handles: Vec<_> = live
+            .iter()
+            .map(|&pid| {
+                scope.spawn(move || {
+                    // Nobody listening: the probe is gone even if the PID was reused.
+                    let socket = paths::socket_path(dir_ref, pid);
+                    if let Err(e) = std::os::unix::net::UnixStream::connect(&socket) {
+                        if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                            return Entry { pid, meta: None, responsive: false };
+                        }
+                    }
+                    let answer = Probe::locate(pid).and_then(|p| p.meta(PING_TIMEOUT));
+                    let responsive = answer.is_ok();
+                    let meta = answer.ok().or_else(|| {
+                        let text = std::fs::read(paths::meta_path(dir_ref, pid)).ok()?;
+                        serde_json::from_slice(&text).ok()
+                    });
+                    Entry { pid, meta, responsive }
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    // A socket whose process lives but never answers and has no metadata is
+    // another program's PID reusing a dead probe's number.
+    let entries: Vec<Entry> = entries
+        .into_iter()
+        .filter(|e| {
+            let keep = e.responsive || e.meta.is_some();
+            if !keep {
+                paths::remove_endpoint_files(&dir, e.pid);
+                cleaned += 1;
+            }
+            keep
+        })
+        .collect();
+    match format {
+        ListFormat::Json => {
+            let rows: Vec<_> = entries
+                .iter()
+                .map(|e| {
+                    json!({
+                        "pid": e.pid,
+                        "rank": e.meta.as_ref().map(|m| m.rank),
+                        "state": if e.responsive { "ready" } else { "unresponsive" },
+                        "uptime_s": e.meta.as_ref().map(|m| now() - m.started_at),
+                        "cmdline": e.meta.as_ref().map(|m| m.cmdline.join(" ")),
+                        "python_version": e.meta.as_ref().map(|m| m.python_version.clone()),
+                    })
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        }
+        ListFormat::Table => {
+            if entries.is_empty() {
+                println!("No probed Python processes on this machine.");
+                println!("hint: start one with `rankscope run -- python your_script.py` or RANKSCOPE=1");
+            } else {
+                println!("{:<8} {:>4}  {:<12} {:>8}  {:<8} COMMAND", "PID", "RANK", "STATE", "UPTIME", "PYTHON");
+                for e in &entries {
+                    let (rank, uptime, python, cmd) = match &e.meta {
+                        Some(m) => (
+                            m.rank.to_string(),
+                            human_duration(now() - m.started_at),
+                            m.python_version.clone(),
+                            m.cmdline.join(" "),
+                        ),
+                        None => ("?".into(), "?".into(), "?".into(), String::new()),
+                    };
+                    let state = if e.responsive { "ready" } else { "unresponsive" };
+                    println!("{:<8} {:>4}  {:<12} {:>8}  {:<8} {}", e.pid, rank, state, uptime, python, cmd);
+                }
+            }
+        }
+    }
+    if cleaned > 0 {
+        eprintln!("(removed {cleaned} stale endpoint{} left by exited processes)", if cleaned == 1 { "" } else { "s" });
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human_duration;
+
+    #[test]
+    fn uptimes_read_naturally() {
+        assert_eq!(human_duration(5.2), "5s");
+        assert_eq!(human_duration(125.0), "2m05s");
+        assert_eq!(human_duration(7300.0), "2h01m");
+    }
+}

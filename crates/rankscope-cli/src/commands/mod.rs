@@ -1,0 +1,111 @@
+pub mod crashes;
+pub mod inject;
+pub mod demo;
+pub mod list;
+pub mod query;
+pub mod repl;
+pub mod run;
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use rankscope_core::protocol::{EvalReply, EvalRequest};
+
+use crate::client::Probe;
+use crate::hint::Hinted;
+use crate::{outside, stacks_text, Action, BtFormat};
+
+fn seconds(value: f64, flag: &str) -> Result<Duration> {
+    if !(value.is_finite() && value > 0.0) {
+        return Err(Hinted::new(format!("{flag} must be a positive number of seconds, not {value}"), format!("e.g. {flag} 5")).into());
+    }
+    Ok(Duration::from_secs_f64(value))
+}
+
+/// How long `bt` waits for a probe before reading from outside instead.
+const PROBE_DEADLINE_S: f64 = 1.0;
+
+pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
+    if let Action::Bt { locals, format, timeout } = action {
+        let deadline = seconds(timeout.unwrap_or(PROBE_DEADLINE_S), "--timeout")?;
+        return bt(pid, locals, format, deadline);
+    }
+    let probe = Probe::locate(pid)?;
+    match action {
+        Action::Bt { .. } => unreachable!("handled above"),
+        Action::Eval { code, file, timeout } => {
+            seconds(timeout, "--timeout")?;
+            let code = match (code, file) {
+                (_, Some(path)) => std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?,
+                (Some(code), None) => code,
+                (None, None) => unreachable!("clap requires one of them"),
+            };
+            let reply = probe.eval(&EvalRequest { code, timeout_s: timeout, check_only: false })?;
+            Ok(print_eval(&reply))
+        }
+        Action::Repl { timeout } => {
+            seconds(timeout, "--timeout")?;
+            repl::run(&probe, timeout)
+        }
+        Action::Query { sql, format } => query::run(probe, &sql, format),
+    }
+}
+
+/// Asks the probe first; without one, or when it does not answer within the
+/// deadline (a thread holding the GIL in C blocks it), reads from outside.
+fn bt(pid: u32, locals: bool, format: BtFormat, deadline: Duration) -> Result<u8> {
+    let (meta, stacks, note) = match Probe::find(pid)? {
+        Some(probe) => match probe.stacks(locals, deadline).and_then(|s| Ok((probe.meta(deadline)?, s))) {
+            Ok((meta, stacks)) => (meta, stacks, None),
+            Err(probe_err) => {
+                let (stacks, version) = outside::read_stacks(pid, locals)
+                    .map_err(|outside_err| outside_err.context(format!("and the probe failed too: {probe_err:#}")))?;
+                let note = format!(
+                    "note: the probe did not answer ({}); stacks were read from outside the process",
+                    first_line(&probe_err)
+                );
+                (outside::meta_from_proc(pid, version), stacks, Some(note))
+            }
+        },
+        None => {
+            let (stacks, version) = outside::read_stacks(pid, locals)?;
+            let note = "note: no probe in this process; stacks were read from outside it".to_string();
+            (outside::meta_from_proc(pid, version), stacks, Some(note))
+        }
+    };
+    if let Some(note) = &note {
+        eprintln!("{note}");
+    }
+    let mut stdout = std::io::stdout().lock();
+    match format {
+        BtFormat::Json => writeln!(stdout, "{}", serde_json::to_string_pretty(&stacks)?)?,
+        BtFormat::Text => stdout.write_all(stacks_text::render(&meta, &stacks).as_bytes())?,
+    }
+    Ok(0)
+}
+
+fn first_line(err: &anyhow::Error) -> String {
+    err.to_string().lines().next().unwrap_or_default().to_string()
+}
+
+/// Prints what the code printed, then its value or its traceback. Exit code 1
+/// when it raised, so scripts can tell.
+pub fn print_eval(reply: &EvalReply) -> u8 {
+    print!("{}", reply.stdout);
+    eprint!("{}", reply.stderr);
+    if let Some(value) = &reply.value {
+        println!("{value}");
+    }
+    let _ = std::io::stdout().flush();
+    match &reply.error {
+        Some(error) => {
+            eprint!("{error}");
+            if !error.ends_with('\n') {
+                eprintln!();
+            }
+            1
+        }
+        None => 0,
+    }
+}

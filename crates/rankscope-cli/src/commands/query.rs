@@ -1,0 +1,80 @@
+//! `rankscope PID query SQL`: the probe hands over rows, the CLI runs the SQL.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Result;
+use rankscope_core::protocol::{ProcessMeta, StacksReply};
+use rankscope_core::tables::{self, Rows, TableDef};
+use rankscope_query::{run_sql, OutputFormat, QueryError, RowSource};
+
+use crate::client::Probe;
+use crate::hint::Hinted;
+use crate::QueryFormat;
+
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Rows of one live probe; each endpoint is asked at most once per query, so
+/// a query joining backtrace and threads sees one consistent snapshot.
+struct LiveProbe {
+    probe: Probe,
+    meta: Mutex<Option<ProcessMeta>>,
+    stacks: Mutex<Option<StacksReply>>,
+}
+
+impl LiveProbe {
+    fn meta(&self) -> Result<ProcessMeta, String> {
+        let mut cached = self.meta.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.is_none() {
+            *cached = Some(self.probe.meta(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?);
+        }
+        Ok(cached.clone().expect("set above"))
+    }
+
+    fn stacks(&self) -> Result<StacksReply, String> {
+        let mut cached = self.stacks.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.is_none() {
+            *cached = Some(self.probe.stacks(false, PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?);
+        }
+        Ok(cached.clone().expect("set above"))
+    }
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+impl RowSource for LiveProbe {
+    fn rows(&self, table: &TableDef) -> Result<Rows, String> {
+        let meta = self.meta()?;
+        match (table.schema, table.name) {
+            ("python", "backtrace") => Ok(tables::backtrace_rows(&meta, &self.stacks()?)),
+            ("python", "threads") => Ok(tables::threads_rows(&meta, &self.stacks()?)),
+            ("process", "info") => Ok(tables::info_rows(&meta, now())),
+            ("process", "env") => {
+                let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
+                Ok(tables::env_rows(&meta, &env, now()))
+            }
+            _ => Err(format!("no rows for {}", table.qualified_name())),
+        }
+    }
+}
+
+pub fn run(probe: Probe, sql: &str, format: QueryFormat) -> Result<u8> {
+    let source = Arc::new(LiveProbe { probe, meta: Mutex::new(None), stacks: Mutex::new(None) });
+    let (schema, batches) = run_sql(source, sql).map_err(|e| match e {
+        QueryError::Sql(message) => Hinted::new(
+            format!("query failed: {message}"),
+            "`SHOW TABLES` lists the tables; `SELECT * FROM python.backtrace LIMIT 5` shows the columns",
+        ),
+        QueryError::Render(message) => Hinted::new(format!("cannot print the result: {message}"), "try --format csv"),
+    })?;
+    let format = match format {
+        QueryFormat::Table => OutputFormat::Table,
+        QueryFormat::Csv => OutputFormat::Csv,
+        QueryFormat::Json => OutputFormat::Json,
+    };
+    let text = rankscope_query::render(&schema, &batches, format)?;
+    print!("{text}");
+    Ok(0)
+}

@@ -1,0 +1,201 @@
+//! The `rankscope` command line.
+//!
+//! `rankscope PID <command>` acts on one process; the PID is rewritten into a
+//! hidden `pid` subcommand before clap sees it.
+
+mod client;
+mod commands;
+mod hint;
+mod outside;
+mod stacks_text;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+const AFTER_HELP: &str = "\
+Commands on one process (PID first):
+  rankscope PID bt [--locals]        every thread's Python stack, innermost frame first
+  rankscope PID eval CODE            run CODE in the target's __main__ and print the result
+  rankscope PID repl                 an interactive session in the target
+  rankscope PID query SQL            SQL over python.backtrace, python.threads, process.info, process.env";
+
+#[derive(Parser)]
+#[command(name = "rankscope", version, about = "Look inside live Python and PyTorch processes", after_help = AFTER_HELP)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ListFormat {
+    Table,
+    Json,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum BtFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum QueryFormat {
+    Table,
+    Csv,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List the processes on this machine that have a live probe
+    List {
+        #[arg(long, value_enum, default_value = "table")]
+        format: ListFormat,
+    },
+    /// Run a command with the probe on in it and in its Python children
+    Run {
+        /// Also listen on TCP (PORT, :PORT or HOST:PORT; loopback unless a host is given)
+        #[arg(long)]
+        listen: Option<String>,
+        /// The command, after `--`
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Start a sample program under the probe and walk through what rankscope shows
+    Demo {
+        /// The Python interpreter to run the sample with
+        #[arg(long)]
+        python: Option<PathBuf>,
+    },
+    /// Start the probe inside a running Python process that was started without it
+    Inject {
+        pid: u32,
+        /// Seconds to wait for the probe to answer
+        #[arg(long, default_value_t = 5.0)]
+        timeout: f64,
+    },
+    /// Uncaught exceptions and native crashes recorded by probes (readable after the process is gone)
+    Crashes {
+        /// The run directory [default: RANKSCOPE_RUN_DIR, else every job under ~/.local/state/rankscope/runs]
+        #[arg(long, global = true)]
+        run: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "table", global = true)]
+        format: ListFormat,
+        #[command(subcommand)]
+        action: Option<CrashesAction>,
+    },
+    #[command(name = "pid", hide = true)]
+    Pid {
+        pid: u32,
+        #[command(subcommand)]
+        action: Action,
+    },
+}
+
+#[derive(Subcommand)]
+enum CrashesAction {
+    /// One record as a traceback: the exception chain, then frames innermost last, with their locals
+    Show {
+        /// The ID that `rankscope crashes` lists
+        id: usize,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum Action {
+    /// Every thread's Python stack, innermost frame first, at the line running now
+    Bt {
+        /// Show each frame's locals (bounded, safe reprs)
+        #[arg(long)]
+        locals: bool,
+        #[arg(long, value_enum, default_value = "text")]
+        format: BtFormat,
+        /// Seconds to wait for the probe before reading the stacks from
+        /// outside the process instead [default: 1]
+        #[arg(long)]
+        timeout: Option<f64>,
+    },
+    /// Run Python code in the target's __main__ namespace
+    Eval {
+        /// The code; a trailing expression's repr is printed
+        #[arg(required_unless_present = "file")]
+        code: Option<String>,
+        /// Read the code from a file instead
+        #[arg(long, short)]
+        file: Option<PathBuf>,
+        /// Interrupt the code after this many seconds
+        #[arg(long, default_value_t = 10.0)]
+        timeout: f64,
+    },
+    /// An interactive Python session inside the target
+    Repl {
+        /// Interrupt each input after this many seconds
+        #[arg(long, default_value_t = 10.0)]
+        timeout: f64,
+    },
+    /// Run SQL over the process's tables (SHOW TABLES lists them)
+    Query {
+        sql: String,
+        #[arg(long, value_enum, default_value = "table")]
+        format: QueryFormat,
+    },
+}
+
+/// `rankscope 123 bt` -> `rankscope pid 123 bt`.
+fn rewrite_pid_form(mut args: Vec<String>) -> Vec<String> {
+    if args.len() > 1 && !args[1].is_empty() && args[1].bytes().all(|b| b.is_ascii_digit()) {
+        args.insert(1, "pid".to_string());
+    }
+    args
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse_from(rewrite_pid_form(std::env::args().collect()));
+    let result = match cli.command {
+        Command::List { format } => commands::list::run(format),
+        Command::Run { listen, command } => commands::run::run(listen, command),
+        Command::Inject { pid, timeout } => commands::inject::run(pid, timeout),
+        Command::Demo { python } => commands::demo::run(python),
+        Command::Crashes { run, format, action } => match action {
+            None => commands::crashes::list(run, format),
+            Some(CrashesAction::Show { id }) => commands::crashes::show(id, run, format),
+        },
+        Command::Pid { pid, action } => commands::on_pid(pid, action),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(err) => ExitCode::from(hint::report(&err) as u8),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn a_leading_pid_becomes_the_pid_subcommand() {
+        assert_eq!(rewrite_pid_form(args("rankscope 42 bt")), args("rankscope pid 42 bt"));
+        assert_eq!(rewrite_pid_form(args("rankscope list")), args("rankscope list"));
+    }
+
+    #[test]
+    fn the_cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_keeps_the_commands_own_flags() {
+        let cli = Cli::try_parse_from(args("rankscope run -- python -u train.py --lr 3")).unwrap();
+        match cli.command {
+            Command::Run { command, .. } => assert_eq!(command, args("python -u train.py --lr 3")),
+            _ => panic!("parsed as another command"),
+        }
+    }
+}

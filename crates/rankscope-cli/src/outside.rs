@@ -1,0 +1,134 @@
+//! Reading stacks from outside the target, with py-spy's library.
+//!
+//! No code runs in the target: its memory is read with `process_vm_readv`
+//! while it is briefly paused. This works for processes that never loaded a
+//! probe, and for probed ones whose probe cannot answer because a thread holds
+//! the GIL in native code.
+
+use std::io;
+
+use anyhow::Result;
+use py_spy::config::LockingStrategy;
+use py_spy::{Config, PythonSpy};
+use rankscope_core::protocol::{Frame, Local, ProcessMeta, StacksReply, ThreadStack};
+
+use crate::hint::Hinted;
+
+fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+pub fn permission_hint() -> String {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").unwrap_or_default();
+    match scope.trim() {
+        "1" => "Yama's ptrace_scope is 1: run as root, or `sudo sysctl kernel.yama.ptrace_scope=0`".into(),
+        "2" | "3" => format!("Yama's ptrace_scope is {}: only root (2) or nobody (3) may read other processes", scope.trim()),
+        _ => "run as the target's user or as root; in a container, add the SYS_PTRACE capability \
+              (docker run --cap-add SYS_PTRACE)"
+            .into(),
+    }
+}
+
+fn explain(pid: u32, err: anyhow::Error) -> anyhow::Error {
+    let denied = err
+        .chain()
+        .any(|cause| cause.downcast_ref::<io::Error>().is_some_and(|e| e.kind() == io::ErrorKind::PermissionDenied))
+        || format!("{err:#}").contains("Permission denied")
+        || format!("{err:#}").contains("Operation not permitted");
+    if denied {
+        return Hinted::new(format!("not allowed to read the memory of PID {pid}"), permission_hint()).into();
+    }
+    let text = format!("{err:#}");
+    if text.contains("python") || text.contains("Python") {
+        return Hinted::new(
+            format!("cannot read Python stacks from PID {pid}: {text}"),
+            "is it a CPython process? rankscope reads CPython 3.11 to 3.13",
+        )
+        .into();
+    }
+    Hinted::new(format!("cannot read PID {pid} from outside: {text}"), "check that the process still runs").into()
+}
+
+/// The probe's own threads (one waiting for the GIL shows up as a Python
+/// thread) are not the user's business.
+fn is_probe_thread(pid: u32, tid: Option<u64>) -> bool {
+    let Some(tid) = tid else { return false };
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).is_ok_and(|name| name.starts_with("rankscope-"))
+}
+
+/// Every thread's stack, innermost frame first; `python_version` is filled in.
+pub fn read_stacks(pid: u32, with_locals: bool) -> Result<(StacksReply, String)> {
+    let config = Config {
+        blocking: LockingStrategy::Lock,
+        include_idle: true,
+        collect_thread_names: true,
+        dump_locals: u64::from(with_locals),
+        full_filenames: true,
+        ..Config::default()
+    };
+    let mut spy = PythonSpy::new(pid as py_spy::Pid, &config).map_err(|e| explain(pid, e))?;
+    let traces = spy.get_stack_traces().map_err(|e| explain(pid, e))?;
+    let version = spy.version.to_string();
+    let mut threads: Vec<ThreadStack> = traces
+        .into_iter()
+        .filter(|trace| !is_probe_thread(pid, trace.os_thread_id))
+        .map(|trace| ThreadStack {
+            thread_id: trace.thread_id,
+            native_id: trace.os_thread_id,
+            name: trace.thread_name.unwrap_or_default(),
+            daemon: false,
+            // The main thread's kernel id is the PID.
+            is_main: trace.os_thread_id == Some(u64::from(pid)),
+            holds_gil: Some(trace.owns_gil),
+            frames: trace
+                .frames
+                .into_iter()
+                .map(|f| Frame {
+                    func: f.name.clone(),
+                    qualname: f.name,
+                    file: f.filename,
+                    lineno: i64::from(f.line),
+                    locals: f.locals.map(|locals| {
+                        locals
+                            .into_iter()
+                            .map(|l| Local { name: l.name, repr: l.repr.unwrap_or_else(|| "?".into()), type_name: String::new() })
+                            .collect()
+                    }),
+                })
+                .collect(),
+        })
+        .collect();
+    threads.sort_by_key(|t| (!t.is_main, t.name.clone(), t.thread_id));
+    Ok((StacksReply { taken_at: now(), threads }, version))
+}
+
+/// What can be said about a process without a probe, for the `bt` header.
+pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
+    let cmdline: Vec<String> = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .unwrap_or_default()
+        .split(|&b| b == 0)
+        .filter(|w| !w.is_empty())
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    let env_rank = std::fs::read(format!("/proc/{pid}/environ")).ok().and_then(|raw| {
+        raw.split(|&b| b == 0)
+            .filter_map(|kv| std::str::from_utf8(kv).ok())
+            .find_map(|kv| kv.strip_prefix("RANK=")?.parse().ok())
+    });
+    ProcessMeta {
+        pid,
+        ppid: 0,
+        host: String::new(),
+        rank: env_rank.unwrap_or(0),
+        local_rank: 0,
+        world_size: 1,
+        cmdline,
+        exe: String::new(),
+        cwd: String::new(),
+        python_version,
+        started_at: 0.0,
+        rankscope_version: String::new(),
+        protocol: rankscope_core::PROTOCOL_VERSION,
+        tcp: None,
+    }
+}

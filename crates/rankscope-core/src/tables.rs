@@ -1,0 +1,311 @@
+//! The tables a probe's data is queried as, and how replies become rows.
+//!
+//! Schemas live here (not in the query crate) so the probe, the CLI and the
+//! run directory agree on names and types without depending on an SQL engine.
+//! Every table starts with the same four columns, so one query works for one
+//! process or a whole job.
+
+use serde_json::{json, Value};
+
+use crate::protocol::{EnvReply, ProcessMeta, StacksReply};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnType {
+    Int64,
+    Float64,
+    Bool,
+    Utf8,
+    /// Microseconds since the Unix epoch, UTC.
+    Timestamp,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Column {
+    pub name: &'static str,
+    pub ty: ColumnType,
+}
+
+const fn col(name: &'static str, ty: ColumnType) -> Column {
+    Column { name, ty }
+}
+
+use ColumnType::*;
+
+/// Columns every table starts with.
+pub const IDENTITY_COLUMNS: [Column; 4] =
+    [col("pid", Int64), col("rank", Int64), col("host", Utf8), col("ts", Timestamp)];
+
+#[derive(Debug, Clone, Copy)]
+pub struct TableDef {
+    pub schema: &'static str,
+    pub name: &'static str,
+    pub description: &'static str,
+    /// Columns after the identity columns.
+    pub columns: &'static [Column],
+}
+
+impl TableDef {
+    pub fn qualified_name(&self) -> String {
+        format!("{}.{}", self.schema, self.name)
+    }
+
+    pub fn all_columns(&self) -> impl Iterator<Item = Column> + '_ {
+        IDENTITY_COLUMNS.iter().copied().chain(self.columns.iter().copied())
+    }
+}
+
+pub const BACKTRACE: TableDef = TableDef {
+    schema: "python",
+    name: "backtrace",
+    description: "one row per frame of every thread; depth 0 is the innermost frame",
+    columns: &[
+        col("thread_id", Int64),
+        col("native_id", Int64),
+        col("thread_name", Utf8),
+        col("depth", Int64),
+        col("func", Utf8),
+        col("qualname", Utf8),
+        col("file", Utf8),
+        col("lineno", Int64),
+        col("frame_type", Utf8),
+    ],
+};
+
+pub const THREADS: TableDef = TableDef {
+    schema: "python",
+    name: "threads",
+    description: "one row per Python thread, with its innermost frame",
+    columns: &[
+        col("thread_id", Int64),
+        col("native_id", Int64),
+        col("thread_name", Utf8),
+        col("daemon", Bool),
+        col("is_main", Bool),
+        col("stack_depth", Int64),
+        col("func", Utf8),
+        col("file", Utf8),
+        col("lineno", Int64),
+    ],
+};
+
+pub const PROCESS_INFO: TableDef = TableDef {
+    schema: "process",
+    name: "info",
+    description: "one row per process: command line, interpreter, rank and uptime",
+    columns: &[
+        col("ppid", Int64),
+        col("local_rank", Int64),
+        col("world_size", Int64),
+        col("cmdline", Utf8),
+        col("exe", Utf8),
+        col("cwd", Utf8),
+        col("python_version", Utf8),
+        col("rankscope_version", Utf8),
+        col("started_at", Timestamp),
+        col("uptime_s", Float64),
+    ],
+};
+
+pub const PROCESS_ENV: TableDef = TableDef {
+    schema: "process",
+    name: "env",
+    description: "the environment; values whose names look secret are hidden",
+    columns: &[col("name", Utf8), col("value", Utf8), col("hidden", Bool)],
+};
+
+pub const ALL_TABLES: &[TableDef] = &[BACKTRACE, THREADS, PROCESS_INFO, PROCESS_ENV];
+
+pub fn find_table(schema: &str, name: &str) -> Option<&'static TableDef> {
+    ALL_TABLES
+        .iter()
+        .find(|t| t.schema.eq_ignore_ascii_case(schema) && t.name.eq_ignore_ascii_case(name))
+}
+
+/// Rows as JSON values in the order of [`TableDef::all_columns`];
+/// timestamps are microseconds since the epoch.
+pub type Rows = Vec<Vec<Value>>;
+
+fn micros(seconds: f64) -> Value {
+    json!((seconds * 1e6).round() as i64)
+}
+
+fn identity(meta: &ProcessMeta, taken_at: f64) -> [Value; 4] {
+    [json!(meta.pid), json!(meta.rank), json!(meta.host), micros(taken_at)]
+}
+
+fn as_i64(v: u64) -> Value {
+    // Thread idents are addresses; they fit in i64 on every platform we run on,
+    // and SQL users expect a signed integer column.
+    json!(v as i64)
+}
+
+pub fn backtrace_rows(meta: &ProcessMeta, stacks: &StacksReply) -> Rows {
+    let mut rows = Vec::new();
+    for thread in &stacks.threads {
+        for (depth, frame) in thread.frames.iter().enumerate() {
+            let mut row = identity(meta, stacks.taken_at).to_vec();
+            row.extend([
+                as_i64(thread.thread_id),
+                thread.native_id.map(as_i64).unwrap_or(Value::Null),
+                json!(thread.name),
+                json!(depth),
+                json!(frame.func),
+                json!(frame.qualname),
+                json!(frame.file),
+                json!(frame.lineno),
+                json!("Python"),
+            ]);
+            rows.push(row);
+        }
+    }
+    rows
+}
+
+pub fn threads_rows(meta: &ProcessMeta, stacks: &StacksReply) -> Rows {
+    stacks
+        .threads
+        .iter()
+        .map(|thread| {
+            let top = thread.frames.first();
+            let mut row = identity(meta, stacks.taken_at).to_vec();
+            row.extend([
+                as_i64(thread.thread_id),
+                thread.native_id.map(as_i64).unwrap_or(Value::Null),
+                json!(thread.name),
+                json!(thread.daemon),
+                json!(thread.is_main),
+                json!(thread.frames.len()),
+                top.map(|f| json!(f.func)).unwrap_or(Value::Null),
+                top.map(|f| json!(f.file)).unwrap_or(Value::Null),
+                top.map(|f| json!(f.lineno)).unwrap_or(Value::Null),
+            ]);
+            row
+        })
+        .collect()
+}
+
+pub fn info_rows(meta: &ProcessMeta, now: f64) -> Rows {
+    let mut row = identity(meta, now).to_vec();
+    row.extend([
+        json!(meta.ppid),
+        json!(meta.local_rank),
+        json!(meta.world_size),
+        json!(meta.cmdline.join(" ")),
+        json!(meta.exe),
+        json!(meta.cwd),
+        json!(meta.python_version),
+        json!(meta.rankscope_version),
+        micros(meta.started_at),
+        json!((now - meta.started_at).max(0.0)),
+    ]);
+    vec![row]
+}
+
+pub fn env_rows(meta: &ProcessMeta, env: &EnvReply, now: f64) -> Rows {
+    env.vars
+        .iter()
+        .map(|var| {
+            let mut row = identity(meta, now).to_vec();
+            row.extend([json!(var.name), json!(var.value), json!(var.hidden)]);
+            row
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{EnvVar, Frame, ThreadStack};
+
+    fn meta() -> ProcessMeta {
+        ProcessMeta {
+            pid: 42,
+            ppid: 1,
+            host: "h".into(),
+            rank: 3,
+            local_rank: 1,
+            world_size: 4,
+            cmdline: vec!["python".into(), "train.py".into()],
+            exe: "/usr/bin/python".into(),
+            cwd: "/".into(),
+            python_version: "3.11.7".into(),
+            started_at: 100.0,
+            rankscope_version: "0".into(),
+            protocol: 1,
+            tcp: None,
+        }
+    }
+
+    fn frame(func: &str, lineno: i64) -> Frame {
+        Frame { func: func.into(), qualname: func.into(), file: "t.py".into(), lineno, locals: None }
+    }
+
+    fn stacks() -> StacksReply {
+        StacksReply {
+            taken_at: 101.5,
+            threads: vec![
+                ThreadStack {
+                    thread_id: 7,
+                    native_id: Some(70),
+                    name: "MainThread".into(),
+                    daemon: false,
+                    is_main: true,
+                    holds_gil: None,
+                    frames: vec![frame("inner", 5), frame("outer", 9)],
+                },
+                ThreadStack {
+                    thread_id: 8,
+                    native_id: None,
+                    name: "worker".into(),
+                    daemon: true,
+                    is_main: false,
+                    holds_gil: None,
+                    frames: vec![],
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn every_row_matches_its_schema_width() {
+        let m = meta();
+        let s = stacks();
+        let env = EnvReply { vars: vec![EnvVar { name: "A".into(), value: "b".into(), hidden: false }] };
+        for (def, rows) in [
+            (BACKTRACE, backtrace_rows(&m, &s)),
+            (THREADS, threads_rows(&m, &s)),
+            (PROCESS_INFO, info_rows(&m, 102.0)),
+            (PROCESS_ENV, env_rows(&m, &env, 102.0)),
+        ] {
+            assert!(!rows.is_empty());
+            for row in rows {
+                assert_eq!(row.len(), def.all_columns().count(), "{}", def.qualified_name());
+            }
+        }
+    }
+
+    #[test]
+    fn backtrace_depth_counts_from_the_innermost_frame() {
+        let rows = backtrace_rows(&meta(), &stacks());
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0][7], json!(0));
+        assert_eq!(rows[0][8], json!("inner"));
+        assert_eq!(rows[1][7], json!(1));
+        assert_eq!(rows[0][1], json!(3), "rank column");
+        assert_eq!(rows[0][3], json!(101_500_000), "ts in microseconds");
+    }
+
+    #[test]
+    fn a_thread_without_frames_still_has_a_threads_row() {
+        let rows = threads_rows(&meta(), &stacks());
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1][9], json!(0));
+        assert_eq!(rows[1][10], Value::Null);
+    }
+
+    #[test]
+    fn tables_are_found_case_insensitively() {
+        assert!(find_table("PYTHON", "Backtrace").is_some());
+        assert!(find_table("python", "nope").is_none());
+    }
+}

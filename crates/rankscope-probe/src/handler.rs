@@ -1,0 +1,89 @@
+//! Answers the CLI's requests. Metadata and the environment are served
+//! without touching Python; stacks and eval attach to the interpreter only
+//! for as long as the Python helper (`rankscope._probe`) runs.
+
+use pyo3::prelude::*;
+use rankscope_core::http::{Request, Response};
+use rankscope_core::protocol::{EnvReply, EnvVar, EvalRequest};
+use rankscope_core::secrets;
+use rankscope_server::Handler;
+
+/// Its metadata is set right after the server binds (the TCP port is known
+/// only then); requests that arrive before that get a 503.
+#[derive(Default)]
+pub struct ProbeHandler {
+    meta_json: std::sync::OnceLock<String>,
+}
+
+impl ProbeHandler {
+    pub fn set_meta(&self, meta_json: String) {
+        let _ = self.meta_json.set(meta_json);
+    }
+}
+
+impl Handler for ProbeHandler {
+    fn handle(&self, request: &Request) -> Response {
+        let route = (request.method.as_str(), request.path.as_str());
+        match route {
+            _ if self.meta_json.get().is_none() => Response::error(503, "probe is starting"),
+            ("GET", "/v1/meta") => Response::json(200, self.meta_json.get().cloned().unwrap_or_default()),
+            ("GET", "/v1/env") => env_reply(),
+            ("GET", "/v1/stacks") => {
+                let with_locals = request.query_flag("locals");
+                call_helper("rankscope._probe.stacks", "collect", (with_locals,))
+            }
+            ("POST", "/v1/eval") => match serde_json::from_slice::<EvalRequest>(&request.body) {
+                Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only)),
+                Err(e) => Response::error(400, &format!("bad eval request: {e}")),
+            },
+            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval") => {
+                Response::error(405, &format!("{} is not allowed on {}", request.method, request.path))
+            }
+            _ => Response::error(404, &format!("no endpoint {}", request.path)),
+        }
+    }
+}
+
+fn env_reply() -> Response {
+    let mut vars: Vec<EnvVar> = std::env::vars_os()
+        .map(|(k, v)| {
+            let name = k.to_string_lossy().into_owned();
+            let hidden = secrets::looks_secret(&name);
+            let value = if hidden { secrets::HIDDEN.to_string() } else { v.to_string_lossy().into_owned() };
+            EnvVar { name, value, hidden }
+        })
+        .collect();
+    vars.sort_by(|a, b| a.name.cmp(&b.name));
+    match serde_json::to_vec(&EnvReply { vars }) {
+        Ok(body) => Response::json(200, body),
+        Err(e) => Response::error(500, &e.to_string()),
+    }
+}
+
+/// Calls a function of the probe's Python helper, which returns JSON text.
+/// Any Python error becomes a 500 for the client; none reaches user code,
+/// because this runs on a probe thread.
+fn call_helper<A>(module: &str, function: &str, args: A) -> Response
+where
+    A: for<'py> pyo3::call::PyCallArgs<'py>,
+{
+    let outcome = Python::try_attach(|py| -> PyResult<String> {
+        let module = py.import(module)?;
+        module.call_method1(function, args)?.extract::<String>()
+    });
+    match outcome {
+        None => Response::error(503, "the interpreter is shutting down"),
+        Some(Ok(json)) => Response::json(200, json),
+        Some(Err(err)) => {
+            let message = Python::try_attach(|py| err.to_string() + &traceback_of(py, &err)).unwrap_or_default();
+            Response::error(500, &format!("probe helper failed: {message}"))
+        }
+    }
+}
+
+fn traceback_of(py: Python<'_>, err: &PyErr) -> String {
+    err.traceback(py)
+        .and_then(|tb| tb.format().ok())
+        .map(|text| format!("\n{text}"))
+        .unwrap_or_default()
+}

@@ -1,0 +1,128 @@
+//! `rankscope._native`: the part of the probe that must be native.
+//!
+//! It owns the server thread and the deadline watchdog. Everything that reads
+//! Python state lives in plain Python (`rankscope._probe`), called from here
+//! with the GIL held only for the duration of that call.
+
+mod deadline;
+mod handler;
+mod injected;
+mod meta;
+
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use rankscope_core::paths;
+use rankscope_server::{Server, ServerConfig, TcpConfig};
+
+struct Running {
+    server: Server,
+    dir: std::path::PathBuf,
+    pid: u32,
+}
+
+static RUNNING: Mutex<Option<Running>> = Mutex::new(None);
+
+fn lock_running() -> std::sync::MutexGuard<'static, Option<Running>> {
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Starts the probe's server; returns where it listens. Starting twice is a
+/// no-op that returns the same endpoint.
+#[pyfunction]
+#[pyo3(signature = (python_version, listen=None))]
+fn start<'py>(py: Python<'py>, python_version: &str, listen: Option<&str>) -> PyResult<Bound<'py, PyDict>> {
+    let mut running = lock_running();
+    if running.is_none() {
+        *running = Some(start_server(python_version, listen)?);
+    }
+    let r = running.as_ref().expect("set above");
+    let info = PyDict::new(py);
+    info.set_item("socket", r.server.socket_path().display().to_string())?;
+    info.set_item("tcp", r.server.tcp_addr().map(|a| a.to_string()))?;
+    info.set_item("token_file", r.server.tcp_addr().map(|_| paths::token_path(&r.dir, r.pid).display().to_string()))?;
+    Ok(info)
+}
+
+fn start_server(python_version: &str, listen: Option<&str>) -> PyResult<Running> {
+    let err = |e: String| PyRuntimeError::new_err(e);
+    let dir = paths::endpoint_dir();
+    paths::ensure_private_dir(&dir).map_err(|e| err(e.to_string()))?;
+    let pid = std::process::id();
+    let tcp = match listen {
+        None => None,
+        Some(spec) => Some(TcpConfig {
+            addr: rankscope_server::parse_listen(spec).map_err(|e| err(e.to_string()))?,
+            token_file: paths::token_path(&dir, pid),
+        }),
+    };
+    let config = ServerConfig { socket_path: paths::socket_path(&dir, pid), tcp };
+    let handler = Arc::new(handler::ProbeHandler::default());
+    let server = Server::start(config, handler.clone()).map_err(|e| err(e.to_string()))?;
+    let tcp_url = server.tcp_addr().map(|a| format!("tcp://{a}"));
+    let meta = meta::collect(python_version, tcp_url);
+    let meta_json = serde_json::to_string(&meta).map_err(|e| err(e.to_string()))?;
+    handler.set_meta(meta_json.clone());
+    // Written last: its presence tells `rankscope list` the socket is ready.
+    let meta_file = paths::meta_path(&dir, pid);
+    let tmp = meta_file.with_extension("json.tmp");
+    std::fs::write(&tmp, &meta_json)
+        .and_then(|_| std::fs::rename(&tmp, &meta_file))
+        .map_err(|e| err(format!("cannot write {}: {e}", meta_file.display())))?;
+    Ok(Running { server, dir, pid })
+}
+
+/// Stops the server, removes the socket and metadata. The GIL is released
+/// while the server thread is joined, so requests in flight can finish.
+#[pyfunction]
+fn stop(py: Python<'_>) -> bool {
+    let Some(running) = lock_running().take() else { return false };
+    let Running { server, dir, pid } = running;
+    py.detach(move || {
+        server.stop();
+        paths::remove_endpoint_files(&dir, pid);
+    });
+    true
+}
+
+/// The socket path while running, else None.
+#[pyfunction]
+fn endpoint() -> Option<String> {
+    lock_running().as_ref().map(|r| r.server.socket_path().display().to_string())
+}
+
+/// In a forked child the server thread does not exist and the socket is the
+/// parent's: forget both without touching them.
+#[pyfunction]
+fn forget_after_fork() {
+    if let Ok(mut running) = RUNNING.try_lock() {
+        if let Some(r) = running.take() {
+            std::mem::forget(r.server);
+        }
+    }
+    deadline::forget_after_fork();
+}
+
+#[pyfunction]
+fn arm_deadline(seconds: f64, exception: Py<PyAny>) -> u64 {
+    deadline::arm(seconds, exception)
+}
+
+#[pyfunction]
+fn disarm_deadline(token: u64) -> bool {
+    deadline::disarm(token)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", rankscope_core::VERSION)?;
+    m.add_function(wrap_pyfunction!(start, m)?)?;
+    m.add_function(wrap_pyfunction!(stop, m)?)?;
+    m.add_function(wrap_pyfunction!(endpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(forget_after_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(arm_deadline, m)?)?;
+    m.add_function(wrap_pyfunction!(disarm_deadline, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,60 @@
+//! What a probe says about its process, computed once at start.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rankscope_core::protocol::ProcessMeta;
+
+pub fn now_seconds() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is valid for buf.len() bytes; gethostname NUL-terminates on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// First of the launcher variables that is set and numeric.
+fn env_int(names: &[&str]) -> Option<i64> {
+    names.iter().find_map(|n| std::env::var(n).ok()?.trim().parse().ok())
+}
+
+fn cmdline() -> Vec<String> {
+    std::fs::read("/proc/self/cmdline")
+        .map(|raw| {
+            raw.split(|&b| b == 0)
+                .filter(|part| !part.is_empty())
+                .map(|part| String::from_utf8_lossy(part).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn link(path: &str) -> String {
+    std::fs::read_link(path).map(|p| p.display().to_string()).unwrap_or_default()
+}
+
+pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
+    ProcessMeta {
+        pid: std::process::id(),
+        // SAFETY: getppid cannot fail.
+        ppid: unsafe { libc::getppid() } as u32,
+        host: hostname(),
+        rank: env_int(&["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]).unwrap_or(0),
+        local_rank: env_int(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"]).unwrap_or(0),
+        world_size: env_int(&["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]).unwrap_or(1),
+        cmdline: cmdline(),
+        exe: link("/proc/self/exe"),
+        cwd: link("/proc/self/cwd"),
+        python_version: python_version.to_string(),
+        started_at: now_seconds(),
+        rankscope_version: rankscope_core::VERSION.to_string(),
+        protocol: rankscope_core::PROTOCOL_VERSION,
+        tcp,
+    }
+}

@@ -1,0 +1,68 @@
+//! JSON rows from probes into Arrow batches, typed by the core schemas.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{
+    ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, StringBuilder, TimestampMicrosecondBuilder,
+};
+use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::DataFusionError;
+use rankscope_core::tables::{ColumnType, Rows, TableDef};
+use serde_json::Value;
+
+fn data_type(ty: ColumnType) -> DataType {
+    match ty {
+        ColumnType::Int64 => DataType::Int64,
+        ColumnType::Float64 => DataType::Float64,
+        ColumnType::Bool => DataType::Boolean,
+        ColumnType::Utf8 => DataType::Utf8,
+        ColumnType::Timestamp => DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+    }
+}
+
+pub fn arrow_schema(def: &TableDef) -> SchemaRef {
+    let fields: Vec<Field> = def.all_columns().map(|c| Field::new(c.name, data_type(c.ty), true)).collect();
+    Arc::new(Schema::new(fields))
+}
+
+fn column(ty: ColumnType, rows: &Rows, index: usize) -> ArrayRef {
+    let cells = rows.iter().map(|row| row.get(index).unwrap_or(&Value::Null));
+    match ty {
+        ColumnType::Int64 => {
+            let mut b = Int64Builder::with_capacity(rows.len());
+            cells.for_each(|v| b.append_option(v.as_i64()));
+            Arc::new(b.finish())
+        }
+        ColumnType::Timestamp => {
+            let mut b = TimestampMicrosecondBuilder::with_capacity(rows.len()).with_timezone("UTC");
+            cells.for_each(|v| b.append_option(v.as_i64()));
+            Arc::new(b.finish())
+        }
+        ColumnType::Float64 => {
+            let mut b = Float64Builder::with_capacity(rows.len());
+            cells.for_each(|v| b.append_option(v.as_f64()));
+            Arc::new(b.finish())
+        }
+        ColumnType::Bool => {
+            let mut b = BooleanBuilder::with_capacity(rows.len());
+            cells.for_each(|v| b.append_option(v.as_bool()));
+            Arc::new(b.finish())
+        }
+        ColumnType::Utf8 => {
+            let mut b = StringBuilder::new();
+            cells.for_each(|v| match v {
+                Value::Null => b.append_null(),
+                Value::String(s) => b.append_value(s),
+                other => b.append_value(other.to_string()),
+            });
+            Arc::new(b.finish())
+        }
+    }
+}
+
+pub fn rows_to_batch(def: &TableDef, rows: &Rows) -> Result<RecordBatch, DataFusionError> {
+    let schema = arrow_schema(def);
+    let columns = def.all_columns().enumerate().map(|(i, c)| column(c.ty, rows, i)).collect();
+    Ok(RecordBatch::try_new(schema, columns)?)
+}

@@ -1,0 +1,55 @@
+//! Query results as the user asked for them.
+
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::record_batch::RecordBatch;
+
+use crate::QueryError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputFormat {
+    /// Aligned columns with borders, for people.
+    Table,
+    Csv,
+    /// A JSON array of row objects.
+    Json,
+}
+
+pub fn render(schema: &SchemaRef, batches: &[RecordBatch], format: OutputFormat) -> Result<String, QueryError> {
+    let err = |e: datafusion::arrow::error::ArrowError| QueryError::Render(e.to_string());
+    match format {
+        OutputFormat::Table => {
+            let table = arrow::util::pretty::pretty_format_batches_with_schema(schema.clone(), batches).map_err(err)?;
+            Ok(format!("{table}\n"))
+        }
+        OutputFormat::Csv => {
+            let mut out = Vec::new();
+            {
+                let mut writer = arrow::csv::WriterBuilder::new().with_header(true).build(&mut out);
+                if batches.is_empty() || batches.iter().all(|b| b.num_rows() == 0) {
+                    writer.write(&RecordBatch::new_empty(schema.clone())).map_err(err)?;
+                } else {
+                    for batch in batches {
+                        writer.write(batch).map_err(err)?;
+                    }
+                }
+            }
+            String::from_utf8(out).map_err(|e| QueryError::Render(e.to_string()))
+        }
+        OutputFormat::Json => {
+            let mut out = Vec::new();
+            {
+                let mut writer = arrow::json::ArrayWriter::new(&mut out);
+                for batch in batches {
+                    writer.write(batch).map_err(err)?;
+                }
+                writer.finish().map_err(err)?;
+            }
+            let mut text = String::from_utf8(out).map_err(|e| QueryError::Render(e.to_string()))?;
+            if text.is_empty() {
+                text.push_str("[]");
+            }
+            text.push('\n');
+            Ok(text)
+        }
+    }
+}

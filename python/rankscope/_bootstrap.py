@@ -1,0 +1,21 @@
+"""Started by ``rankscope.pth`` at interpreter start when RANKSCOPE is set.
+
+A probe that cannot start must never stop the program: it says why on stderr
+in one line and lets the program run.
+"""
+
+import os
+import sys
+
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def start_from_env() -> None:
+    if os.environ.get("RANKSCOPE", "").strip().lower() in _FALSE:
+        return
+    try:
+        import rankscope
+
+        rankscope.start()
+    except Exception as exc:  # noqa: BLE001 - the target must run on regardless
+        sys.stderr.write(f"rankscope: probe not started: {exc}\n")

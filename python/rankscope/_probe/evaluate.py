@@ -1,0 +1,148 @@
+"""Run code sent by the CLI in the target's ``__main__`` namespace.
+
+Output is captured per request: while an eval runs, ``sys.stdout`` and
+``sys.stderr`` route writes from the eval's thread into buffers and let every
+other thread write where it always did.
+"""
+
+from __future__ import annotations
+
+import _thread
+import ast
+import io
+import itertools
+import json
+import linecache
+import sys
+import threading
+import traceback
+
+from rankscope import _native
+
+MAX_OUTPUT_CHARS = 1 << 20
+_counter = itertools.count(1)
+
+
+class EvalTimeout(BaseException):
+    """Raised asynchronously in eval code that ran past its timeout."""
+
+
+class _Router:
+    """Stands in for a standard stream while at least one eval runs."""
+
+    def __init__(self, original, index: int):
+        self._original = original
+        self._index = index
+
+    def write(self, text):
+        buffers = _captures.get(_thread.get_ident())
+        if buffers is None:
+            return self._original.write(text)
+        return buffers[self._index].write(text)
+
+    def flush(self):
+        if _thread.get_ident() not in _captures:
+            self._original.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._original, name)
+
+
+_captures: dict[int, tuple[io.StringIO, io.StringIO]] = {}
+_capture_lock = threading.Lock()
+_saved_streams: tuple | None = None
+
+
+def _begin_capture() -> tuple[io.StringIO, io.StringIO]:
+    global _saved_streams
+    buffers = (io.StringIO(), io.StringIO())
+    with _capture_lock:
+        if not _captures:
+            _saved_streams = (sys.stdout, sys.stderr)
+            sys.stdout = _Router(sys.stdout, 0)
+            sys.stderr = _Router(sys.stderr, 1)
+        _captures[_thread.get_ident()] = buffers
+    return buffers
+
+
+def _end_capture() -> None:
+    global _saved_streams
+    with _capture_lock:
+        _captures.pop(_thread.get_ident(), None)
+        if not _captures and _saved_streams is not None:
+            # Put the originals back unless the eval replaced the streams itself.
+            if isinstance(sys.stdout, _Router):
+                sys.stdout = _saved_streams[0]
+            if isinstance(sys.stderr, _Router):
+                sys.stderr = _saved_streams[1]
+            _saved_streams = None
+
+
+def _register_source(code: str) -> str:
+    """Give the code a filename that tracebacks and inspect can show lines of."""
+    filename = f"<rankscope-eval-{next(_counter)}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    return filename
+
+
+def _execute(code: str, filename: str, namespace: dict):
+    tree = ast.parse(code, filename, "exec")
+    trailing = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        trailing = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, filename, "exec"), namespace)
+    if trailing is not None:
+        return True, eval(compile(trailing, filename, "eval"), namespace)
+    return False, None
+
+
+def _format_error(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError):
+        return "".join(traceback.format_exception_only(type(exc), exc))
+    tb = exc.__traceback__
+    # Drop this module's own frames: the user wants the traceback of their code.
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _check(code: str) -> str:
+    import codeop
+
+    try:
+        incomplete = codeop.compile_command(code, "<rankscope-eval>", "exec") is None
+    except (SyntaxError, ValueError, OverflowError):
+        incomplete = False
+    return json.dumps({"stdout": "", "stderr": "", "value": None, "error": None, "incomplete": incomplete})
+
+
+def run(code: str, timeout_s: float, check_only: bool = False) -> str:
+    if check_only:
+        return _check(code)
+    main = sys.modules.get("__main__")
+    namespace = main.__dict__ if main is not None else {}
+    filename = _register_source(code)
+    reply = {"value": None, "error": None, "timed_out": False}
+    out, err = _begin_capture()
+    token = None
+    try:
+        try:
+            token = _native.arm_deadline(timeout_s, EvalTimeout)
+            try:
+                has_value, value = _execute(code, filename, namespace)
+                if has_value and value is not None:
+                    reply["value"] = repr(value)[:MAX_OUTPUT_CHARS]
+            finally:
+                _native.disarm_deadline(token)
+        except EvalTimeout:
+            if token is not None:
+                _native.disarm_deadline(token)
+            reply["timed_out"] = True
+            reply["error"] = f"TimeoutError: eval interrupted after {timeout_s:g}s (the target runs on)\n"
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and all: the target lives on
+            reply["error"] = _format_error(exc)
+    finally:
+        _end_capture()
+    reply["stdout"] = out.getvalue()[:MAX_OUTPUT_CHARS]
+    reply["stderr"] = err.getvalue()[:MAX_OUTPUT_CHARS]
+    return json.dumps(reply)

@@ -1,0 +1,154 @@
+"""Bounded, exception-proof reprs of arbitrary objects.
+
+Builtin values are summarized without calling user code. A user-defined
+``__repr__`` is called under a deadline (a busy loop is interrupted) and any
+exception it raises is reported instead of propagated. Tensors and arrays are
+summarized from their metadata only: never printed, never synchronized.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rankscope import _native
+
+MAX_STRING = 200
+MAX_ITEMS = 6
+MAX_DEPTH = 2
+MAX_REPR = 400
+REPR_DEADLINE_S = 0.25
+# Across one request; past it, user reprs are no longer called.
+REPR_BUDGET_S = 2.0
+
+
+class ReprTimeout(BaseException):
+    """Raised asynchronously in a ``__repr__`` that ran past its deadline."""
+
+
+_SCALARS = (bool, float, complex, type(None), type(...))
+_SEQUENCES = {list: ("[", "]"), tuple: ("(", ")"), set: ("{", "}"), frozenset: ("frozenset({", "})")}
+
+
+def type_name(obj: object) -> str:
+    t = type(obj)
+    module = getattr(t, "__module__", "") or ""
+    name = getattr(t, "__qualname__", None) or t.__name__
+    return name if module == "builtins" else f"{module}.{name}"
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more chars)"
+
+
+class Budget:
+    """Time spent in user reprs during one request."""
+
+    def __init__(self, seconds: float = REPR_BUDGET_S):
+        self.left = seconds
+
+
+def safe_repr(obj: object, budget: Budget | None = None, depth: int = 0) -> str:
+    if budget is None:
+        budget = Budget()
+    try:
+        return _cut(_repr(obj, budget, depth), MAX_REPR)
+    except ReprTimeout:
+        return f"<{type_name(obj)} object: repr interrupted>"
+    except BaseException as exc:  # noqa: BLE001 - never let a repr escape
+        return f"<{type_name(obj)} object: repr failed: {type(exc).__name__}>"
+
+
+def _repr(obj: object, budget: Budget, depth: int) -> str:
+    t = type(obj)
+    if t is int:
+        try:
+            return repr(obj)
+        except ValueError:  # more digits than int_max_str_digits allows
+            return f"<int of {obj.bit_length()} bits>"
+    if t in _SCALARS:
+        return repr(obj)
+    if t is str:
+        if len(obj) <= MAX_STRING:
+            return repr(obj)
+        return f"{obj[:MAX_STRING]!r}... ({len(obj)} chars)"
+    if t in (bytes, bytearray):
+        if len(obj) <= MAX_STRING:
+            return repr(obj)
+        return f"{bytes(obj[:MAX_STRING])!r}... ({len(obj)} bytes)"
+    if t in _SEQUENCES:
+        return _sequence(obj, t, budget, depth)
+    if t is dict:
+        return _mapping(obj, budget, depth)
+    summary = _array_summary(obj, t)
+    if summary is not None:
+        return summary
+    if isinstance(obj, type):
+        return type.__repr__(obj)
+    if t.__repr__ is object.__repr__:
+        return object.__repr__(obj)
+    return _user_repr(obj, budget)
+
+
+def _sequence(obj, t, budget: Budget, depth: int) -> str:
+    opening, closing = _SEQUENCES[t]
+    if depth >= MAX_DEPTH:
+        return f"{t.__name__}(len={len(obj)})"
+    items = []
+    for i, item in enumerate(obj):
+        if i == MAX_ITEMS:
+            items.append(f"... {len(obj) - MAX_ITEMS} more")
+            break
+        items.append(safe_repr(item, budget, depth + 1))
+    if t is tuple and len(obj) == 1:
+        items[0] += ","
+    body = ", ".join(items)
+    suffix = f" (len={len(obj)})" if len(obj) > MAX_ITEMS else ""
+    return f"{opening}{body}{closing}{suffix}"
+
+
+def _mapping(obj: dict, budget: Budget, depth: int) -> str:
+    if depth >= MAX_DEPTH:
+        return f"dict(len={len(obj)})"
+    items = []
+    for i, (key, value) in enumerate(list(obj.items())[: MAX_ITEMS + 1]):
+        if i == MAX_ITEMS:
+            items.append(f"... {len(obj) - MAX_ITEMS} more")
+            break
+        items.append(f"{safe_repr(key, budget, depth + 1)}: {safe_repr(value, budget, depth + 1)}")
+    suffix = f" (len={len(obj)})" if len(obj) > MAX_ITEMS else ""
+    return "{" + ", ".join(items) + "}" + suffix
+
+
+def _array_summary(obj: object, t: type) -> str | None:
+    """Tensors and arrays: shape, dtype and device, read from metadata only."""
+    module = getattr(t, "__module__", "") or ""
+    root = module.split(".", 1)[0]
+    if root == "torch" and hasattr(obj, "shape") and hasattr(obj, "dtype"):
+        shape = tuple(obj.shape)
+        device = getattr(obj, "device", "?")
+        grad = ", requires_grad=True" if getattr(obj, "requires_grad", False) else ""
+        return f"{t.__name__}(shape={list(shape)}, dtype={obj.dtype}, device={device}{grad})"
+    if root == "numpy" and t.__name__ == "ndarray":
+        return f"ndarray(shape={list(obj.shape)}, dtype={obj.dtype})"
+    return None
+
+
+def _user_repr(obj: object, budget: Budget) -> str:
+    if budget.left <= 0:
+        return f"<{type_name(obj)} object at {id(obj):#x}>"
+    started = time.monotonic()
+    token = _native.arm_deadline(min(REPR_DEADLINE_S, budget.left), ReprTimeout)
+    try:
+        try:
+            text = repr(obj)
+        finally:
+            _native.disarm_deadline(token)
+            budget.left -= time.monotonic() - started
+    except ReprTimeout:
+        _native.disarm_deadline(token)
+        return f"<{type_name(obj)} object: repr took longer than {REPR_DEADLINE_S}s>"
+    if not isinstance(text, str):
+        return f"<{type_name(obj)} object: repr returned {type(text).__name__}>"
+    return text

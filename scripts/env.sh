@@ -1,0 +1,46 @@
+# Sourced by the scripts: where builds and environments live.
+# The cargo target dir and pip's cache sit outside the clone, so a fresh clone
+# on the same machine reuses what an earlier build compiled.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/rankscope/target}"
+export PATH="$HOME/.cargo/bin:$PATH"
+VENV="${RANKSCOPE_VENV:-$ROOT/.venv}"
+
+# The interpreter for X.Y: on PATH, or from pyenv; empty when absent.
+find_python() {
+    local version="$1" candidate prefix
+    if command -v pyenv >/dev/null 2>&1; then
+        prefix="$(pyenv prefix "$(pyenv versions --bare 2>/dev/null | grep -E "^${version//./\\.}(\.[0-9]+)?$" | tail -n 1)" 2>/dev/null || true)"
+        if [ -n "$prefix" ] && [ -x "$prefix/bin/python$version" ]; then
+            echo "$prefix/bin/python$version"
+            return
+        fi
+    fi
+    for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$version".*/bin/"python$version"; do
+        if [ -x "$candidate" ]; then
+            echo "$candidate"
+            return
+        fi
+    done
+    candidate="$(command -v "python$version" 2>/dev/null || true)"
+    if [ -n "$candidate" ] && "$candidate" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$version'.split('.')))" 2>/dev/null; then
+        echo "$candidate"
+    fi
+}
+
+# Builds the wheel (probe + CLI) once and installs it into $VENV.
+build_and_install() {
+    local base
+    base="$(find_python 3.11)"
+    [ -n "$base" ] || base="$(command -v python3)"
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$base" -m venv "$VENV"
+    fi
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip install --quiet "maturin>=1.9,<2" "pytest>=8"
+    rm -rf "$ROOT/.cache/wheels"
+    "$VENV/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$ROOT/.cache/wheels" "$ROOT"
+    WHEEL="$(ls "$ROOT"/.cache/wheels/rankscope-*.whl)"
+    "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps "$WHEEL"
+}

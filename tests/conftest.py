@@ -1,0 +1,185 @@
+"""End-to-end harness: real Python targets, the installed `rankscope` command.
+
+Targets print READY on stdout once their state is set up; tests wait for that
+line (never for time) and kill every target they started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+READY_TIMEOUT_S = 30.0
+
+
+def _interpreters() -> list[tuple[str, str | None]]:
+    """(version, python path or None) for 3.11, 3.12 and 3.13.
+
+    RANKSCOPE_TEST_PYTHONS ("3.12=/path/python:3.13=/path/python") names
+    interpreters that have rankscope installed; scripts/test sets it up.
+    """
+    found: dict[str, str | None] = {"3.11": None, "3.12": None, "3.13": None}
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if here in found:
+        found[here] = sys.executable
+    for item in filter(None, os.environ.get("RANKSCOPE_TEST_PYTHONS", "").split(":")):
+        version, _, path = item.partition("=")
+        if version in found and path and Path(path).exists():
+            found[version] = path
+    return sorted(found.items())
+
+
+INTERPRETERS = _interpreters()
+
+
+@pytest.fixture(params=INTERPRETERS, ids=[v for v, _ in INTERPRETERS])
+def python(request) -> str:
+    version, path = request.param
+    if path is None:
+        pytest.skip(f"CPython {version} with rankscope installed is not available here (see scripts/test)")
+    return path
+
+
+@pytest.fixture
+def default_python() -> str:
+    return sys.executable
+
+
+@pytest.fixture(scope="session")
+def rankscope_bin() -> str:
+    path = os.environ.get("RANKSCOPE_BIN") or shutil.which("rankscope")
+    if path is None:
+        candidate = Path(sys.executable).parent / "rankscope"
+        path = str(candidate) if candidate.exists() else None
+    if path is None:
+        pytest.fail("the rankscope command is not installed: run scripts/test, or pip install . first")
+    return path
+
+
+@pytest.fixture
+def endpoint_dir():
+    # Short path: unix socket paths are limited to 108 bytes.
+    path = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def line_of(source: str, marker: str) -> int:
+    """Line number (1-based) of the line that carries `# @marker`."""
+    for number, line in enumerate(textwrap.dedent(source).splitlines(), start=1):
+        if f"# @{marker}" in line:
+            return number
+    raise AssertionError(f"marker @{marker} not in the target source")
+
+
+class Target:
+    """A running Python program, killed when the test ends."""
+
+    def __init__(self, python: str, source: str, workdir: str, env: dict[str, str], args: list[str] | None = None):
+        self.source = textwrap.dedent(source)
+        self.script = Path(workdir) / "target.py"
+        self.script.write_text(self.source)
+        self.proc = subprocess.Popen(
+            [python, "-u", str(self.script), *(args or [])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=workdir,
+        )
+        self.pid = self.proc.pid
+        self.output: list[str] = []
+
+    def wait_for_line(self, wanted: str = "READY", timeout: float = READY_TIMEOUT_S) -> str:
+        """Reads the target's stdout until a line starts with `wanted`."""
+        deadline = time.monotonic() + timeout
+        selector = selectors.DefaultSelector()
+        selector.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            while time.monotonic() < deadline:
+                if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                    continue
+                line = self.proc.stdout.readline().decode(errors="replace")
+                if not line:
+                    err = self.proc.stderr.read().decode(errors="replace")
+                    raise AssertionError(f"target exited (rc={self.proc.wait()}) before {wanted!r}:\n{err}")
+                self.output.append(line)
+                if line.startswith(wanted):
+                    return line.strip()
+        finally:
+            selector.close()
+        raise AssertionError(f"target did not print {wanted!r} within {timeout}s; got {self.output}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+
+
+@pytest.fixture
+def spawn(endpoint_dir):
+    """spawn(python, source, env=None, probe=True) -> a READY target."""
+    started: list[Target] = []
+
+    def _spawn(python: str, source: str, env: dict[str, str] | None = None, probe: bool = True, wait: bool = True, args=None) -> Target:
+        workdir = tempfile.mkdtemp(prefix="rs-target-", dir="/tmp")
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+        full_env["RANKSCOPE_DIR"] = endpoint_dir
+        # Crash records and native logs stay out of the user's ~/.local/state.
+        full_env["RANKSCOPE_RUN_DIR"] = os.path.join(workdir, "run")
+        if probe:
+            full_env["RANKSCOPE"] = "1"
+        full_env.update(env or {})
+        target = Target(python, source, workdir, full_env, args)
+        started.append(target)
+        if wait:
+            target.wait_for_line("READY")
+        return target
+
+    yield _spawn
+    for target in started:
+        target.kill()
+
+
+@pytest.fixture
+def cli(rankscope_bin, endpoint_dir, tmp_path):
+    """cli(*args, input=None, timeout=60) -> CompletedProcess (text)."""
+
+    def _cli(*args: str, input: str | None = None, timeout: float = 60, env: dict | None = None):
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+        full_env["RANKSCOPE_DIR"] = endpoint_dir
+        # What it starts (`demo`, `run`) records crashes here, not in ~/.local/state.
+        full_env["RANKSCOPE_RUN_DIR"] = str(tmp_path / "cli-run")
+        full_env.update(env or {})
+        return subprocess.run(
+            [rankscope_bin, *map(str, args)],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+        )
+
+    return _cli
+
+
+def query_json(cli, pid: int, sql: str) -> list[dict]:
+    result = cli(pid, "query", sql, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)

@@ -1,0 +1,322 @@
+"""Crash records: an uncaught exception leaves its frames and locals on disk,
+and `rankscope crashes` reads them after the process is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from test_errors import assert_hinted_error
+
+CRASH = """
+import sys
+
+class Checkpoint:
+    def __repr__(self):
+        return "Checkpoint(step=41)"
+
+def load(path):
+    ckpt = Checkpoint()
+    batch_size = 4096
+    table = {"a": 1}
+    return table[path]  # @raise
+
+def main():
+    paths = ["missing.pt"]
+    load(paths[0])
+
+print("READY", flush=True)
+main()
+"""
+
+
+def run_target(python: str, source: str, run_dir: Path, endpoint_dir: str, probe: bool = True, workdir: str | None = None):
+    """Runs `source` to completion; returns (CompletedProcess, script path)."""
+    workdir = workdir or tempfile.mkdtemp(prefix="rs-target-", dir="/tmp")
+    script = Path(workdir) / "target.py"
+    script.write_text(textwrap.dedent(source))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE") and k != "PYTHONFAULTHANDLER"}
+    env["RANKSCOPE_DIR"] = endpoint_dir
+    env["RANKSCOPE_RUN_DIR"] = str(run_dir)
+    if probe:
+        env["RANKSCOPE"] = "1"
+    result = subprocess.run([python, "-u", str(script)], capture_output=True, text=True, env=env, cwd=workdir, timeout=60)
+    assert result.stdout.startswith("READY"), (result.stdout, result.stderr)
+    return result, script
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("crash-*.json"))]
+
+
+def crashes_json(cli, run_dir: Path) -> list[dict]:
+    result = cli("crashes", "--format", "json", env={"RANKSCOPE_RUN_DIR": str(run_dir)})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_uncaught_exception_is_recorded_and_the_program_behaves_the_same(python, cli, endpoint_dir, tmp_path):
+    workdir = tempfile.mkdtemp(prefix="rs-target-", dir="/tmp")
+    plain, _ = run_target(python, CRASH, tmp_path / "plain", endpoint_dir, probe=False, workdir=workdir)
+    probed, script = run_target(python, CRASH, tmp_path / "run", endpoint_dir, workdir=workdir)
+    assert plain.returncode == probed.returncode == 1
+    assert probed.stderr == plain.stderr
+    assert "KeyError: 'missing.pt'" in probed.stderr
+    assert not (tmp_path / "plain").exists()
+
+    [record] = records(tmp_path / "run")
+    assert record["source"] == "excepthook"
+    assert record["thread"] == "MainThread"
+    assert record["rank"] == 0 and isinstance(record["pid"], int)
+    [exc] = record["exceptions"]
+    assert exc["type"] == "KeyError" and exc["message"] == "'missing.pt'"
+    innermost = exc["frames"][-1]
+    assert innermost["func"] == "load"
+    assert innermost["file"] == str(script)
+    assert innermost["lineno"] == _line(CRASH, "raise")
+    assert innermost["source"] == "return table[path]  # @raise"
+    local = {entry["name"]: entry["repr"] for entry in innermost["locals"]}
+    assert local["ckpt"] == "Checkpoint(step=41)"
+    assert local["batch_size"] == "4096"
+    assert local["path"] == "'missing.pt'"
+    assert [f["func"] for f in exc["frames"]] == ["<module>", "main", "load"]
+    # A clean-enough exit leaves no empty native log behind.
+    assert list((tmp_path / "run").glob("native-*.log")) == []
+
+    [row] = crashes_json(cli, tmp_path / "run")
+    assert row["id"] == 1 and row["type"] == "KeyError" and row["location"] == f"{script}:{_line(CRASH, 'raise')}"
+
+
+def _line(source: str, marker: str) -> int:
+    for number, line in enumerate(textwrap.dedent(source).splitlines(), start=1):
+        if f"# @{marker}" in line:
+            return number
+    raise AssertionError(marker)
+
+
+def test_show_prints_the_traceback_with_source_and_locals(default_python, cli, endpoint_dir, tmp_path):
+    run_target(default_python, CRASH, tmp_path, endpoint_dir)
+    result = cli("crashes", "show", "1", "--run", tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Traceback (most recent call last):" in out
+    assert "return table[path]  # @raise" in out
+    assert "ckpt = Checkpoint(step=41)" in out
+    assert "paths = ['missing.pt']" in out
+    # Innermost frame last, then the exception.
+    assert out.index("in main") < out.index("in load") < out.index("KeyError: 'missing.pt'")
+
+    listing = cli("crashes", env={"RANKSCOPE_RUN_DIR": str(tmp_path)})
+    assert listing.returncode == 0, listing.stderr
+    assert "KeyError: 'missing.pt'" in listing.stdout and "target.py:" in listing.stdout
+
+
+CHAINED = """
+def parse(text):
+    return int(text)
+
+def load(text):
+    try:
+        parse(text)
+    except ValueError as e:
+        raise RuntimeError("config is broken") from e
+
+print("READY", flush=True)
+load("x1")
+"""
+
+
+def test_the_exception_chain_is_kept(default_python, cli, endpoint_dir, tmp_path):
+    run_target(default_python, CHAINED, tmp_path, endpoint_dir)
+    [record] = records(tmp_path)
+    assert [(e["type"], e["via"]) for e in record["exceptions"]] == [("ValueError", None), ("RuntimeError", "cause")]
+    assert record["exceptions"][0]["frames"][-1]["func"] == "parse"
+    out = cli("crashes", "show", "1", "--run", tmp_path).stdout
+    assert out.index("ValueError: invalid literal") < out.index("direct cause") < out.index("RuntimeError: config is broken")
+
+
+THREAD = """
+import threading
+
+def work():
+    shard = 17
+    raise OSError("disk gone")
+
+t = threading.Thread(target=work, name="loader")
+print("READY", flush=True)
+t.start()
+t.join()
+print("MAIN DONE", flush=True)
+"""
+
+
+def test_exception_in_a_thread_is_recorded(python, endpoint_dir, tmp_path):
+    result, _ = run_target(python, THREAD, tmp_path, endpoint_dir)
+    assert result.returncode == 0
+    assert "MAIN DONE" in result.stdout
+    assert "OSError: disk gone" in result.stderr  # threading's own hook still ran
+    [record] = records(tmp_path)
+    assert record["source"] == "threading.excepthook"
+    assert record["thread"] == "loader"
+    innermost = record["exceptions"][-1]["frames"][-1]
+    assert innermost["func"] == "work"
+    assert {"name": "shard", "repr": "17", "type": "int"} in innermost["locals"]
+
+
+USER_HOOK = """
+import os, sys
+import rankscope
+
+def my_hook(exc_type, exc, tb):
+    sys.stderr.write(f"USER HOOK SAW {exc_type.__name__}\\n")
+    sys.stderr.flush()
+    {after}
+
+sys.excepthook = my_hook
+rankscope.start()
+print("READY", flush=True)
+level = 3
+raise LookupError("no such shard")
+"""
+
+
+def test_a_users_previous_excepthook_still_runs(python, endpoint_dir, tmp_path):
+    result, _ = run_target(python, USER_HOOK.replace("{after}", "pass"), tmp_path, endpoint_dir, probe=False)
+    assert "USER HOOK SAW LookupError" in result.stderr
+    assert "Traceback" not in result.stderr  # the user's hook replaced the default one
+    assert result.returncode == 1
+    [record] = records(tmp_path)
+    assert record["exceptions"][-1]["type"] == "LookupError"
+
+
+def test_the_record_survives_a_kill_in_a_later_hook(python, cli, endpoint_dir, tmp_path):
+    source = USER_HOOK.replace("{after}", "os.kill(os.getpid(), 9)")
+    result, _ = run_target(python, source, tmp_path, endpoint_dir, probe=False)
+    assert result.returncode == -signal.SIGKILL
+    assert "USER HOOK SAW LookupError" in result.stderr
+    [row] = crashes_json(cli, tmp_path)
+    assert row["type"] == "LookupError" and row["message"] == "no such shard"
+
+
+SEGFAULT = """
+import ctypes
+print("READY", flush=True)
+ctypes.string_at(0)
+"""
+
+
+def test_a_native_crash_is_listed(python, cli, endpoint_dir, tmp_path):
+    result, _ = run_target(python, SEGFAULT, tmp_path, endpoint_dir)
+    assert result.returncode == -signal.SIGSEGV
+    assert records(tmp_path) == []
+    [log] = tmp_path.glob("native-*.log")
+    assert "Fatal Python error: Segmentation fault" in log.read_text()
+
+    listing = cli("crashes", "--run", tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    assert "native crash: Fatal Python error: Segmentation fault" in listing.stdout
+    [row] = crashes_json(cli, tmp_path)
+    assert row["kind"] == "native" and row["pid"] == int(log.stem.split("-")[1])
+    shown = cli("crashes", "show", "1", "--run", tmp_path)
+    assert "Segmentation fault" in shown.stdout and "target.py" in shown.stdout
+
+
+def test_faulthandler_set_up_by_the_user_is_left_alone(default_python, endpoint_dir, tmp_path):
+    source = """
+    import faulthandler, sys
+    faulthandler.enable(file=sys.stderr)
+    import rankscope
+    rankscope.start()
+    print("READY", flush=True)
+    print("SAME", faulthandler.is_enabled(), flush=True)
+    """
+    result, _ = run_target(default_python, source, tmp_path, endpoint_dir, probe=False)
+    assert result.returncode == 0, result.stderr
+    assert "SAME True" in result.stdout
+    assert list(tmp_path.glob("native-*.log")) == []
+
+
+ON_ERROR = """
+import rankscope
+
+@rankscope.on_error()
+def step(n):
+    scale = n * 2
+    raise ArithmeticError(f"step {n} diverged")
+
+print("READY", flush=True)
+try:
+    step(5)
+except ArithmeticError as exc:
+    print("CAUGHT", exc, flush=True)
+
+with rankscope.on_error():
+    marker = "in block"
+    step(6)
+"""
+
+
+def test_on_error_records_and_reraises(python, endpoint_dir, tmp_path):
+    result, _ = run_target(python, ON_ERROR, tmp_path, endpoint_dir)
+    assert "CAUGHT step 5 diverged" in result.stdout
+    assert result.returncode == 1
+    assert "ArithmeticError: step 6 diverged" in result.stderr
+    found = records(tmp_path)
+    # step(6) passed through both on_error()s and then sys.excepthook: one record.
+    assert [(r["source"], r["exceptions"][-1]["message"]) for r in found] == [
+        ("on_error", "step 5 diverged"),
+        ("on_error", "step 6 diverged"),
+    ]
+    innermost = found[0]["exceptions"][-1]["frames"][-1]
+    assert innermost["func"] == "step"
+    assert {"name": "scale", "repr": "10", "type": "int"} in innermost["locals"]
+
+
+def test_missing_run_dir_is_a_hinted_error(cli, tmp_path):
+    assert_hinted_error(cli("crashes", "--run", tmp_path / "nope"), "no run directory", "RANKSCOPE_RUN_DIR")
+    assert_hinted_error(cli("crashes", env={"RANKSCOPE_RUN_DIR": str(tmp_path / "nope")}), "no run directory")
+
+
+def test_show_of_an_id_that_is_not_there(default_python, cli, endpoint_dir, tmp_path):
+    run_target(default_python, CRASH, tmp_path, endpoint_dir)
+    assert_hinted_error(cli("crashes", "show", "99", "--run", tmp_path), "no crash 99", "1 to 1")
+
+
+@pytest.mark.parametrize("job_env", [{}, {"SLURM_JOB_ID": "4242"}, {"TORCHELASTIC_RUN_ID": "te-9", "SLURM_JOB_ID": "1"}])
+def test_the_default_run_dir_is_the_same_on_both_sides(default_python, rankscope_bin, endpoint_dir, tmp_path, job_env):
+    home = tmp_path / "home"
+    home.mkdir()
+    workdir = tempfile.mkdtemp(prefix="rs-target-", dir="/tmp")
+    script = Path(workdir) / "target.py"
+    script.write_text(textwrap.dedent(CRASH))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANKSCOPE", "SLURM", "TORCHELASTIC"))}
+    env.update(job_env, HOME=str(home), RANKSCOPE="1", RANKSCOPE_DIR=endpoint_dir, RANK="3")
+    subprocess.run([default_python, str(script)], env=env, capture_output=True, timeout=60, cwd=workdir)
+    job = job_env.get("TORCHELASTIC_RUN_ID") or job_env.get("SLURM_JOB_ID") or "local"
+    [path] = (home / ".local/state/rankscope/runs" / job).glob("crash-*-rank3-pid*.json")
+    # Listing with no --run reads every job's directory.
+    listing = subprocess.run([rankscope_bin, "crashes", "--format", "json"], env=env, capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    [row] = json.loads(listing.stdout)
+    assert row["path"] == str(path) and row["rank"] == 3 and row["job"] == job
+
+
+def test_empty_native_logs_of_dead_processes_are_cleaned(cli, tmp_path):
+    from test_errors import free_pid
+
+    dead = tmp_path / f"native-{free_pid()}.log"
+    dead.write_text("")
+    live = tmp_path / f"native-{os.getpid()}.log"
+    live.write_text("")
+    result = cli("crashes", "--run", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "No crashes recorded" in result.stdout
+    assert not dead.exists()
+    assert live.exists()

@@ -1,0 +1,86 @@
+"""Eval and repl: code runs in the target's __main__, output comes back here."""
+
+from conftest import query_json  # noqa: F401
+
+COUNTER = """
+import time
+model_cfg = {"layers": 4, "hidden": 256}
+counter = 41
+print("READY", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_eval_returns_value_and_output_here_not_in_the_target(python, spawn, cli):
+    target = spawn(python, COUNTER)
+    result = cli(target.pid, "eval", "print('side effect'); import sys; print('err', file=sys.stderr); len(model_cfg)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "side effect\n2\n"
+    assert result.stderr == "err\n"
+    target.kill()
+    target_stdout = "".join(target.output)
+    assert "side effect" not in target_stdout
+
+
+def test_eval_sees_and_changes_main_state_across_calls(python, spawn, cli):
+    target = spawn(python, COUNTER)
+    first = cli(target.pid, "eval", "counter += 1; counter")
+    second = cli(target.pid, "eval", "counter")
+    assert (first.stdout, second.stdout) == ("42\n", "42\n")
+    defined = cli(target.pid, "eval", "def double(x):\n    return 2 * x")
+    assert defined.returncode == 0 and defined.stdout == ""
+    assert cli(target.pid, "eval", "double(counter)").stdout == "84\n"
+
+
+def test_eval_exception_comes_back_as_traceback_with_nonzero_exit(python, spawn, cli):
+    target = spawn(python, COUNTER)
+    result = cli(target.pid, "eval", "model_cfg['missing']")
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "KeyError: 'missing'" in result.stderr
+    assert "evaluate.py" not in result.stderr, "probe frames leak into the user's traceback"
+    assert target.alive()
+
+
+def test_eval_syntax_error_is_reported_and_harmless(python, spawn, cli):
+    target = spawn(python, COUNTER)
+    result = cli(target.pid, "eval", "def broken(:")
+    assert result.returncode == 1
+    assert "SyntaxError" in result.stderr
+    assert cli(target.pid, "eval", "counter").stdout == "41\n"
+
+
+def test_eval_timeout_interrupts_runaway_code_and_the_target_lives(python, spawn, cli):
+    target = spawn(python, COUNTER)
+    result = cli(target.pid, "eval", "while True: pass", "--timeout", "1")
+    assert result.returncode == 1
+    assert "interrupted after 1s" in result.stderr
+    assert target.alive()
+    assert cli(target.pid, "eval", "counter").stdout == "41\n"
+
+
+def test_eval_system_exit_does_not_end_the_target(python, spawn, cli):
+    target = spawn(python, COUNTER)
+    result = cli(target.pid, "eval", "raise SystemExit(3)")
+    assert result.returncode == 1
+    assert "SystemExit" in result.stderr
+    assert target.alive()
+
+
+def test_eval_from_file(python, spawn, cli, tmp_path):
+    target = spawn(python, COUNTER)
+    code = tmp_path / "snippet.py"
+    code.write_text("total = sum(range(counter))\ntotal\n")
+    result = cli(target.pid, "eval", "--file", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{sum(range(41))}\n"
+
+
+def test_repl_keeps_state_and_accepts_multiline_blocks(python, spawn, cli):
+    target = spawn(python, COUNTER)
+    session = "x = 5\nfor i in range(2):\n    x += i\n\nx * 10\nmodel_cfg['hidden']\n"
+    result = cli(target.pid, "repl", input=session)
+    assert result.returncode == 0, result.stderr
+    assert "60\n" in result.stdout
+    assert "256\n" in result.stdout

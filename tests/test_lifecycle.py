@@ -1,0 +1,103 @@
+"""Getting in at start: the .pth hook, `rankscope run`, start() and stop()."""
+
+import os
+from pathlib import Path
+
+
+def test_no_probe_without_rankscope_in_the_environment(python, spawn, endpoint_dir):
+    target = spawn(python, "print('READY', flush=True)\nimport time\ntime.sleep(60)\n", probe=False)
+    assert not Path(endpoint_dir, f"{target.pid}.sock").exists()
+    assert "rankscope._native" not in "".join(target.output)
+
+
+def test_pth_hook_starts_the_probe_before_user_code(python, spawn, endpoint_dir):
+    source = """
+    import os, sys
+    print("READY", os.path.exists(os.path.join(os.environ["RANKSCOPE_DIR"], f"{os.getpid()}.sock")), "rankscope._native" in sys.modules, flush=True)
+    import time; time.sleep(60)
+    """
+    target = spawn(python, source)
+    assert target.output[-1].split() == ["READY", "True", "True"]
+
+
+def test_rankscope_run_probes_the_command_and_its_python_children(python, cli, spawn, endpoint_dir, rankscope_bin):
+    import subprocess
+
+    source = f"""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('CHILD', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    child.stdout.readline()
+    print("READY", child.pid, flush=True)
+    time.sleep(60)
+    """
+    # Started through `rankscope run`, not with RANKSCOPE=1.
+    workdir = Path(endpoint_dir).parent / f"rs-run-{os.getpid()}"
+    workdir.mkdir(exist_ok=True)
+    script = workdir / "target.py"
+    import textwrap
+
+    script.write_text(textwrap.dedent(source))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env["RANKSCOPE_DIR"] = endpoint_dir
+    env["RANKSCOPE_RUN_DIR"] = str(workdir / "run")
+    proc = subprocess.Popen([rankscope_bin, "run", "--", python, "-u", str(script)], stdout=subprocess.PIPE, env=env)
+    try:
+        line = proc.stdout.readline().decode().split()
+        assert line[0] == "READY", line
+        child_pid = int(line[1])
+        # `run` execs the command: the parent is the very process we started.
+        for pid in (proc.pid, child_pid):
+            result = cli(pid, "eval", "import os; os.getpid()")
+            assert result.returncode == 0, result.stderr
+            assert result.stdout == f"{pid}\n"
+    finally:
+        proc.kill()
+        proc.wait()
+        try:
+            os.kill(child_pid, 9)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+
+
+def test_start_and_stop_from_code_release_socket_and_thread(python, spawn, endpoint_dir):
+    source = """
+    import os, sys, time
+    import rankscope
+
+    # Thread count, not names: a new thread names itself a moment after it exists.
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    base = threads()
+
+    def probe_threads():
+        return threads() - base
+
+    before = probe_threads()
+    info = rankscope.start()
+    started = os.path.exists(info["socket"]), probe_threads()
+    again = rankscope.start()["socket"] == info["socket"]
+    rankscope.stop()
+    # stop() joins the thread, but the kernel drops a joined thread from
+    # /proc a moment later: give it up to 2 s before counting.
+    deadline = time.monotonic() + 2
+    while probe_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stopped = os.path.exists(info["socket"]), probe_threads()
+    print("READY", before, started, again, stopped, flush=True)
+    time.sleep(60)
+    """
+    target = spawn(python, source, probe=False)
+    assert target.output[-1].strip() == "READY 0 (True, 1) True (False, 0)"
+
+
+def test_the_probe_ends_cleanly_with_the_process(python, spawn, endpoint_dir):
+    source = """
+    print("READY", flush=True)
+    total = sum(range(10**6))
+    """
+    target = spawn(python, source)
+    assert target.proc.wait(timeout=30) == 0
+    assert target.proc.stderr.read() == b""
+    assert not Path(endpoint_dir, f"{target.pid}.sock").exists()
+    assert not Path(endpoint_dir, f"{target.pid}.json").exists()

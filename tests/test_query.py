@@ -1,0 +1,89 @@
+"""SQL over the live process: python.backtrace, python.threads, process.*."""
+
+import json
+import socket
+
+from conftest import line_of, query_json
+
+TARGET = """
+import os, threading, time
+os.environ["MY_API_TOKEN"] = "hunter2"
+os.environ["PLAIN_SETTING"] = "visible"
+
+def leaf():
+    print("READY", flush=True)
+    while True:
+        time.sleep(0.05)  # @leaf
+
+def middle():
+    leaf()
+
+threading.Thread(target=lambda: time.sleep(3600), name="sleeper", daemon=True).start()
+middle()
+"""
+
+
+def test_backtrace_query_filters_on_depth(python, spawn, cli):
+    target = spawn(python, TARGET)
+    rows = query_json(cli, target.pid, "SELECT thread_name, depth, func, file, lineno, frame_type FROM python.backtrace WHERE depth < 3 AND thread_name = 'MainThread' ORDER BY depth")
+    assert [r["func"] for r in rows] == ["leaf", "middle", "<module>"]
+    assert [r["depth"] for r in rows] == [0, 1, 2]
+    assert rows[0]["lineno"] == line_of(TARGET, "leaf")
+    assert {r["frame_type"] for r in rows} == {"Python"}
+
+
+def test_every_table_carries_pid_rank_host_and_ts(python, spawn, cli):
+    target = spawn(python, TARGET, env={"RANK": "3", "WORLD_SIZE": "8"})
+    for table in ["python.backtrace", "python.threads", "process.info", "process.env"]:
+        rows = query_json(cli, target.pid, f"SELECT pid, rank, host, ts FROM {table} LIMIT 1")
+        assert rows, table
+        row = rows[0]
+        assert row["pid"] == target.pid and row["rank"] == 3, (table, row)
+        assert row["host"] == socket.gethostname() and row["ts"], (table, row)
+
+
+def test_threads_and_info_tables(python, spawn, cli):
+    target = spawn(python, TARGET)
+    threads = query_json(cli, target.pid, "SELECT thread_name, is_main, daemon, func FROM python.threads ORDER BY thread_name")
+    assert {"thread_name": "sleeper", "is_main": False, "daemon": True, "func": "<lambda>"} in threads
+    assert any(t["is_main"] and t["func"] == "leaf" for t in threads)
+    info = query_json(cli, target.pid, "SELECT cmdline, python_version, uptime_s FROM process.info")
+    assert len(info) == 1 and "target.py" in info[0]["cmdline"]
+    assert info[0]["uptime_s"] >= 0
+
+
+def test_env_hides_secret_values(python, spawn, cli):
+    target = spawn(python, TARGET)
+    rows = query_json(cli, target.pid, "SELECT name, value, hidden FROM process.env WHERE name IN ('MY_API_TOKEN', 'PLAIN_SETTING') ORDER BY name")
+    assert rows == [
+        {"name": "MY_API_TOKEN", "value": "<hidden>", "hidden": True},
+        {"name": "PLAIN_SETTING", "value": "visible", "hidden": False},
+    ]
+    everything = cli(target.pid, "query", "SELECT * FROM process.env", "--format", "csv")
+    assert "hunter2" not in everything.stdout
+
+
+def test_show_tables_and_output_formats(default_python, spawn, cli):
+    target = spawn(default_python, TARGET)
+    shown = cli(target.pid, "query", "SHOW TABLES")
+    assert shown.returncode == 0, shown.stderr
+    for name in ["backtrace", "threads", "info", "env"]:
+        assert name in shown.stdout
+    table = cli(target.pid, "query", "SELECT func FROM python.backtrace WHERE depth = 0 AND thread_name = 'MainThread'")
+    assert table.stdout.splitlines()[0].startswith("+-")
+    assert "| leaf" in table.stdout
+    csv = cli(target.pid, "query", "SELECT func, depth FROM python.backtrace WHERE thread_name = 'MainThread' AND depth = 0", "--format", "csv")
+    assert csv.stdout == "func,depth\nleaf,0\n"
+    as_json = cli(target.pid, "query", "SELECT count(*) AS n FROM python.threads", "--format", "json")
+    assert json.loads(as_json.stdout)[0]["n"] >= 2
+
+
+def test_bad_sql_gets_the_engine_message_and_nonzero_exit(default_python, spawn, cli):
+    target = spawn(default_python, TARGET)
+    result = cli(target.pid, "query", "SELEC func FROM python.backtrace")
+    assert result.returncode != 0
+    assert result.stderr.startswith("error: query failed:")
+    assert "hint:" in result.stderr
+    missing = cli(target.pid, "query", "SELECT * FROM python.nonexistent")
+    assert missing.returncode != 0 and "nonexistent" in missing.stderr
+    assert target.alive()
