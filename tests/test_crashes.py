@@ -320,3 +320,58 @@ def test_empty_native_logs_of_dead_processes_are_cleaned(cli, tmp_path):
     assert "No crashes recorded" in result.stdout
     assert not dead.exists()
     assert live.exists()
+
+
+def test_crashes_are_a_table_after_the_processes_are_gone(default_python, cli, endpoint_dir, tmp_path):
+    _, script = run_target(default_python, CRASH, tmp_path, endpoint_dir)
+    native, _ = run_target(default_python, SEGFAULT, tmp_path, endpoint_dir)
+    assert native.returncode == -signal.SIGSEGV
+    result = cli(
+        "query",
+        "SELECT id, kind, rank, exc_type, message, file, lineno, source_line FROM python.crashes ORDER BY id",
+        "--run",
+        tmp_path,
+        "--format",
+        "json",
+    )
+    assert result.returncode == 0, result.stderr
+    exception, segfault = json.loads(result.stdout)
+    assert exception == {
+        "id": 1,
+        "kind": "exception",
+        "rank": 0,
+        "exc_type": "KeyError",
+        "message": "'missing.pt'",
+        "file": str(script),
+        "lineno": _line(CRASH, "raise"),
+        "source_line": "return table[path]  # @raise",
+    }
+    assert segfault["id"] == 2 and segfault["kind"] == "native"
+    assert "Segmentation fault" in segfault["message"] and segfault["lineno"] > 0
+
+
+def test_live_tables_need_a_process(cli, tmp_path):
+    result = cli("query", "SELECT * FROM python.backtrace", "--run", tmp_path)
+    assert_hinted_error(result, "python.backtrace is read from a live process", "rankscope PID query")
+
+
+LIVE_THREAD_CRASH = """
+import threading, time
+
+def work(shard):
+    raise OSError("disk gone")
+
+t = threading.Thread(target=work, args=(17,), name="loader")
+t.start()
+t.join()
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_live_process_shows_its_own_crashes(python, spawn, cli):
+    target = spawn(python, LIVE_THREAD_CRASH)
+    result = cli(target.pid, "query", "SELECT thread, exc_type, message, func FROM python.crashes", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"thread": "loader", "exc_type": "OSError", "message": "disk gone", "func": "work"}]

@@ -69,6 +69,15 @@ enum Command {
         #[arg(long)]
         python: Option<PathBuf>,
     },
+    /// SQL over what processes left on disk (python.crashes); `rankscope PID query` asks a live process
+    Query {
+        sql: String,
+        /// The run directory [default: RANKSCOPE_RUN_DIR, else every job under ~/.local/state/rankscope/runs]
+        #[arg(long)]
+        run: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "table")]
+        format: QueryFormat,
+    },
     /// Start the probe inside a running Python process that was started without it
     Inject {
         pid: u32,
@@ -156,6 +165,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::List { format } => commands::list::run(format),
         Command::Run { listen, command } => commands::run::run(listen, command),
+        Command::Query { sql, run, format } => commands::query::run_offline(run, &sql, format),
         Command::Inject { pid, timeout } => commands::inject::run(pid, timeout),
         Command::Demo { python } => commands::demo::run(python),
         Command::Crashes { run, format, action } => match action {

@@ -96,10 +96,19 @@ pub fn job_name() -> String {
 
 /// RANKSCOPE_RUN_DIR if set, else `~/.local/state/rankscope/runs/<job>`.
 pub fn run_dir() -> PathBuf {
-    match std::env::var_os(RUN_DIR_ENV) {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => runs_root().join(job_name()),
+    run_dir_of(|name| std::env::var(name).ok())
+}
+
+/// The run directory of a process whose environment `lookup` reads (another
+/// process's, as its probe reports it).
+pub fn run_dir_of(lookup: impl Fn(&str) -> Option<String>) -> PathBuf {
+    let set = |name: &str| lookup(name).filter(|v| !v.is_empty());
+    if let Some(dir) = set(RUN_DIR_ENV) {
+        return PathBuf::from(dir);
     }
+    let home = set("HOME").map(PathBuf::from).unwrap_or_else(home);
+    let job = JOB_ENVS.iter().find_map(|name| set(name)).unwrap_or_else(|| "local".to_string());
+    home.join(".local/state/rankscope/runs").join(job)
 }
 
 /// The crash record files directly in `dir`, unsorted.

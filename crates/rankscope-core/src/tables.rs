@@ -113,7 +113,26 @@ pub const PROCESS_ENV: TableDef = TableDef {
     columns: &[col("name", Utf8), col("value", Utf8), col("hidden", Bool)],
 };
 
-pub const ALL_TABLES: &[TableDef] = &[BACKTRACE, THREADS, PROCESS_INFO, PROCESS_ENV];
+pub const CRASHES: TableDef = TableDef {
+    schema: "python",
+    name: "crashes",
+    description: "one row per crash recorded in the run directory (ts is when it happened); id is the one `rankscope crashes` shows",
+    columns: &[
+        col("id", Int64),
+        col("kind", Utf8),
+        col("thread", Utf8),
+        col("exc_type", Utf8),
+        col("message", Utf8),
+        col("func", Utf8),
+        col("file", Utf8),
+        col("lineno", Int64),
+        col("source_line", Utf8),
+        col("job", Utf8),
+        col("path", Utf8),
+    ],
+};
+
+pub const ALL_TABLES: &[TableDef] = &[BACKTRACE, THREADS, PROCESS_INFO, PROCESS_ENV, CRASHES];
 
 pub fn find_table(schema: &str, name: &str) -> Option<&'static TableDef> {
     ALL_TABLES

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use rankscope_core::crash::{self, CrashRecord};
 use rankscope_core::paths;
-use serde_json::json;
+use rankscope_core::tables::Rows;
+use serde_json::{json, Value};
 
 use crate::hint::Hinted;
 use crate::ListFormat;
@@ -180,6 +181,68 @@ fn local_time(epoch: f64) -> String {
 
 fn opt<T: ToString>(value: Option<T>) -> String {
     value.map(|v| v.to_string()).unwrap_or_else(|| "?".to_string())
+}
+
+/// `python.crashes`: every record of the run directories `rankscope crashes`
+/// reads, in its order (so `id` matches), optionally only those of `pid`.
+pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>) -> Result<Rows> {
+    let (entries, _) = collect(run)?;
+    let mut rows = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        if pid.is_some() && e.pid() != pid {
+            continue;
+        }
+        let micros = json!((e.time * 1e6).round() as i64);
+        let row = match &e.kind {
+            Kind::Exception(r) => {
+                let exc = r.last_exception();
+                let frame = r.location();
+                vec![
+                    json!(r.pid),
+                    json!(r.rank),
+                    json!(r.host),
+                    micros,
+                    json!(i + 1),
+                    json!("exception"),
+                    json!(r.thread),
+                    json!(exc.map(|x| x.type_name.clone())),
+                    json!(exc.map(|x| x.message.clone())),
+                    json!(frame.map(|f| f.func.clone())),
+                    json!(frame.map(|f| f.file.clone())),
+                    json!(frame.map(|f| f.lineno)),
+                    json!(frame.and_then(|f| f.source.clone())),
+                    json!(e.job),
+                    json!(e.path.display().to_string()),
+                ]
+            }
+            Kind::Native { pid, text } => {
+                let location = native_location(text);
+                let (file, lineno) = match location.as_deref().and_then(|l| l.rsplit_once(':')) {
+                    Some((file, line)) => (Some(file.to_string()), line.parse::<i64>().ok()),
+                    None => (location.clone(), None),
+                };
+                vec![
+                    json!(pid),
+                    Value::Null,
+                    Value::Null,
+                    micros,
+                    json!(i + 1),
+                    json!("native"),
+                    Value::Null,
+                    Value::Null,
+                    json!(e.summary()),
+                    Value::Null,
+                    json!(file),
+                    json!(lineno),
+                    Value::Null,
+                    json!(e.job),
+                    json!(e.path.display().to_string()),
+                ]
+            }
+        };
+        rows.push(row);
+    }
+    Ok(rows)
 }
 
 pub fn list(run: Option<PathBuf>, format: ListFormat) -> Result<u8> {

@@ -1,5 +1,6 @@
 //! `rankscope PID query SQL`: the probe hands over rows, the CLI runs the SQL.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -55,13 +56,49 @@ impl RowSource for LiveProbe {
                 let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
                 Ok(tables::env_rows(&meta, &env, now()))
             }
+            ("python", "crashes") => {
+                // The target's run directory, from the target's environment.
+                let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
+                let dir = rankscope_core::crash::run_dir_of(|name| {
+                    env.vars.iter().find(|v| v.name == name && !v.hidden).map(|v| v.value.clone())
+                });
+                if !dir.is_dir() {
+                    return Ok(Vec::new());
+                }
+                super::crashes::table_rows(Some(dir), Some(meta.pid)).map_err(|e| format!("{e:#}"))
+            }
             _ => Err(format!("no rows for {}", table.qualified_name())),
         }
     }
 }
 
+/// What is left on disk when no process is asked: the run directories.
+struct RunDirs {
+    run: Option<PathBuf>,
+}
+
+impl RowSource for RunDirs {
+    fn rows(&self, table: &TableDef) -> Result<Rows, String> {
+        match (table.schema, table.name) {
+            ("python", "crashes") => super::crashes::table_rows(self.run.clone(), None).map_err(|e| format!("{e:#}")),
+            _ => Err(format!(
+                "{} is read from a live process: run `rankscope PID query ...` (`rankscope list` shows the PIDs)",
+                table.qualified_name()
+            )),
+        }
+    }
+}
+
+/// `rankscope query SQL`: no process, only what the run directories hold.
+pub fn run_offline(run: Option<PathBuf>, sql: &str, format: QueryFormat) -> Result<u8> {
+    execute(Arc::new(RunDirs { run }), sql, format)
+}
+
 pub fn run(probe: Probe, sql: &str, format: QueryFormat) -> Result<u8> {
-    let source = Arc::new(LiveProbe { probe, meta: Mutex::new(None), stacks: Mutex::new(None) });
+    execute(Arc::new(LiveProbe { probe, meta: Mutex::new(None), stacks: Mutex::new(None) }), sql, format)
+}
+
+fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Result<u8> {
     let (schema, batches) = run_sql(source, sql).map_err(|e| match e {
         QueryError::Sql(message) => Hinted::new(
             format!("query failed: {message}"),
