@@ -1,0 +1,119 @@
+"""Helpers shared by the benchmarks: where the tools are, starting a target,
+simple statistics. Standard library only.
+
+The benchmarks are meant to be run with the project's virtual environment
+(`.venv/bin/python bench/...`), so the tools are looked up next to that
+interpreter first, then on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class BenchError(Exception):
+    """Something went wrong while measuring (not a missed target)."""
+
+
+def tool(name: str) -> str:
+    """The executable `name`: next to this interpreter, else on PATH."""
+    beside = Path(sys.prefix) / "bin" / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise BenchError(f"{name} not found next to {sys.executable} nor on PATH")
+    return found
+
+
+def private_dir(prefix: str) -> str:
+    """A fresh endpoint directory for one target (mode 0700, under /tmp)."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+def start_target(source: str, env: dict[str, str], args: tuple[str, ...] = (), ready: str = "ready", timeout: float = 30.0):
+    """Run `source` (with `args` as sys.argv[1:]) with this interpreter and wait for a stdout line starting
+    with `ready` (the target prints it once it is set up: no sleeps here).
+
+    Returns (process, the ready line). The process keeps stdin and stdout
+    pipes so a benchmark can talk to it line by line.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", source, *args],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
+    deadline = time.monotonic() + timeout
+    line = proc.stdout.readline()
+    while line and not line.startswith(ready):
+        if time.monotonic() > deadline:
+            break
+        line = proc.stdout.readline()
+    if not line.startswith(ready):
+        stop_target(proc)
+        raise BenchError(f"target exited (rc={proc.returncode}) before printing {ready!r}")
+    return proc, line.strip()
+
+
+def stop_target(proc) -> None:
+    """Kill a target and reap it; safe to call twice."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """This environment without any RANKSCOPE* variable, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env.update(extra)
+    return env
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def p90(xs):
+    """90th percentile, nearest-rank."""
+    ordered = sorted(xs)
+    return ordered[max(0, -(-len(ordered) * 9 // 10) - 1)]
+
+
+def machine() -> str:
+    """One line about where this ran: CPU, cores, load (the machine may be busy)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{cpu}; {os.cpu_count()} cores; load average {load}; "
+        f"Python {platform.python_version()}; {platform.system()} {platform.release()}"
+    )
+
+
+def run_main(main) -> None:
+    """Exit with main()'s status; a BenchError is one line on stderr and 1."""
+    try:
+        sys.exit(main())
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
