@@ -30,12 +30,34 @@ def _target_dir() -> Path:
     return Path(configured) if configured else ROOT / "target"
 
 
+# What py-spy's native unwinder links against (Debian: libunwind-dev, liblzma-dev).
+NATIVE_LIBS = ("libunwind.so", "libunwind-ptrace.so", "libunwind-x86_64.so", "liblzma.so")
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def native_unwinding_available() -> bool:
+    """`bt --native` needs libunwind at build time; without it the CLI is
+    built without native frames (and says so when asked). RANKSCOPE_NATIVE=0
+    or 1 overrides the check."""
+    forced = os.environ.get("RANKSCOPE_NATIVE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return all(any(Path(d, lib).exists() for d in LIB_DIRS) for lib in NATIVE_LIBS)
+
+
+def cli_cargo_args() -> list[str]:
+    args = ["--release", "--locked", "-p", "rankscope-cli"]
+    if native_unwinding_available():
+        args += ["--features", "rankscope-cli/native"]
+    return args
+
+
 def _build_cli() -> None:
     if os.environ.get("RANKSCOPE_SKIP_CLI_BUILD") and (SCRIPTS / "rankscope").exists():
         return
     cargo = shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
     subprocess.run(
-        [cargo, "build", "--release", "--locked", "-p", "rankscope-cli", "--bin", "rankscope"],
+        [cargo, "build", *cli_cargo_args(), "--bin", "rankscope"],
         cwd=ROOT,
         check=True,
     )

@@ -29,8 +29,36 @@ find_python() {
     fi
 }
 
+# `bt --native` links libunwind: install its development files when this
+# user may (root, or passwordless sudo). Without them the build goes on and
+# `--native` says what to install.
+ensure_native_unwinding() {
+    local have=1 lib
+    for lib in libunwind.so libunwind-ptrace.so libunwind-x86_64.so liblzma.so; do
+        [ -e "/usr/lib/x86_64-linux-gnu/$lib" ] || have=0
+    done
+    [ "$have" = 1 ] && return 0
+    [ "$(uname -m)" = x86_64 ] && command -v apt-get >/dev/null 2>&1 || return 0
+    local sudo=""
+    if [ "$(id -u)" != 0 ]; then
+        sudo -n true 2>/dev/null || { echo "note: libunwind-dev missing and no root: bt --native will be off"; return 0; }
+        sudo="sudo -n"
+    fi
+    echo "== installing libunwind-dev liblzma-dev (for bt --native)"
+    $sudo apt-get install -y -qq --no-install-recommends libunwind-dev liblzma-dev >/dev/null 2>&1 \
+        || { $sudo apt-get update -qq >/dev/null 2>&1 && $sudo apt-get install -y -qq --no-install-recommends libunwind-dev liblzma-dev >/dev/null 2>&1; } \
+        || echo "note: could not install libunwind-dev: bt --native will be off"
+}
+
+# The cargo arguments the wheel's build uses for the CLI (same features, so
+# `cargo test` reuses its artifacts).
+cli_cargo_args() {
+    "$VENV/bin/python" -c "import sys; sys.path.insert(0, '$ROOT/build_backend'); import rankscope_build; print(' '.join(rankscope_build.cli_cargo_args()))"
+}
+
 # Builds the wheel (probe + CLI) once and installs it into $VENV.
 build_and_install() {
+    ensure_native_unwinding
     local base
     base="$(find_python 3.11)"
     [ -n "$base" ] || base="$(command -v python3)"

@@ -78,6 +78,18 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: QueryFormat,
     },
+    /// A pdb session in a crashed process held for a debugger (RANKSCOPE_ON_ERROR=socket)
+    Debug {
+        /// The rank to debug
+        #[arg(long)]
+        rank: Option<i64>,
+        /// The process to debug
+        #[arg(long)]
+        pid: Option<u32>,
+        /// The run directory [default: RANKSCOPE_RUN_DIR, else every job under ~/.local/state/rankscope/runs]
+        #[arg(long)]
+        run: Option<PathBuf>,
+    },
     /// Start the probe inside a running Python process that was started without it
     Inject {
         pid: u32,
@@ -119,6 +131,9 @@ pub enum Action {
         /// Show each frame's locals (bounded, safe reprs)
         #[arg(long)]
         locals: bool,
+        /// Interleave native (C, C++, Rust) frames, read from outside the process
+        #[arg(long)]
+        native: bool,
         #[arg(long, value_enum, default_value = "text")]
         format: BtFormat,
         /// Seconds to wait for the probe before reading the stacks from
@@ -147,6 +162,9 @@ pub enum Action {
     /// Run SQL over the process's tables (SHOW TABLES lists them)
     Query {
         sql: String,
+        /// python.backtrace gets native frames too (frame_type = 'Native'), read from outside
+        #[arg(long)]
+        native: bool,
         #[arg(long, value_enum, default_value = "table")]
         format: QueryFormat,
     },
@@ -166,6 +184,7 @@ fn main() -> ExitCode {
         Command::List { format } => commands::list::run(format),
         Command::Run { listen, command } => commands::run::run(listen, command),
         Command::Query { sql, run, format } => commands::query::run_offline(run, &sql, format),
+        Command::Debug { rank, pid, run } => commands::debug::run(rank, pid, run),
         Command::Inject { pid, timeout } => commands::inject::run(pid, timeout),
         Command::Demo { python } => commands::demo::run(python),
         Command::Crashes { run, format, action } => match action {

@@ -56,9 +56,23 @@ fn is_probe_thread(pid: u32, tid: Option<u64>) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).is_ok_and(|name| name.starts_with("rankscope-"))
 }
 
-/// Every thread's stack, innermost frame first; `python_version` is filled in.
-pub fn read_stacks(pid: u32, with_locals: bool) -> Result<(StacksReply, String)> {
+/// Whether this build can unwind native stacks (py-spy's `unwind` feature,
+/// which links libunwind).
+pub const NATIVE_SUPPORTED: bool = cfg!(feature = "native");
+
+/// Every thread's stack, innermost frame first; `python_version` is filled
+/// in. With `native`, C/C++/Rust frames are merged in where the interpreter
+/// called into them (py-spy matches Python frames to the eval-loop frames).
+pub fn read_stacks(pid: u32, with_locals: bool, native: bool) -> Result<(StacksReply, String)> {
+    if native && !NATIVE_SUPPORTED {
+        return Err(Hinted::new(
+            "this rankscope was built without native unwinding",
+            "install libunwind-dev (apt-get install libunwind-dev liblzma-dev) and reinstall rankscope with `pip install .`",
+        )
+        .into());
+    }
     let config = Config {
+        native,
         blocking: LockingStrategy::Lock,
         include_idle: true,
         collect_thread_names: true,
@@ -84,8 +98,8 @@ pub fn read_stacks(pid: u32, with_locals: bool) -> Result<(StacksReply, String)>
                 .frames
                 .into_iter()
                 .map(|f| Frame {
-                    func: f.name.clone(),
-                    qualname: f.name,
+                    func: if f.module.is_some() { demangle(&f.name) } else { f.name.clone() },
+                    qualname: if f.module.is_some() { demangle(&f.name) } else { f.name },
                     file: f.filename,
                     lineno: i64::from(f.line),
                     locals: f.locals.map(|locals| {
@@ -94,12 +108,26 @@ pub fn read_stacks(pid: u32, with_locals: bool) -> Result<(StacksReply, String)>
                             .map(|l| Local { name: l.name, repr: l.repr.unwrap_or_else(|| "?".into()), type_name: String::new() })
                             .collect()
                     }),
+                    native_module: f.module,
                 })
                 .collect(),
         })
         .collect();
     threads.sort_by_key(|t| (!t.is_main, t.name.clone(), t.thread_id));
     Ok((StacksReply { taken_at: now(), threads }, version))
+}
+
+/// py-spy demangles C++ (which also turns Rust's legacy `_ZN` symbols into
+/// `a::b::h<hash>`); Rust v0 symbols (`_R...`) are left to rustc-demangle,
+/// and the legacy hash suffix is dropped.
+pub fn demangle(name: &str) -> String {
+    if let Ok(symbol) = rustc_demangle::try_demangle(name) {
+        return format!("{symbol:#}");
+    }
+    match name.rsplit_once("::h") {
+        Some((path, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => path.to_string(),
+        _ => name.to_string(),
+    }
 }
 
 /// What can be said about a process without a probe, for the `bt` header.
@@ -130,5 +158,23 @@ pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
         rankscope_version: String::new(),
         protocol: rankscope_core::PROTOCOL_VERSION,
         tcp: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::demangle;
+
+    #[test]
+    fn rust_symbols_are_demangled_without_their_hash() {
+        assert_eq!(demangle("_ZN3std2rt10lang_start17h0123456789abcdefE"), "std::rt::lang_start");
+        assert_eq!(demangle("std::rt::lang_start::h0123456789abcdef"), "std::rt::lang_start");
+        assert_eq!(demangle("_RNvCs15kBYyAo9fc_7mycrate7example"), "mycrate::example");
+    }
+
+    #[test]
+    fn other_names_are_kept() {
+        assert_eq!(demangle("PyObject_Call"), "PyObject_Call");
+        assert_eq!(demangle("at::native::add_out(at::Tensor const&)"), "at::native::add_out(at::Tensor const&)");
     }
 }

@@ -40,7 +40,19 @@ pub fn render(meta: &ProcessMeta, stacks: &StacksReply) -> String {
         let _ = writeln!(out, "\n{}", thread_title(thread));
         for frame in &thread.frames {
             let name = if frame.qualname.is_empty() { &frame.func } else { &frame.qualname };
-            let _ = writeln!(out, "    {name} ({}:{})", frame.file, frame.lineno);
+            match &frame.native_module {
+                // Native frames: the library, and the source line when its
+                // debug information has one.
+                Some(module) if frame.lineno > 0 && frame.file != *module => {
+                    let _ = writeln!(out, "    [native] {name} ({}:{}) in {}", frame.file, frame.lineno, short_module(module));
+                }
+                Some(module) => {
+                    let _ = writeln!(out, "    [native] {name} in {}", short_module(module));
+                }
+                None => {
+                    let _ = writeln!(out, "    {name} ({}:{})", frame.file, frame.lineno);
+                }
+            }
             if let Some(locals) = &frame.locals {
                 for local in locals {
                     let _ = writeln!(out, "        {} = {}", local.name, indent_continuation(&local.repr));
@@ -49,6 +61,10 @@ pub fn render(meta: &ProcessMeta, stacks: &StacksReply) -> String {
         }
     }
     out
+}
+
+fn short_module(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
 }
 
 /// Multi-line reprs stay inside their frame's block.
@@ -95,8 +111,9 @@ mod tests {
                         file: "t.py".into(),
                         lineno: 3,
                         locals: Some(vec![Local { name: "x".into(), repr: "1".into(), type_name: "int".into() }]),
+                        native_module: None,
                     },
-                    Frame { func: "<module>".into(), qualname: "".into(), file: "t.py".into(), lineno: 9, locals: None },
+                    Frame { func: "<module>".into(), qualname: "".into(), file: "t.py".into(), lineno: 9, locals: None, native_module: None },
                 ],
             }],
         };

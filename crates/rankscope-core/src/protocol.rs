@@ -49,6 +49,16 @@ pub struct Frame {
     pub lineno: i64,
     #[serde(default)]
     pub locals: Option<Vec<Local>>,
+    /// The shared object a native (C, C++, Rust) frame runs in; None for a
+    /// Python frame.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub native_module: Option<String>,
+}
+
+impl Frame {
+    pub fn is_native(&self) -> bool {
+        self.native_module.is_some()
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

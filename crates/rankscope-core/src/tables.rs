@@ -172,7 +172,7 @@ pub fn backtrace_rows(meta: &ProcessMeta, stacks: &StacksReply) -> Rows {
                 json!(frame.qualname),
                 json!(frame.file),
                 json!(frame.lineno),
-                json!("Python"),
+                json!(if frame.is_native() { "Native" } else { "Python" }),
             ]);
             rows.push(row);
         }
@@ -256,7 +256,7 @@ mod tests {
     }
 
     fn frame(func: &str, lineno: i64) -> Frame {
-        Frame { func: func.into(), qualname: func.into(), file: "t.py".into(), lineno, locals: None }
+        Frame { func: func.into(), qualname: func.into(), file: "t.py".into(), lineno, locals: None, native_module: None }
     }
 
     fn stacks() -> StacksReply {

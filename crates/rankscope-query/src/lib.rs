@@ -13,7 +13,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use datafusion::arrow::record_batch::RecordBatch;
-use datafusion::catalog::{MemTable, MemoryCatalogProvider, SchemaProvider, TableProvider};
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::catalog::{MemTable, MemoryCatalogProvider, SchemaProvider, Session, TableProvider};
+use datafusion::logical_expr::{Expr, TableType};
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::error::DataFusionError;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use rankscope_core::tables::{ALL_TABLES, Rows, TableDef};
@@ -69,18 +72,52 @@ impl SchemaProvider for LazySchema {
     }
 
     async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>, DataFusionError> {
-        let Some(def) = self.def(name) else { return Ok(None) };
+        Ok(self.def(name).map(|def| Arc::new(LazyTable { def, source: self.source.clone() }) as Arc<dyn TableProvider>))
+    }
+
+    fn table_exist(&self, name: &str) -> bool {
+        self.def(name).is_some()
+    }
+}
+
+/// A table whose schema is known up front and whose rows are fetched only
+/// when a plan scans it: `SHOW TABLES` and `information_schema` never reach a
+/// probe, and a query fetches only the tables it reads.
+struct LazyTable {
+    def: &'static TableDef,
+    source: Arc<dyn RowSource>,
+}
+
+impl fmt::Debug for LazyTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LazyTable({})", self.def.qualified_name())
+    }
+}
+
+#[async_trait]
+impl TableProvider for LazyTable {
+    fn schema(&self) -> SchemaRef {
+        arrow_schema(self.def)
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    async fn scan(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
+        let def = self.def;
         let rows = self
             .source
             .rows(def)
             .map_err(|e| DataFusionError::Execution(format!("cannot read {}: {e}", def.qualified_name())))?;
         let batch = rows_to_batch(def, &rows)?;
-        let table = MemTable::try_new(batch.schema(), vec![vec![batch]])?;
-        Ok(Some(Arc::new(table)))
-    }
-
-    fn table_exist(&self, name: &str) -> bool {
-        self.def(name).is_some()
+        MemTable::try_new(batch.schema(), vec![vec![batch]])?.scan(state, projection, filters, limit).await
     }
 }
 
@@ -162,6 +199,7 @@ mod tests {
                             file: "x.py".into(),
                             lineno: 10 + i,
                             locals: None,
+                            native_module: None,
                         })
                         .collect(),
                 }],
@@ -189,9 +227,23 @@ mod tests {
     }
 
     #[test]
+    fn show_tables_reads_no_rows() {
+        struct Refusing;
+        impl RowSource for Refusing {
+            fn rows(&self, _: &TableDef) -> Result<Rows, String> {
+                Err("no rows here".into())
+            }
+        }
+        let (_, batches) = run_sql(Arc::new(Refusing), "SHOW TABLES").unwrap();
+        assert!(batches.iter().map(|b| b.num_rows()).sum::<usize>() >= 5);
+        let err = run_sql(Arc::new(Refusing), "SELECT * FROM python.threads").unwrap_err();
+        assert!(err.to_string().contains("cannot read python.threads: no rows here"), "{err}");
+    }
+
+    #[test]
     fn show_tables_lists_every_schema() {
         let out = query("SHOW TABLES").unwrap();
-        for name in ["backtrace", "threads", "info", "env"] {
+        for name in ["backtrace", "threads", "info", "env", "crashes"] {
             assert!(out.contains(name), "{name} missing from {out}");
         }
     }

@@ -201,6 +201,7 @@ def record(exc: BaseException, source: str, thread_name: str | None = None) -> s
 def _excepthook(exc_type, exc, tb):
     if exc is not None:
         record(exc, "excepthook")
+        post_mortem(exc)
     previous = _previous_excepthook or sys.__excepthook__
     previous(exc_type, exc, tb)
 
@@ -279,6 +280,20 @@ def install() -> None:
         sys.stderr.write(f"rankscope: native crash log not enabled: {err}\n")
 
 
+def post_mortem(exc: BaseException) -> None:
+    """Opens the post-mortem RANKSCOPE_ON_ERROR asks for, at most once per
+    exception; "record" (the default) opens none."""
+    try:
+        from rankscope._probe import postmortem
+
+        postmortem.open_for(exc)
+    except BaseException as err:  # noqa: BLE001 - the user's crash must stay the user's
+        try:
+            sys.stderr.write(f"rankscope: post-mortem not opened: {type(err).__name__}: {err}\n")
+        except BaseException:  # noqa: BLE001
+            pass
+
+
 class on_error:  # noqa: N801 - used like a function: @rankscope.on_error()
     """Records an exception that leaves the block or function, then re-raises it.
 
@@ -291,7 +306,8 @@ class on_error:  # noqa: N801 - used like a function: @rankscope.on_error()
 
     def __exit__(self, exc_type, exc, tb):
         if exc is not None and not issubclass(exc_type, (SystemExit, GeneratorExit)):
-            record(exc, "on_error")
+            if record(exc, "on_error") is not None:
+                post_mortem(exc)
         return False
 
     def __call__(self, func):

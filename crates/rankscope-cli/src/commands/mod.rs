@@ -1,4 +1,5 @@
 pub mod crashes;
+pub mod debug;
 pub mod inject;
 pub mod demo;
 pub mod list;
@@ -27,9 +28,9 @@ fn seconds(value: f64, flag: &str) -> Result<Duration> {
 const PROBE_DEADLINE_S: f64 = 1.0;
 
 pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
-    if let Action::Bt { locals, format, timeout } = action {
+    if let Action::Bt { locals, native, format, timeout } = action {
         let deadline = seconds(timeout.unwrap_or(PROBE_DEADLINE_S), "--timeout")?;
-        return bt(pid, locals, format, deadline);
+        return bt(pid, locals, native, format, deadline);
     }
     let probe = Probe::locate(pid)?;
     match action {
@@ -48,18 +49,25 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
             seconds(timeout, "--timeout")?;
             repl::run(&probe, timeout)
         }
-        Action::Query { sql, format } => query::run(probe, &sql, format),
+        Action::Query { sql, native, format } => query::run(probe, &sql, native, format),
     }
 }
 
 /// Asks the probe first; without one, or when it does not answer within the
 /// deadline (a thread holding the GIL in C blocks it), reads from outside.
-fn bt(pid: u32, locals: bool, format: BtFormat, deadline: Duration) -> Result<u8> {
-    let (meta, stacks, note) = match Probe::find(pid)? {
+fn bt(pid: u32, locals: bool, native: bool, format: BtFormat, deadline: Duration) -> Result<u8> {
+    let probe = Probe::find(pid)?;
+    let (meta, stacks, note) = match probe {
+        // Only the outside read sees native frames; the probe still names the process.
+        Some(probe) if native => {
+            let (stacks, version) = outside::read_stacks(pid, locals, true)?;
+            let meta = probe.meta(deadline).unwrap_or_else(|_| outside::meta_from_proc(pid, version));
+            (meta, stacks, None)
+        }
         Some(probe) => match probe.stacks(locals, deadline).and_then(|s| Ok((probe.meta(deadline)?, s))) {
             Ok((meta, stacks)) => (meta, stacks, None),
             Err(probe_err) => {
-                let (stacks, version) = outside::read_stacks(pid, locals)
+                let (stacks, version) = outside::read_stacks(pid, locals, false)
                     .map_err(|outside_err| outside_err.context(format!("and the probe failed too: {probe_err:#}")))?;
                 let note = format!(
                     "note: the probe did not answer ({}); stacks were read from outside the process",
@@ -69,7 +77,7 @@ fn bt(pid: u32, locals: bool, format: BtFormat, deadline: Duration) -> Result<u8
             }
         },
         None => {
-            let (stacks, version) = outside::read_stacks(pid, locals)?;
+            let (stacks, version) = outside::read_stacks(pid, locals, native)?;
             let note = "note: no probe in this process; stacks were read from outside it".to_string();
             (outside::meta_from_proc(pid, version), stacks, Some(note))
         }

@@ -19,6 +19,8 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// a query joining backtrace and threads sees one consistent snapshot.
 struct LiveProbe {
     probe: Probe,
+    /// Stacks come from outside, with native frames merged in.
+    native: bool,
     meta: Mutex<Option<ProcessMeta>>,
     stacks: Mutex<Option<StacksReply>>,
 }
@@ -35,7 +37,12 @@ impl LiveProbe {
     fn stacks(&self) -> Result<StacksReply, String> {
         let mut cached = self.stacks.lock().unwrap_or_else(|e| e.into_inner());
         if cached.is_none() {
-            *cached = Some(self.probe.stacks(false, PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?);
+            let stacks = if self.native {
+                crate::outside::read_stacks(self.probe.pid, false, true).map(|(s, _)| s)
+            } else {
+                self.probe.stacks(false, PROBE_TIMEOUT)
+            };
+            *cached = Some(stacks.map_err(|e| format!("{e:#}"))?);
         }
         Ok(cached.clone().expect("set above"))
     }
@@ -94,8 +101,12 @@ pub fn run_offline(run: Option<PathBuf>, sql: &str, format: QueryFormat) -> Resu
     execute(Arc::new(RunDirs { run }), sql, format)
 }
 
-pub fn run(probe: Probe, sql: &str, format: QueryFormat) -> Result<u8> {
-    execute(Arc::new(LiveProbe { probe, meta: Mutex::new(None), stacks: Mutex::new(None) }), sql, format)
+pub fn run(probe: Probe, sql: &str, native: bool, format: QueryFormat) -> Result<u8> {
+    if native && !crate::outside::NATIVE_SUPPORTED {
+        // Said before any SQL runs, whatever tables the query names.
+        crate::outside::read_stacks(probe.pid, false, true)?;
+    }
+    execute(Arc::new(LiveProbe { probe, native, meta: Mutex::new(None), stacks: Mutex::new(None) }), sql, format)
 }
 
 fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Result<u8> {
