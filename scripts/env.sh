@@ -29,25 +29,31 @@ find_python() {
     fi
 }
 
-# `bt --native` links libunwind: install its development files when this
-# user may (root, or passwordless sudo). Without them the build goes on and
-# `--native` says what to install.
-ensure_native_unwinding() {
-    local have=1 lib
-    for lib in libunwind.so libunwind-ptrace.so libunwind-x86_64.so liblzma.so; do
-        [ -e "/usr/lib/x86_64-linux-gnu/$lib" ] || have=0
-    done
-    [ "$have" = 1 ] && return 0
-    [ "$(uname -m)" = x86_64 ] && command -v apt-get >/dev/null 2>&1 || return 0
+# Installs Debian packages when this user may (root, or passwordless sudo);
+# returns non-zero when it could not.
+apt_install() {
+    command -v apt-get >/dev/null 2>&1 || return 1
     local sudo=""
     if [ "$(id -u)" != 0 ]; then
-        sudo -n true 2>/dev/null || { echo "note: libunwind-dev missing and no root: bt --native will be off"; return 0; }
+        sudo -n true 2>/dev/null || return 1
         sudo="sudo -n"
     fi
-    echo "== installing libunwind-dev liblzma-dev (for bt --native)"
-    $sudo apt-get install -y -qq --no-install-recommends libunwind-dev liblzma-dev >/dev/null 2>&1 \
-        || { $sudo apt-get update -qq >/dev/null 2>&1 && $sudo apt-get install -y -qq --no-install-recommends libunwind-dev liblzma-dev >/dev/null 2>&1; } \
-        || echo "note: could not install libunwind-dev: bt --native will be off"
+    echo "== installing $* (Debian packages)"
+    $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1 \
+        || { $sudo apt-get update -qq >/dev/null 2>&1 && $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null 2>&1; }
+}
+
+# `bt --native` links libunwind. Without its development files the build
+# goes on and `--native` says what to install.
+ensure_native_unwinding() {
+    local lib
+    [ "$(uname -m)" = x86_64 ] || return 0
+    for lib in libunwind.so libunwind-ptrace.so libunwind-x86_64.so liblzma.so; do
+        if [ ! -e "/usr/lib/x86_64-linux-gnu/$lib" ]; then
+            apt_install libunwind-dev liblzma-dev || echo "note: could not install libunwind-dev: bt --native will be off"
+            return 0
+        fi
+    done
 }
 
 # The cargo arguments the wheel's build uses for the CLI (same features, so

@@ -375,3 +375,38 @@ def test_a_live_process_shows_its_own_crashes(python, spawn, cli):
     result = cli(target.pid, "query", "SELECT thread, exc_type, message, func FROM python.crashes", "--format", "json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [{"thread": "loader", "exc_type": "OSError", "message": "disk gone", "func": "work"}]
+
+
+TENSOR_CRASH = """
+import torch
+
+def step(batch):
+    weights = torch.tensor([[1.0, float("nan"), 3.0], [float("inf"), -2.0, 0.5]])
+    ids = torch.arange(6)
+    big = torch.zeros(4096, 4096, dtype=torch.float16)
+    return weights @ batch  # @raise
+
+print("READY", flush=True)
+step(torch.ones(2, 2))
+"""
+
+
+def test_tensors_in_a_crash_are_summarized_never_printed(default_python, cli, endpoint_dir, tmp_path):
+    has_torch = subprocess.run([default_python, "-c", "import torch"], capture_output=True).returncode == 0
+    if not has_torch:
+        pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
+    result, _ = run_target(default_python, TENSOR_CRASH, tmp_path, endpoint_dir)
+    assert result.returncode == 1 and "RuntimeError" in result.stderr
+    [record] = records(tmp_path)
+    frame = record["exceptions"][-1]["frames"][-1]
+    assert frame["func"] == "step" and frame["lineno"] == _line(TENSOR_CRASH, "raise")
+    local = {entry["name"]: entry["repr"] for entry in frame["locals"]}
+    assert local["weights"] == (
+        "Tensor(shape=[2, 3], dtype=torch.float32, device=cpu, min=-2, max=3, mean=0.625, nan=1, inf=1)"
+    )
+    assert local["ids"] == "Tensor(shape=[6], dtype=torch.int64, device=cpu, min=0, max=5, mean=2.5, nan=0, inf=0)"
+    assert local["batch"].startswith("Tensor(shape=[2, 2], dtype=torch.float32")
+    # 16M elements: past the statistics bound, metadata only.
+    assert local["big"] == "Tensor(shape=[4096, 4096], dtype=torch.float16, device=cpu)"
+    shown = cli("crashes", "show", "1", "--run", tmp_path)
+    assert "nan=1, inf=1" in shown.stdout

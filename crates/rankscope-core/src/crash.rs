@@ -50,7 +50,9 @@ pub struct CrashRecord {
     /// Seconds since the epoch.
     pub time: f64,
     pub host: String,
-    pub rank: i64,
+    /// None for a process outside the ranks: the torchrun launcher.
+    #[serde(default)]
+    pub rank: Option<i64>,
     pub pid: u32,
     pub thread: String,
     #[serde(default)]
@@ -159,7 +161,7 @@ mod tests {
     #[test]
     fn a_record_written_by_the_probe_parses() {
         let record: CrashRecord = serde_json::from_str(RECORD).unwrap();
-        assert_eq!(record.rank, 3);
+        assert_eq!(record.rank, Some(3));
         assert_eq!(record.last_exception().unwrap().type_name, "ValueError");
         assert_eq!(record.location().unwrap().lineno, 9);
         assert_eq!(record.exceptions[0].frames[0].locals[0].repr, "[1, 2]");

@@ -38,7 +38,10 @@ pub fn render(schema: &SchemaRef, batches: &[RecordBatch], format: OutputFormat)
         OutputFormat::Json => {
             let mut out = Vec::new();
             {
-                let mut writer = arrow::json::ArrayWriter::new(&mut out);
+                // Every row has every column, null included: scripts index by key.
+                let mut writer = arrow::json::WriterBuilder::new()
+                    .with_explicit_nulls(true)
+                    .build::<_, arrow::json::writer::JsonArray>(&mut out);
                 for batch in batches {
                     writer.write(batch).map_err(err)?;
                 }

@@ -56,6 +56,18 @@ def _rank() -> int:
         return 0
 
 
+def _is_launcher() -> bool:
+    """torchrun's own process (the elastic agent): it has no rank, and its
+    crash is the echo of a worker's."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(argv0)
+    return "RANK" not in os.environ and (name == "torchrun" or argv0.endswith(os.path.join("torch", "distributed", "run.py")))
+
+
+def _record_rank() -> int | None:
+    return None if _is_launcher() else _rank()
+
+
 def _frames(tb, budget: Budget) -> list[dict]:
     frames = []
     while tb is not None and len(frames) < MAX_FRAMES:
@@ -143,12 +155,12 @@ def build_record(exc: BaseException, source: str, thread_name: str | None = None
         "source": source,
         "time": now,
         "host": socket.gethostname(),
-        "rank": _rank(),
+        "rank": _record_rank(),
         "pid": os.getpid(),
         "thread": thread_name,
         "argv": [str(a) for a in sys.argv],
         "python_version": sys.version.split()[0],
-        "exceptions": _chain(exc, Budget()),
+        "exceptions": _chain(exc, Budget(tensor_stats=True)),
     }
 
 

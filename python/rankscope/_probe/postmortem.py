@@ -7,6 +7,10 @@
 - ``socket``: the process listens on ``debug-rank<R>-pid<P>.sock`` in the
   run directory (0700, so only this user) and serves one pdb session there:
   ``rankscope debug --rank R`` or ``nc -U`` on the socket.
+- ``web``: one page per rank on 127.0.0.1, port RANKSCOPE_WEB_PORT (7860)
+  plus the rank, with the stack, the locals and a pdb console. The URL
+  carries a random token, printed on stderr: any local user can reach a
+  loopback port, and the console runs code.
 
 A held process waits at most RANKSCOPE_HOLD_TIMEOUT seconds (default 600)
 for a debugger, and a session that stays silent that long ends too, so a
@@ -21,7 +25,8 @@ import sys
 
 from rankscope._probe import crashes
 
-MODES = ("record", "console", "socket")
+MODES = ("record", "console", "socket", "web")
+DEFAULT_WEB_PORT = 7860
 DEFAULT_HOLD_S = 600.0
 _MARK = "__rankscope_post_mortem__"
 
@@ -52,7 +57,9 @@ def _in_a_job() -> bool:
 
 def open_for(exc: BaseException) -> None:
     chosen = mode()
-    if chosen == "record" or getattr(exc, _MARK, False):
+    # torchrun's own process fails because a worker did: holding it would
+    # only keep the job from ending, with nothing to debug in it.
+    if chosen == "record" or getattr(exc, _MARK, False) or crashes._is_launcher():
         return
     try:
         setattr(exc, _MARK, True)
@@ -61,6 +68,11 @@ def open_for(exc: BaseException) -> None:
     tb = exc.__traceback__
     if chosen == "console" and sys.stdin is not None and sys.stdin.isatty() and (not _in_a_job() or crashes._rank() == 0):
         _console(exc, tb)
+    elif chosen == "web":
+        from rankscope._probe import postmortem_web
+
+        if not postmortem_web.serve(exc, tb, hold_timeout()):
+            _hold_on_socket(exc, tb)
     else:
         _hold_on_socket(exc, tb)
 

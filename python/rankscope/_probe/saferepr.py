@@ -42,11 +42,18 @@ def _cut(text: str, limit: int) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more chars)"
 
 
-class Budget:
-    """Time spent in user reprs during one request."""
+# Tensor statistics are computed only on the CPU and only up to this many
+# elements: a crash record may spend that, a live `bt --locals` never does.
+MAX_STATS_ELEMENTS = 10_000_000
 
-    def __init__(self, seconds: float = REPR_BUDGET_S):
+
+class Budget:
+    """Time spent in user reprs during one request, and whether tensors get
+    statistics (crash records) or metadata only (a live process)."""
+
+    def __init__(self, seconds: float = REPR_BUDGET_S, tensor_stats: bool = False):
         self.left = seconds
+        self.tensor_stats = tensor_stats
 
 
 def safe_repr(obj: object, budget: Budget | None = None, depth: int = 0) -> str:
@@ -81,7 +88,7 @@ def _repr(obj: object, budget: Budget, depth: int) -> str:
         return _sequence(obj, t, budget, depth)
     if t is dict:
         return _mapping(obj, budget, depth)
-    summary = _array_summary(obj, t)
+    summary = _array_summary(obj, t, budget.tensor_stats)
     if summary is not None:
         return summary
     if isinstance(obj, type):
@@ -121,18 +128,50 @@ def _mapping(obj: dict, budget: Budget, depth: int) -> str:
     return "{" + ", ".join(items) + "}" + suffix
 
 
-def _array_summary(obj: object, t: type) -> str | None:
-    """Tensors and arrays: shape, dtype and device, read from metadata only."""
+def _array_summary(obj: object, t: type, stats: bool = False) -> str | None:
+    """Tensors and arrays: shape, dtype and device, read from metadata only;
+    with `stats`, min/max/mean and NaN/Inf counts of small CPU tensors."""
     module = getattr(t, "__module__", "") or ""
     root = module.split(".", 1)[0]
     if root == "torch" and hasattr(obj, "shape") and hasattr(obj, "dtype"):
         shape = tuple(obj.shape)
         device = getattr(obj, "device", "?")
         grad = ", requires_grad=True" if getattr(obj, "requires_grad", False) else ""
-        return f"{t.__name__}(shape={list(shape)}, dtype={obj.dtype}, device={device}{grad})"
+        extra = _tensor_stats(obj) if stats else ""
+        return f"{t.__name__}(shape={list(shape)}, dtype={obj.dtype}, device={device}{grad}{extra})"
     if root == "numpy" and t.__name__ == "ndarray":
         return f"ndarray(shape={list(obj.shape)}, dtype={obj.dtype})"
     return None
+
+
+def _tensor_stats(tensor) -> str:
+    """", min=..., max=..., mean=..., nan=N, inf=N" for a CPU tensor of a
+    real dtype and at most MAX_STATS_ELEMENTS elements; "" otherwise. A GPU
+    tensor would need a device sync, which a failing CUDA context may never
+    finish."""
+    try:
+        import torch
+
+        if tensor.device.type != "cpu" or tensor.is_sparse or tensor.numel() == 0:
+            return ""
+        if tensor.numel() > MAX_STATS_ELEMENTS or tensor.dtype == torch.bool or tensor.is_complex():
+            return ""
+        with torch.no_grad():
+            values = tensor.detach()
+            if not values.is_floating_point():
+                values = values.double()
+            nan = int(torch.isnan(values).sum())
+            inf = int(torch.isinf(values).sum())
+            finite = values[torch.isfinite(values)]
+            if finite.numel() == 0:
+                return f", nan={nan}, inf={inf}"
+            finite = finite.double()
+            return (
+                f", min={float(finite.min()):.6g}, max={float(finite.max()):.6g}, "
+                f"mean={float(finite.mean()):.6g}, nan={nan}, inf={inf}"
+            )
+    except Exception:  # noqa: BLE001 - a summary never fails the record
+        return ""
 
 
 def _user_repr(obj: object, budget: Budget) -> str:

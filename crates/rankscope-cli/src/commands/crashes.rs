@@ -33,7 +33,7 @@ struct Entry {
 impl Entry {
     fn rank(&self) -> Option<i64> {
         match &self.kind {
-            Kind::Exception(r) => Some(r.rank),
+            Kind::Exception(r) => r.rank,
             Kind::Native { .. } => None,
         }
     }
@@ -347,7 +347,7 @@ fn render(id: usize, count: usize, record: &CrashRecord, path: &Path) -> String 
     let _ = writeln!(
         out,
         "Crash {id} of {count}: rank {}, pid {} on {}, thread \"{}\" ({})",
-        record.rank, record.pid, record.host, record.thread, record.source
+        record.rank.map(|r| r.to_string()).unwrap_or_else(|| "-".into()), record.pid, record.host, record.thread, record.source
     );
     let python = if record.python_version.is_empty() { String::new() } else { format!(", Python {}", record.python_version) };
     let _ = writeln!(out, "at {}{python}: {}", local_time(record.time), record.argv.join(" "));

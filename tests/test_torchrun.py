@@ -1,0 +1,89 @@
+"""A real multi-rank job: torchrun with the gloo backend on CPU, one rank
+crashing. Skipped when torch is not installed."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+TRAIN = """
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+activations = torch.ones(3)
+if rank == 1:
+    step = 41
+    weights = torch.ones(4)
+    activations + weights  # @crash
+dist.barrier()
+"""
+
+
+@pytest.fixture
+def torchrun(default_python, endpoint_dir, tmp_path):
+    if subprocess.run([default_python, "-c", "import torch.distributed"], capture_output=True).returncode != 0:
+        pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    started = []
+
+    def _run(**env):
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+        full_env.update(RANKSCOPE="1", RANKSCOPE_DIR=endpoint_dir, RANKSCOPE_RUN_DIR=str(tmp_path / "run"), **env)
+        proc = subprocess.Popen(
+            [default_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+            cwd=tmp_path,
+        )
+        started.append(proc)
+        return proc, script
+
+    yield _run
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_crashing_rank_is_recorded_with_its_rank(torchrun, cli, tmp_path):
+    proc, script = torchrun()
+    assert proc.wait(timeout=120) != 0
+    sql = "SELECT id, rank, exc_type, message, func FROM python.crashes ORDER BY id"
+    result = cli("query", sql, "--run", tmp_path / "run", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    [row] = [r for r in rows if r["rank"] == 1]
+    assert row["exc_type"] == "RuntimeError" and "size of tensor" in row["message"] and row["func"] == "<module>"
+    # torchrun's own process records the echo of it, without a rank.
+    [launcher] = [r for r in rows if r["rank"] is None]
+    assert launcher["exc_type"].endswith("ChildFailedError")
+    shown = cli("crashes", "show", str(row["id"]), "--run", tmp_path / "run").stdout
+    assert "step = 41" in shown
+    assert "weights = Tensor(shape=[4], dtype=torch.float32, device=cpu, min=1, max=1, mean=1, nan=0, inf=0)" in shown
+
+
+def test_a_held_rank_is_debugged_by_rank_number(torchrun, cli, tmp_path):
+    proc, _ = torchrun(RANKSCOPE_ON_ERROR="socket", RANKSCOPE_HOLD_TIMEOUT="60")
+    try:
+        # torchrun holds back its workers' stderr until they exit: the
+        # socket appearing is the signal that rank 1 waits.
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "run").glob("debug-rank1-pid*.sock")):
+            assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never held for a debugger"
+            time.sleep(0.05)
+        session = cli("debug", "--rank", "1", input="p step\np activations.shape\nq\n", env={"RANKSCOPE_RUN_DIR": str(tmp_path / "run")})
+        assert session.returncode == 0, session.stderr
+        assert "(Pdb rank 1) 41" in session.stdout
+        assert "torch.Size([3])" in session.stdout
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
