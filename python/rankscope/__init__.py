@@ -45,6 +45,7 @@ def start(listen: str | None = None) -> dict:
 
     _install_crash_recorder()
     info = native.start(sys.version.split()[0], listen)
+    _register_in_job(info["socket"])
     if not _atexit_registered:
         import atexit
 
@@ -63,6 +64,16 @@ def _install_crash_recorder() -> None:
         crashes.install()
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"rankscope: crash recording not enabled: {exc}\n")
+
+
+def _register_in_job(socket_path: str) -> None:
+    # A rank of a job enters the job's registry; nothing here may stop the probe.
+    try:
+        from rankscope._probe import registry
+
+        registry.register(socket_path)
+    except Exception as exc:  # noqa: BLE001
+        sys.stderr.write(f"rankscope: not registered in the job: {exc}\n")
 
 
 def on_error():
@@ -86,6 +97,9 @@ def stop() -> bool:
     native = sys.modules.get("rankscope._native")
     if native is None:
         return False
+    registry = sys.modules.get("rankscope._probe.registry")
+    if registry is not None:
+        registry.leave()
     return bool(native.stop())
 
 

@@ -78,6 +78,20 @@ enum Command {
         #[arg(long, value_enum, default_value = "table")]
         format: QueryFormat,
     },
+    /// Every rank of a job at once: list, bt (grouped), eval, query
+    Cluster {
+        /// The job id (TORCHELASTIC_RUN_ID, SLURM_JOB_ID) [default: the one job running here]
+        #[arg(long, global = true)]
+        job: Option<String>,
+        /// The job's run directory, where ranks register [default: RANKSCOPE_RUN_DIR, else every job's]
+        #[arg(long, global = true)]
+        run: Option<PathBuf>,
+        /// Seconds each rank has to answer
+        #[arg(long, global = true, default_value_t = 2.0)]
+        timeout: f64,
+        #[command(subcommand)]
+        action: ClusterAction,
+    },
     /// A pdb session in a crashed process held for a debugger (RANKSCOPE_ON_ERROR=socket)
     Debug {
         /// The rank to debug
@@ -112,6 +126,38 @@ enum Command {
         pid: u32,
         #[command(subcommand)]
         action: Action,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterAction {
+    /// The job's ranks: rank, local rank, host, pid, state, uptime
+    List,
+    /// Every rank's main-thread stack, identical stacks grouped, outliers marked
+    Bt {
+        /// Only these ranks (e.g. 0,2,4-7)
+        #[arg(long)]
+        ranks: Option<String>,
+        /// Group stacks by function and file only
+        #[arg(long)]
+        ignore_lines: bool,
+    },
+    /// Run Python code on every rank (or --ranks) and show each result under its rank
+    Eval {
+        code: String,
+        #[arg(long)]
+        ranks: Option<String>,
+        /// Interrupt the code after this many seconds
+        #[arg(long = "eval-timeout", default_value_t = 10.0)]
+        eval_timeout: f64,
+    },
+    /// SQL over the tables of every rank, as one table with a rank column
+    Query {
+        sql: String,
+        #[arg(long)]
+        ranks: Option<String>,
+        #[arg(long, value_enum, default_value = "table")]
+        format: QueryFormat,
     },
 }
 
@@ -170,6 +216,21 @@ pub enum Action {
     },
 }
 
+fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: ClusterAction) -> anyhow::Result<u8> {
+    use commands::cluster;
+    if !(timeout.is_finite() && timeout > 0.0) {
+        return Err(hint::Hinted::new(format!("--timeout must be a positive number of seconds, not {timeout}"), "e.g. --timeout 2").into());
+    }
+    let deadline = std::time::Duration::from_secs_f64(timeout);
+    let job = job.as_deref();
+    match action {
+        ClusterAction::List => cluster::list(job, run, deadline),
+        ClusterAction::Bt { ranks, ignore_lines } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, deadline),
+        ClusterAction::Eval { code, ranks, eval_timeout } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout),
+        ClusterAction::Query { sql, ranks, format } => cluster::query(job, run, ranks.as_deref(), &sql, format),
+    }
+}
+
 /// `rankscope 123 bt` -> `rankscope pid 123 bt`.
 fn rewrite_pid_form(mut args: Vec<String>) -> Vec<String> {
     if args.len() > 1 && !args[1].is_empty() && args[1].bytes().all(|b| b.is_ascii_digit()) {
@@ -184,6 +245,7 @@ fn main() -> ExitCode {
         Command::List { format } => commands::list::run(format),
         Command::Run { listen, command } => commands::run::run(listen, command),
         Command::Query { sql, run, format } => commands::query::run_offline(run, &sql, format),
+        Command::Cluster { job, run, timeout, action } => run_cluster(job, run, timeout, action),
         Command::Debug { rank, pid, run } => commands::debug::run(rank, pid, run),
         Command::Inject { pid, timeout } => commands::inject::run(pid, timeout),
         Command::Demo { python } => commands::demo::run(python),

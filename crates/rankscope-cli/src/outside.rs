@@ -158,6 +158,7 @@ pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
         rankscope_version: String::new(),
         protocol: rankscope_core::PROTOCOL_VERSION,
         tcp: None,
+        job_id: None,
     }
 }
 

@@ -94,6 +94,7 @@ mod tests {
             rankscope_version: "0".into(),
             protocol: 1,
             tcp: None,
+            job_id: None,
         };
         let stacks = StacksReply {
             taken_at: 0.0,

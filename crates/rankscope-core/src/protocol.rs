@@ -29,6 +29,10 @@ pub struct ProcessMeta {
     /// `tcp://host:port` when TCP is on.
     #[serde(default)]
     pub tcp: Option<String>,
+    /// The job this process is a rank of, from the launcher
+    /// (TORCHELASTIC_RUN_ID, SLURM_JOB_ID, Open MPI's job id); None outside a job.
+    #[serde(default)]
+    pub job_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -252,6 +252,7 @@ mod tests {
             rankscope_version: "0".into(),
             protocol: 1,
             tcp: None,
+            job_id: None,
         }
     }
 

@@ -56,5 +56,8 @@ pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
         rankscope_version: rankscope_core::VERSION.to_string(),
         protocol: rankscope_core::PROTOCOL_VERSION,
         tcp,
+        job_id: ["TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"]
+            .iter()
+            .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty())),
     }
 }

@@ -34,6 +34,7 @@ MAX_MESSAGE = 4000
 _MARK = "__rankscope_recorded__"
 
 _installed = False
+_crashed = False
 _previous_excepthook = None
 _previous_threading_excepthook = None
 # faulthandler writes to this file object's descriptor: it must stay open.
@@ -199,6 +200,8 @@ def record(exc: BaseException, source: str, thread_name: str | None = None) -> s
         except Exception:  # noqa: BLE001 - an exception type without a __dict__
             pass
         rec = build_record(exc, source, thread_name)
+        global _crashed
+        _crashed = True
         name = f"crash-{int(rec['time'] * 1000)}-rank{rec['rank']}-pid{rec['pid']}.json"
         data = json.dumps(rec, ensure_ascii=False, default=str).encode("utf-8", "backslashreplace")
         return _write_atomically(run_dir(), name, data)
@@ -208,6 +211,11 @@ def record(exc: BaseException, source: str, thread_name: str | None = None) -> s
         except BaseException:  # noqa: BLE001
             pass
         return None
+
+
+def crashed() -> bool:
+    """Whether this process recorded a crash."""
+    return _crashed
 
 
 def _excepthook(exc_type, exc, tb):

@@ -1,3 +1,4 @@
+pub mod cluster;
 pub mod crashes;
 pub mod debug;
 pub mod inject;
@@ -93,7 +94,7 @@ fn bt(pid: u32, locals: bool, native: bool, format: BtFormat, deadline: Duration
     Ok(0)
 }
 
-fn first_line(err: &anyhow::Error) -> String {
+pub fn first_line(err: &anyhow::Error) -> String {
     err.to_string().lines().next().unwrap_or_default().to_string()
 }
 

@@ -17,7 +17,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Rows of one live probe; each endpoint is asked at most once per query, so
 /// a query joining backtrace and threads sees one consistent snapshot.
-struct LiveProbe {
+pub struct LiveProbe {
     probe: Probe,
     /// Stacks come from outside, with native frames merged in.
     native: bool,
@@ -26,6 +26,10 @@ struct LiveProbe {
 }
 
 impl LiveProbe {
+    pub fn new(probe: Probe, native: bool) -> LiveProbe {
+        LiveProbe { probe, native, meta: Mutex::new(None), stacks: Mutex::new(None) }
+    }
+
     fn meta(&self) -> Result<ProcessMeta, String> {
         let mut cached = self.meta.lock().unwrap_or_else(|e| e.into_inner());
         if cached.is_none() {
@@ -109,7 +113,7 @@ pub fn run(probe: Probe, sql: &str, native: bool, format: QueryFormat) -> Result
     execute(Arc::new(LiveProbe { probe, native, meta: Mutex::new(None), stacks: Mutex::new(None) }), sql, format)
 }
 
-fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Result<u8> {
+pub fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Result<u8> {
     let (schema, batches) = run_sql(source, sql).map_err(|e| match e {
         QueryError::Sql(message) => Hinted::new(
             format!("query failed: {message}"),

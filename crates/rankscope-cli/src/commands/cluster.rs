@@ -1,0 +1,436 @@
+//! `rankscope cluster ...`: one job, every rank at once.
+//!
+//! The job is found from what its ranks leave: the registry in the run
+//! directory (`<run>/ranks/rank<R>-pid<P>.json`, kept after a rank dies) and
+//! the probes' own metadata in the endpoint directory. Every command fans out
+//! on one thread per rank, each with its own deadline, and answers for the
+//! ranks that answered; the others are named with what went wrong.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Result;
+use rankscope_core::protocol::{EvalRequest, ProcessMeta, StacksReply};
+use rankscope_core::tables::{Rows, TableDef};
+use rankscope_core::{crash, paths};
+use rankscope_query::RowSource;
+use serde::Deserialize;
+
+use crate::client::Probe;
+use crate::hint::Hinted;
+use crate::{outside, QueryFormat};
+
+/// One rank as the registry and the endpoint directory describe it.
+#[derive(Debug, Clone, Deserialize)]
+struct RankEntry {
+    #[serde(flatten)]
+    meta: ProcessMeta,
+    /// "running", "exited" or "crashed", as the rank last wrote it.
+    #[serde(default)]
+    state: Option<String>,
+}
+
+pub struct Job {
+    pub id: String,
+    ranks: Vec<RankEntry>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Liveness {
+    Running,
+    Exited,
+    Crashed,
+    /// The process is gone without saying so (SIGKILL, OOM killer).
+    Dead,
+    /// On another machine: not reachable through a local socket.
+    Remote,
+}
+
+impl Liveness {
+    fn word(self) -> &'static str {
+        match self {
+            Liveness::Running => "running",
+            Liveness::Exited => "exited",
+            Liveness::Crashed => "crashed",
+            Liveness::Dead => "dead",
+            Liveness::Remote => "remote",
+        }
+    }
+}
+
+fn liveness(entry: &RankEntry, here: &str) -> Liveness {
+    if entry.meta.host != here {
+        return Liveness::Remote;
+    }
+    if paths::pid_alive(entry.meta.pid) {
+        return Liveness::Running;
+    }
+    match entry.state.as_deref() {
+        Some("exited") => Liveness::Exited,
+        Some("crashed") => Liveness::Crashed,
+        _ => Liveness::Dead,
+    }
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is valid for its length; gethostname NUL-terminates on success.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn read_entries(dir: &std::path::Path, out: &mut Vec<RankEntry>) {
+    let Ok(read) = std::fs::read_dir(dir) else { return };
+    for path in read.flatten().map(|e| e.path()) {
+        if path.extension().and_then(|e| e.to_str()) != Some("json") {
+            continue;
+        }
+        if let Some(entry) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<RankEntry>(&b).ok()) {
+            if entry.meta.job_id.is_some() || entry.meta.world_size > 1 {
+                out.push(entry);
+            }
+        }
+    }
+}
+
+/// Finds the job: `--job ID`, else the one job with a live rank here.
+pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
+    let mut entries = Vec::new();
+    // Live probes on this machine.
+    read_entries(&paths::endpoint_dir(), &mut entries);
+    // The registries: --run, RANKSCOPE_RUN_DIR, else every job's run directory.
+    let run_dirs: Vec<PathBuf> = match run.or_else(|| std::env::var_os(crash::RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from)) {
+        Some(dir) => vec![dir],
+        None => std::fs::read_dir(crash::runs_root())
+            .map(|r| r.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default(),
+    };
+    for dir in run_dirs {
+        read_entries(&dir.join("ranks"), &mut entries);
+    }
+    let here = hostname();
+    let job_of = |e: &RankEntry| e.meta.job_id.clone().unwrap_or_else(|| "(no job id)".into());
+    let mut jobs: BTreeMap<String, Vec<RankEntry>> = BTreeMap::new();
+    for entry in entries {
+        jobs.entry(job_of(&entry)).or_default().push(entry);
+    }
+    let chosen = match job {
+        Some(id) => jobs.remove_entry(id).ok_or_else(|| {
+            Hinted::new(format!("no job {id} found"), format!("jobs found: {}", names(&jobs)))
+        })?,
+        None => {
+            let live: Vec<String> = jobs
+                .iter()
+                .filter(|(_, ranks)| ranks.iter().any(|r| liveness(r, &here) == Liveness::Running))
+                .map(|(id, _)| id.clone())
+                .collect();
+            match live.as_slice() {
+                [one] => jobs.remove_entry(one).expect("listed above"),
+                [] => {
+                    return Err(Hinted::new(
+                        "no running job found on this machine",
+                        "start the job with RANKSCOPE=1 (or `rankscope run -- torchrun ...`); --run DIR reads a job's run directory, --job ID picks one",
+                    )
+                    .into())
+                }
+                several => {
+                    return Err(Hinted::new(
+                        format!("{} jobs are running here", several.len()),
+                        format!("pick one with --job: {}", several.join(", ")),
+                    )
+                    .into())
+                }
+            }
+        }
+    };
+    let (id, mut ranks) = chosen;
+    // One entry per rank: the registry and the endpoint directory describe
+    // the same process twice; a restarted rank's newest process wins.
+    ranks.sort_by(|a, b| {
+        (a.meta.rank, a.meta.started_at).partial_cmp(&(b.meta.rank, b.meta.started_at)).unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let mut by_rank: BTreeMap<i64, RankEntry> = BTreeMap::new();
+    for entry in ranks {
+        match by_rank.get_mut(&entry.meta.rank) {
+            Some(kept) if kept.meta.pid == entry.meta.pid => {
+                if entry.state.is_some() {
+                    kept.state = entry.state;
+                }
+            }
+            _ => {
+                by_rank.insert(entry.meta.rank, entry);
+            }
+        }
+    }
+    Ok(Job { id, ranks: by_rank.into_values().collect() })
+}
+
+fn names(jobs: &BTreeMap<String, Vec<RankEntry>>) -> String {
+    if jobs.is_empty() {
+        "none".into()
+    } else {
+        jobs.keys().cloned().collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// "0,2,4-6" -> [0, 2, 4, 5, 6], each checked against the job's ranks.
+fn parse_ranks(spec: &str, job: &Job) -> Result<Vec<i64>> {
+    let known: Vec<i64> = job.ranks.iter().map(|r| r.meta.rank).collect();
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = || Hinted::new(format!("--ranks: {part:?} is not a rank or a range"), "e.g. --ranks 0,2,4-7");
+        let (lo, hi) = match part.split_once('-') {
+            Some((a, b)) => (a.parse::<i64>().map_err(|_| bad())?, b.parse::<i64>().map_err(|_| bad())?),
+            None => {
+                let r = part.parse::<i64>().map_err(|_| bad())?;
+                (r, r)
+            }
+        };
+        for rank in lo..=hi {
+            if !known.contains(&rank) {
+                return Err(Hinted::new(
+                    format!("rank {rank} is not in job {}", job.id),
+                    format!("its ranks are {}", compress(&known)),
+                )
+                .into());
+            }
+            out.push(rank);
+        }
+    }
+    Ok(out)
+}
+
+/// [0, 1, 3, 5, 6, 7] -> "0-1,3,5-7".
+fn compress(ranks: &[i64]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j { sorted[i].to_string() } else { format!("{}-{}", sorted[i], sorted[j]) });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
+impl Job {
+    fn selected(&self, ranks: Option<&str>) -> Result<Vec<&RankEntry>> {
+        match ranks {
+            None => Ok(self.ranks.iter().collect()),
+            Some(spec) => {
+                let wanted = parse_ranks(spec, self)?;
+                Ok(self.ranks.iter().filter(|r| wanted.contains(&r.meta.rank)).collect())
+            }
+        }
+    }
+}
+
+/// Runs `work` for every rank at once; results come back in rank order.
+fn fan_out<T: Send>(ranks: &[&RankEntry], work: impl Fn(&RankEntry) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks.iter().map(|r| scope.spawn(|| work(r))).collect();
+        handles.into_iter().map(|h| h.join().expect("a rank's worker panicked")).collect()
+    })
+}
+
+fn probe_of(entry: &RankEntry) -> Result<Probe> {
+    Probe::locate(entry.meta.pid)
+}
+
+pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration) -> Result<u8> {
+    let job = find_job(job, run)?;
+    let here = hostname();
+    let ranks: Vec<&RankEntry> = job.ranks.iter().collect();
+    let states = fan_out(&ranks, |entry| match liveness(entry, &here) {
+        Liveness::Running => match probe_of(entry).and_then(|p| p.meta(deadline)) {
+            Ok(_) => "running".to_string(),
+            Err(_) => "unresponsive".to_string(),
+        },
+        other => other.word().to_string(),
+    });
+    println!("job {} ({} ranks)", job.id, job.ranks.len());
+    println!("{:>5} {:>6} {:<16} {:>8}  {:<13} UPTIME", "RANK", "LOCAL", "HOST", "PID", "STATE");
+    let now = now();
+    for (entry, state) in job.ranks.iter().zip(states) {
+        let m = &entry.meta;
+        let uptime = if state == "running" || state == "unresponsive" { format!("{:.0}s", now - m.started_at) } else { "-".into() };
+        println!("{:>5} {:>6} {:<16} {:>8}  {:<13} {}", m.rank, m.local_rank, m.host, m.pid, state, uptime);
+    }
+    Ok(0)
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+enum Stacks {
+    FromProbe(StacksReply),
+    FromOutside(StacksReply),
+    Missing(String),
+}
+
+fn stacks_of(entry: &RankEntry, here: &str, deadline: Duration) -> Stacks {
+    match liveness(entry, here) {
+        Liveness::Running => {}
+        other => return Stacks::Missing(other.word().to_string()),
+    }
+    match probe_of(entry).and_then(|p| p.stacks(false, deadline)) {
+        Ok(stacks) => Stacks::FromProbe(stacks),
+        // A probe stuck behind the GIL: read the rank from outside instead.
+        Err(_) => match outside::read_stacks(entry.meta.pid, false, false) {
+            Ok((stacks, _)) => Stacks::FromOutside(stacks),
+            Err(e) => Stacks::Missing(format!("unresponsive, and the outside read failed: {}", crate::commands::first_line(&e))),
+        },
+    }
+}
+
+/// The stack a group is formed on: the main thread's, innermost first.
+fn signature(stacks: &StacksReply, ignore_lines: bool) -> Vec<String> {
+    let main = stacks.threads.iter().find(|t| t.is_main).or_else(|| stacks.threads.first());
+    main.map(|t| {
+        t.frames
+            .iter()
+            .map(|f| {
+                let file = f.file.rsplit('/').next().unwrap_or(&f.file);
+                if ignore_lines {
+                    format!("{} ({file})", f.func)
+                } else {
+                    format!("{} ({file}:{})", f.func, f.lineno)
+                }
+            })
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
+pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_lines: bool, deadline: Duration) -> Result<u8> {
+    let job = find_job(job, run)?;
+    let selected = job.selected(ranks)?;
+    let here = hostname();
+    let results = fan_out(&selected, |entry| stacks_of(entry, &here, deadline));
+    let mut groups: BTreeMap<Vec<String>, Vec<i64>> = BTreeMap::new();
+    let mut missing = Vec::new();
+    let mut outside_ranks = Vec::new();
+    for (entry, result) in selected.iter().zip(results) {
+        let rank = entry.meta.rank;
+        match result {
+            Stacks::FromProbe(s) => groups.entry(signature(&s, ignore_lines)).or_default().push(rank),
+            Stacks::FromOutside(s) => {
+                outside_ranks.push(rank);
+                groups.entry(signature(&s, ignore_lines)).or_default().push(rank);
+            }
+            Stacks::Missing(why) => missing.push((rank, why)),
+        }
+    }
+    let mut ordered: Vec<(Vec<String>, Vec<i64>)> = groups.into_iter().collect();
+    ordered.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then_with(|| a.1.cmp(&b.1)));
+    let largest = ordered.first().map(|g| g.1.len()).unwrap_or(0);
+    let smallest = ordered.last().map(|g| g.1.len()).unwrap_or(0);
+    println!("job {}: {} ranks answered, {} groups (main thread, innermost first)", job.id, selected.len() - missing.len(), ordered.len());
+    for (frames, ranks) in &ordered {
+        let label = format!("{} {} ({})", if ranks.len() == 1 { "rank " } else { "ranks" }, compress(ranks), ranks.len());
+        let shown: Vec<&str> = frames.iter().take(6).map(String::as_str).collect();
+        let more = if frames.len() > 6 { format!(" <- ... {} more", frames.len() - 6) } else { String::new() };
+        let differs = if ordered.len() > 1 && ranks.len() == smallest && smallest < largest { "    <-- differs" } else { "" };
+        println!("  {label}: {}{more}{differs}", shown.join(" <- "));
+    }
+    if !outside_ranks.is_empty() {
+        eprintln!("note: rank(s) {} did not answer in time; their stacks were read from outside", compress(&outside_ranks));
+    }
+    for (rank, why) in &missing {
+        println!("  rank {rank}: no stacks ({why})");
+    }
+    Ok(0)
+}
+
+pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: &str, timeout: f64) -> Result<u8> {
+    let job = find_job(job, run)?;
+    let selected = job.selected(ranks)?;
+    let here = hostname();
+    let request = EvalRequest { code: code.to_string(), timeout_s: timeout, check_only: false };
+    let results = fan_out(&selected, |entry| match liveness(entry, &here) {
+        Liveness::Running => probe_of(entry).and_then(|p| p.eval(&request)).map_err(|e| format!("{e:#}")),
+        other => Err(other.word().to_string()),
+    });
+    let mut code = 0;
+    for (entry, result) in selected.iter().zip(results) {
+        println!("== rank {} (pid {})", entry.meta.rank, entry.meta.pid);
+        match result {
+            Ok(reply) => code = code.max(crate::commands::print_eval(&reply)),
+            Err(why) => {
+                println!("error: {why}");
+                code = 1;
+            }
+        }
+    }
+    Ok(code)
+}
+
+/// Rows of every rank, each tagged with its own pid and rank already; a
+/// rank that fails is left out with a warning, the rest still answer.
+struct AllRanks {
+    probes: Vec<Box<dyn RowSource>>,
+    warnings: Mutex<Vec<String>>,
+}
+
+impl RowSource for AllRanks {
+    fn rows(&self, table: &TableDef) -> Result<Rows, String> {
+        let per_rank: Vec<Result<Rows, String>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self.probes.iter().map(|p| scope.spawn(|| p.rows(table))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
+        });
+        let mut all = Vec::new();
+        for result in per_rank {
+            match result {
+                Ok(rows) => all.extend(rows),
+                Err(e) => self.warnings.lock().unwrap_or_else(|e| e.into_inner()).push(e),
+            }
+        }
+        Ok(all)
+    }
+}
+
+pub fn query(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, sql: &str, format: QueryFormat) -> Result<u8> {
+    let job = find_job(job, run)?;
+    let selected = job.selected(ranks)?;
+    let here = hostname();
+    let mut probes: Vec<Box<dyn RowSource>> = Vec::new();
+    let mut skipped = Vec::new();
+    for entry in selected {
+        match (liveness(entry, &here), probe_of(entry)) {
+            (Liveness::Running, Ok(probe)) => probes.push(Box::new(super::query::LiveProbe::new(probe, false))),
+            (state, _) => skipped.push(format!("rank {} ({})", entry.meta.rank, state.word())),
+        }
+    }
+    if !skipped.is_empty() {
+        eprintln!("note: left out: {}", skipped.join(", "));
+    }
+    let source = Arc::new(AllRanks { probes, warnings: Mutex::new(Vec::new()) });
+    let code = super::query::execute(source.clone(), sql, format)?;
+    for warning in source.warnings.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        eprintln!("warning: a rank did not answer: {warning}");
+    }
+    Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compress;
+
+    #[test]
+    fn rank_lists_are_compressed_into_ranges() {
+        assert_eq!(compress(&[0, 1, 3, 5, 6, 7]), "0-1,3,5-7");
+        assert_eq!(compress(&[2]), "2");
+        assert_eq!(compress(&[]), "");
+    }
+}

@@ -1,0 +1,168 @@
+"""`rankscope cluster`: every rank of a job at once. Light ranks (plain
+Python with a launcher's environment) for the shapes of failure; a real
+torchrun job for the real thing."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+
+RANK = """
+import ctypes, os, time
+RANK_VALUE = int(os.environ["RANK"])
+
+def wait_for_peers():
+    while True:
+        time.sleep(0.05)  # @peers
+
+def load_batch():
+    while True:
+        time.sleep(0.05)  # @loader
+
+print("READY", flush=True)
+if os.environ.get("HOLD_GIL") == str(RANK_VALUE):
+    ctypes.PyDLL(None).sleep(60)
+load_batch() if RANK_VALUE == 2 else wait_for_peers()
+"""
+
+
+@pytest.fixture
+def job(default_python, spawn, tmp_path):
+    """start(world_size, **env) -> (job id, run dir, targets by rank)."""
+
+    def start(world_size=4, **env):
+        job_id = f"job-{uuid.uuid4().hex[:8]}"
+        run = tmp_path / "run"
+        targets = {}
+        for rank in range(world_size):
+            targets[rank] = spawn(
+                default_python,
+                RANK,
+                env={
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "TORCHELASTIC_RUN_ID": job_id,
+                    "RANKSCOPE_RUN_DIR": str(run),
+                    **env,
+                },
+            )
+        return job_id, run, targets
+
+    return start
+
+
+def test_list_bt_eval_and_query_across_ranks(job, cli):
+    job_id, run, targets = job()
+    listing = cli("cluster", "list", "--run", run)
+    assert listing.returncode == 0, listing.stderr
+    assert f"job {job_id} (4 ranks)" in listing.stdout
+    assert listing.stdout.count(" running ") == 4
+
+    bt = cli("cluster", "bt", "--run", run)
+    assert bt.returncode == 0, bt.stderr
+    lines = bt.stdout.splitlines()
+    [majority] = [l for l in lines if l.strip().startswith("ranks 0-1,3 (3): wait_for_peers (target.py:")]
+    [outlier] = [l for l in lines if l.strip().startswith("rank  2 (1): load_batch (target.py:")]
+    assert "differs" in outlier and "differs" not in majority
+    assert lines.index(majority) < lines.index(outlier)  # bigger groups first
+
+    ev = cli("cluster", "eval", "--run", run, "--ranks", "0,2", "RANK_VALUE * 10")
+    assert ev.returncode == 0, ev.stderr
+    assert ev.stdout.splitlines() == [f"== rank 0 (pid {targets[0].pid})", "0", f"== rank 2 (pid {targets[2].pid})", "20"]
+
+    q = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS frames FROM python.backtrace GROUP BY rank ORDER BY rank", "--format", "json")
+    assert q.returncode == 0, q.stderr
+    assert [r["rank"] for r in json.loads(q.stdout)] == [0, 1, 2, 3]
+
+
+def test_a_killed_rank_shows_dead_and_the_others_still_answer(job, cli):
+    _, run, targets = job()
+    targets[3].proc.send_signal(signal.SIGKILL)
+    targets[3].proc.wait()
+    listing = cli("cluster", "list", "--run", run)
+    [row] = [l for l in listing.stdout.splitlines() if l.split()[:1] == ["3"]]
+    assert " dead " in row
+    bt = cli("cluster", "bt", "--run", run)
+    assert bt.returncode == 0, bt.stderr
+    assert "ranks 0-1 (2): wait_for_peers" in bt.stdout
+    assert "rank 3: no stacks (dead)" in bt.stdout
+    q = cli("cluster", "query", "--run", run, "SELECT DISTINCT rank FROM python.threads ORDER BY rank", "--format", "csv")
+    assert q.stdout.split() == ["rank", "0", "1", "2"]
+    assert "rank 3 (dead)" in q.stderr
+
+
+def test_a_rank_stuck_with_the_gil_is_read_from_outside(job, cli):
+    _, run, _ = job(HOLD_GIL="1")
+    started = time.monotonic()
+    bt = cli("cluster", "bt", "--run", run, "--timeout", "1")
+    assert bt.returncode == 0, bt.stderr
+    assert time.monotonic() - started < 10
+    assert "rank(s) 1 did not answer in time; their stacks were read from outside" in bt.stderr
+    assert "rank  1 (1): <module> (target.py:" in bt.stdout  # stuck in the C call, at module level
+
+
+def test_bad_ranks_and_missing_jobs_are_hinted_errors(job, cli, tmp_path):
+    job_id, run, _ = job(world_size=2)
+    bad = cli("cluster", "eval", "--run", run, "--ranks", "0,9", "1")
+    assert bad.returncode == 1
+    assert f"rank 9 is not in job {job_id}" in bad.stderr and "its ranks are 0-1" in bad.stderr
+    none = cli("cluster", "list", "--job", "no-such-job", "--run", run)
+    assert none.returncode == 1 and "no job no-such-job found" in none.stderr and job_id in none.stderr
+
+
+TRAIN = """
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def next_batch():
+    time.sleep(120)  # @loader
+
+def train_step():
+    if rank == 2:
+        next_batch()
+    dist.barrier()  # @barrier
+
+train_step()
+"""
+
+
+def test_cluster_bt_finds_the_rank_that_is_not_in_the_collective(default_python, cli, endpoint_dir, tmp_path):
+    if subprocess.run([default_python, "-c", "import torch.distributed"], capture_output=True).returncode != 0:
+        pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env.update(RANKSCOPE="1", RANKSCOPE_DIR=endpoint_dir, RANKSCOPE_RUN_DIR=str(tmp_path / "run"))
+    proc = subprocess.Popen(
+        [default_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            bt = cli("cluster", "bt", "--run", tmp_path / "run")
+            if "ranks 0-1,3 (3)" in bt.stdout and "rank  2 (1)" in bt.stdout:
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, bt.stdout + bt.stderr
+            time.sleep(0.5)
+        [outlier] = [l for l in bt.stdout.splitlines() if "rank  2 (1)" in l]
+        assert outlier.strip().startswith("rank  2 (1): next_batch (train.py:") and "differs" in outlier
+        assert "train_step (train.py:" in outlier
+        [majority] = [l for l in bt.stdout.splitlines() if "ranks 0-1,3 (3)" in l]
+        assert "train_step (train.py:" in majority and "next_batch" not in majority
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
