@@ -9,6 +9,7 @@ import signal
 import subprocess
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -410,3 +411,79 @@ def test_tensors_in_a_crash_are_summarized_never_printed(default_python, cli, en
     assert local["big"] == "Tensor(shape=[4096, 4096], dtype=torch.float16, device=cpu)"
     shown = cli("crashes", "show", "1", "--run", tmp_path)
     assert "nan=1, inf=1" in shown.stdout
+
+
+HOSTILE_LOCALS = """
+import time
+
+class Raises:
+    def __repr__(self):
+        raise ValueError("no repr for you")
+
+class Forever:
+    def __repr__(self):
+        while True:
+            pass
+
+class Interrupts:
+    def __repr__(self):
+        raise KeyboardInterrupt
+
+def go():
+    broken, endless, rude = Raises(), Forever(), Interrupts()
+    raise OSError("disk on fire")  # @raise
+
+print("READY", flush=True)
+go()
+"""
+
+
+def test_hostile_reprs_are_recorded_safely_and_the_error_still_reaches_the_user(python, endpoint_dir, tmp_path):
+    started = time.monotonic()
+    result, _ = run_target(python, HOSTILE_LOCALS, tmp_path, endpoint_dir)
+    assert time.monotonic() - started < 20
+    assert result.returncode == 1 and "OSError: disk on fire" in result.stderr
+    [record] = records(tmp_path)
+    local = {e["name"]: e["repr"] for e in record["exceptions"][-1]["frames"][-1]["locals"]}
+    assert local["broken"] == "<__main__.Raises object: repr failed: ValueError>"
+    assert local["endless"] == "<__main__.Forever object: repr took longer than 0.25s>"
+    assert local["rude"] == "<__main__.Interrupts object: repr failed: KeyboardInterrupt>"
+
+
+DEEP = """
+import sys
+sys.setrecursionlimit(2000)
+
+def dive(n):
+    if n == 0:
+        raise RuntimeError("bottom")  # @raise
+    return dive(n - 1)
+
+print("READY", flush=True)
+dive(900)
+"""
+
+
+def test_a_900_deep_stack_keeps_its_innermost_frames_with_a_note(python, cli, endpoint_dir, tmp_path):
+    result, _ = run_target(python, DEEP, tmp_path, endpoint_dir)
+    assert result.returncode == 1 and "RuntimeError: bottom" in result.stderr
+    [record] = records(tmp_path)
+    exc = record["exceptions"][-1]
+    assert len(exc["frames"]) == 200 and exc["frames_omitted"] == 902 - 200
+    assert exc["frames"][-1]["lineno"] == _line(DEEP, "raise")
+    assert {"name": "n", "repr": "0", "type": "int"} in exc["frames"][-1]["locals"]
+    shown = cli("crashes", "show", "1", "--run", tmp_path).stdout
+    assert "[... 702 outer frames omitted: the record keeps the innermost 200]" in shown
+
+
+def test_an_unwritable_run_dir_costs_one_line_and_nothing_else(python, endpoint_dir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    workdir = tempfile.mkdtemp(prefix="rs-target-", dir="/tmp")
+    plain, _ = run_target(python, CRASH, tmp_path / "plain", endpoint_dir, probe=False, workdir=workdir)
+    probed, _ = run_target(python, CRASH, blocker / "run", endpoint_dir, workdir=workdir)
+    assert probed.returncode == plain.returncode == 1
+    extra = [line for line in probed.stderr.splitlines() if line not in plain.stderr.splitlines()]
+    assert len(extra) >= 1 and all(line.startswith("rankscope: ") for line in extra), extra
+    assert any("crash not recorded: NotADirectoryError" in line for line in extra), extra
+    assert probed.stderr.endswith(plain.stderr)

@@ -39,6 +39,9 @@ pub struct CrashException {
     /// Outermost first, where it was raised last.
     #[serde(default)]
     pub frames: Vec<CrashFrame>,
+    /// Outer frames left out of a very deep stack (the innermost are kept).
+    #[serde(default)]
+    pub frames_omitted: usize,
 }
 
 /// One `crash-<epoch_ms>-rank<r>-pid<p>.json` file.

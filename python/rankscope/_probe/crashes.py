@@ -69,14 +69,19 @@ def _record_rank() -> int | None:
     return None if _is_launcher() else _rank()
 
 
-def _frames(tb, budget: Budget) -> list[dict]:
+def _frames(tb, budget: Budget) -> tuple[list[dict], int]:
+    """The frames of `tb`, outermost first, and how many were left out: a
+    deep recursion keeps its innermost MAX_FRAMES, where it went wrong."""
+    entries = []
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename != __file__:  # on_error's own wrapper
+            entries.append(tb)
+        tb = tb.tb_next
+    omitted = max(0, len(entries) - MAX_FRAMES)
     frames = []
-    while tb is not None and len(frames) < MAX_FRAMES:
+    for tb in entries[omitted:]:
         frame = tb.tb_frame
         code = frame.f_code
-        if code.co_filename == __file__:  # on_error's own wrapper
-            tb = tb.tb_next
-            continue
         lineno = tb.tb_lineno
         if lineno is None or lineno < 0:
             lineno = code.co_firstlineno
@@ -91,8 +96,7 @@ def _frames(tb, budget: Budget) -> list[dict]:
                 "locals": _locals(frame, budget),
             }
         )
-        tb = tb.tb_next
-    return frames
+    return frames, omitted
 
 
 def _message(exc: BaseException) -> str:
@@ -130,12 +134,14 @@ def _chain(exc: BaseException, budget: Budget) -> list[dict]:
         # `via` was recorded on the later exception of each pair; after the
         # reverse it belongs to the entry that follows.
         following_via = links[i - 1][1] if i > 0 else None
+        frames, omitted = _frames(e.__traceback__, budget)
         out.append(
             {
                 "type": _type_name(type(e)),
                 "message": _message(e),
                 "via": following_via,
-                "frames": _frames(e.__traceback__, budget),
+                "frames": frames,
+                "frames_omitted": omitted,
             }
         )
     return out

@@ -363,6 +363,14 @@ fn render(id: usize, count: usize, record: &CrashRecord, path: &Path) -> String 
         } else {
             out.push('\n');
         }
+        if exception.frames_omitted > 0 {
+            let _ = writeln!(
+                out,
+                "  [... {} outer frames omitted: the record keeps the innermost {}]",
+                exception.frames_omitted,
+                exception.frames.len()
+            );
+        }
         for frame in &exception.frames {
             let name = if frame.qualname.is_empty() { &frame.func } else { &frame.qualname };
             let _ = writeln!(out, "  File \"{}\", line {}, in {name}", frame.file, frame.lineno);
