@@ -146,6 +146,17 @@ impl Probe {
         self.request("GET", "/v1/env", b"", timeout)
     }
 
+    /// A breakpoint operation (`{"op": "add" | "list" | "rm" | "clear" |
+    /// "snapshots", ...}`); the probe answers `{"ok": ...}` or `{"error": ...}`.
+    pub fn breakpoints(&self, request: &serde_json::Value) -> Result<serde_json::Value> {
+        let body = serde_json::to_vec(request)?;
+        let mut reply: serde_json::Value = self.request("POST", "/v1/breakpoints", &body, Duration::from_secs(10))?;
+        if let Some(error) = reply.get("error").and_then(|e| e.as_str()) {
+            return Err(Hinted::new(error.to_string(), "`rankscope PID break list` shows what is set").into());
+        }
+        Ok(reply.get_mut("ok").map(serde_json::Value::take).unwrap_or_default())
+    }
+
     /// The CLI waits a little longer than the probe's own deadline, so that
     /// an interrupted eval can still report what it printed.
     pub fn eval(&self, request: &EvalRequest) -> Result<EvalReply> {

@@ -130,6 +130,32 @@ enum Command {
 }
 
 #[derive(Subcommand)]
+pub enum BreakAction {
+    /// Set a breakpoint at FILE:LINE (a file name or the end of its path)
+    Add {
+        spec: String,
+        /// Record only when this Python expression is true in the frame
+        #[arg(long = "if")]
+        condition: Option<String>,
+        /// A logpoint: record this f-string template instead of locals, e.g. "step {step}"
+        #[arg(long)]
+        log: Option<String>,
+        /// Remove the breakpoint after this many recorded hits
+        #[arg(long)]
+        max: Option<u64>,
+        /// Record every Nth pass only
+        #[arg(long)]
+        every: Option<u64>,
+    },
+    /// The breakpoints set, with their pass and hit counts
+    List,
+    /// Remove one breakpoint
+    Rm { id: u64 },
+    /// Remove every breakpoint; the code runs as before
+    Clear,
+}
+
+#[derive(Subcommand)]
 enum ClusterAction {
     /// The job's ranks: rank, local rank, host, pid, state, uptime
     List,
@@ -204,6 +230,16 @@ pub enum Action {
         /// Interrupt each input after this many seconds
         #[arg(long, default_value_t = 10.0)]
         timeout: f64,
+    },
+    /// Breakpoints that record a snapshot (or a log line) and go on (CPython 3.12+)
+    Break {
+        #[command(subcommand)]
+        action: BreakAction,
+    },
+    /// What breakpoints recorded: time, breakpoint, thread, stack, locals
+    Snapshots {
+        #[arg(long, value_enum, default_value = "text")]
+        format: BtFormat,
     },
     /// Run SQL over the process's tables (SHOW TABLES lists them)
     Query {

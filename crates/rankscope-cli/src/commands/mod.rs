@@ -1,3 +1,4 @@
+pub mod breakpoints;
 pub mod cluster;
 pub mod crashes;
 pub mod debug;
@@ -51,6 +52,8 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
             repl::run(&probe, timeout)
         }
         Action::Query { sql, native, format } => query::run(probe, &sql, native, format),
+        Action::Break { action } => breakpoints::run(&probe, action),
+        Action::Snapshots { format } => breakpoints::snapshots(&probe, format),
     }
 }
 

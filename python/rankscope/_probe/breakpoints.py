@@ -1,0 +1,284 @@
+"""Breakpoints that record and go on, set from outside into a live process.
+
+CPython 3.12+: ``sys.monitoring`` under a tool id of our own. ``LINE`` events
+are enabled only on the code objects that hold a breakpoint, and every other
+line of those returns ``DISABLE``, so the rest of the program runs untouched,
+and frames that are already running see the breakpoint too (a ``while True``
+loop in ``train()``). A hit evaluates the condition (compiled once, when the
+breakpoint is set), counts, and records a snapshot (the stack with safe-repr
+locals, the same code as crash records) or a log line into a bounded table.
+Nothing raised here reaches user code: a failing condition is counted, and
+after MAX_ERRORS the breakpoint disables itself and says why.
+
+Not built yet: 3.11 (no sys.monitoring there; it needs code-object
+instrumentation), pause sessions, watches, pending breakpoints.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+import types
+
+from rankscope._probe.saferepr import Budget, safe_repr
+from rankscope._probe.stacks import _locals
+
+MAX_ERRORS = 5
+MAX_SNAPSHOTS = 1000
+MAX_SNAPSHOT_FRAMES = 30
+TOOL_NAME = "rankscope"
+
+_lock = threading.RLock()
+_ids = itertools.count(1)
+_breakpoints: dict[int, "Breakpoint"] = {}
+# code object -> line -> breakpoints there
+_by_code: dict[types.CodeType, dict[int, list["Breakpoint"]]] = {}
+_snapshots: collections.deque = collections.deque(maxlen=MAX_SNAPSHOTS)
+_snapshot_ids = itertools.count(1)
+_tool_id: int | None = None
+
+
+class UserError(Exception):
+    """Bad input: reported to the CLI, nothing changed."""
+
+
+class Breakpoint:
+    def __init__(self, file: str, line: int, codes: list, condition: str | None, log: str | None, max_hits: int | None, every: int | None):
+        self.id = next(_ids)
+        self.file, self.line, self.codes = file, line, codes
+        self.condition_source, self.log_source = condition, log
+        self.condition = compile(condition, "<breakpoint condition>", "eval") if condition else None
+        self.log = compile("f" + repr(log), "<logpoint>", "eval") if log is not None else None
+        self.max_hits, self.every = max_hits, every
+        self.passes = self.hits = self.errors = 0
+        self.enabled, self.note = True, None
+
+    def describe(self) -> dict:
+        return {
+            "id": self.id,
+            "file": self.file,
+            "line": self.line,
+            "condition": self.condition_source,
+            "log": self.log_source,
+            "max": self.max_hits,
+            "every": self.every,
+            "passes": self.passes,
+            "hits": self.hits,
+            "errors": self.errors,
+            "enabled": self.enabled,
+            "note": self.note,
+        }
+
+    def on_line(self, frame) -> None:
+        if not self.enabled:
+            return
+        self.passes += 1
+        if self.every and self.passes % self.every:
+            return
+        message = None
+        try:
+            if self.condition is not None and not eval(self.condition, frame.f_globals, frame.f_locals):
+                return
+            if self.log is not None:
+                message = str(eval(self.log, frame.f_globals, frame.f_locals))
+        except Exception as err:  # noqa: BLE001 - never into user code
+            self.errors += 1
+            self.note = f"{type(err).__name__}: {err}"
+            if self.errors >= MAX_ERRORS:
+                self.enabled = False
+                self.note = f"disabled after {self.errors} errors; last: {self.note}"
+            return
+        self.hits += 1
+        _snapshots.append(_snapshot(self, frame, message))
+        if self.max_hits and self.hits >= self.max_hits:
+            self.enabled = False
+            remove(self.id)
+
+
+def _snapshot(bp: Breakpoint, frame, message: str | None) -> dict:
+    budget = Budget(tensor_stats=False)
+    frames = []
+    current = frame
+    while current is not None and len(frames) < MAX_SNAPSHOT_FRAMES:
+        code = current.f_code
+        frames.append(
+            {
+                "func": code.co_name,
+                "file": code.co_filename,
+                "lineno": current.f_lineno,
+                # Locals of the hit frame; the outer ones only name where it came from.
+                "locals": _locals(current, budget) if current is frame else [],
+            }
+        )
+        current = current.f_back
+    return {
+        "id": next(_snapshot_ids),
+        "bp_id": bp.id,
+        "hit": bp.hits,
+        "time": time.time(),
+        "thread": threading.current_thread().name,
+        "log": message,
+        "frames": frames,
+    }
+
+
+def _on_line(code, line):
+    try:
+        bps = _by_code.get(code, {}).get(line)
+        if not bps:
+            return sys.monitoring.DISABLE
+        frame = sys._getframe(1)
+        for bp in list(bps):
+            bp.on_line(frame)
+    except Exception:  # noqa: BLE001 - a broken breakpoint must not break the program
+        pass
+    return None
+
+
+def _tool() -> int:
+    global _tool_id
+    if _tool_id is not None:
+        return _tool_id
+    monitoring = sys.monitoring
+    for candidate in range(6):  # ids 0-5 are for tools; 6 is settrace's, 7 setprofile's
+        if monitoring.get_tool(candidate) is None:
+            monitoring.use_tool_id(candidate, TOOL_NAME)
+            monitoring.register_callback(candidate, monitoring.events.LINE, _on_line)
+            _tool_id = candidate
+            return candidate
+    owners = ", ".join(str(monitoring.get_tool(i)) for i in range(6))
+    raise UserError(f"every sys.monitoring tool id is taken ({owners})")
+
+
+def _release_tool() -> None:
+    global _tool_id
+    if _tool_id is None or _by_code:
+        return
+    sys.monitoring.register_callback(_tool_id, sys.monitoring.events.LINE, None)
+    sys.monitoring.free_tool_id(_tool_id)
+    _tool_id = None
+
+
+def _all_code() -> list[types.CodeType]:
+    """Every code object reachable from functions and running frames,
+    nested ones (inner functions, comprehensions) included."""
+    seen: dict[int, types.CodeType] = {}
+
+    def visit(code):
+        if id(code) in seen:
+            return
+        seen[id(code)] = code
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                visit(const)
+
+    for obj in gc.get_objects():
+        if isinstance(obj, types.FunctionType):
+            visit(obj.__code__)
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            visit(frame.f_code)
+            frame = frame.f_back
+    return list(seen.values())
+
+
+def _resolve(spec: str) -> tuple[str, int, list[types.CodeType], str | None]:
+    path, sep, line_text = spec.rpartition(":")
+    if not sep or not line_text.isdigit():
+        raise UserError(f"{spec!r} is not FILE:LINE (e.g. train.py:88)")
+    wanted = int(line_text)
+    codes = [c for c in _all_code() if c.co_filename == path or os.path.basename(c.co_filename) == path or c.co_filename.endswith("/" + path)]
+    files = sorted({c.co_filename for c in codes})
+    if not files:
+        raise UserError(f"no loaded code comes from {path!r} (breakpoints in modules not imported yet are not supported yet)")
+    if len(files) > 1:
+        raise UserError(f"{path!r} matches several files: {', '.join(files)}; give more of the path")
+    lines = sorted({ln for c in codes for _, _, ln in c.co_lines() if ln is not None and ln >= wanted})
+    if not lines:
+        raise UserError(f"{files[0]} has no code at or after line {wanted}")
+    line = lines[0]
+    holders = [c for c in codes if any(ln == line for _, _, ln in c.co_lines())]
+    note = None if line == wanted else f"line {wanted} has no code; the breakpoint is on line {line}, the next line that has"
+    return files[0], line, holders, note
+
+
+def add(spec: str, condition: str | None = None, log: str | None = None, max_hits: int | None = None, every: int | None = None) -> dict:
+    if sys.version_info < (3, 12):
+        raise UserError("breakpoints need CPython 3.12 or later for now (3.11 support is not built yet)")
+    if max_hits is not None and max_hits < 1 or every is not None and every < 1:
+        raise UserError("--max and --every take a number of at least 1")
+    file, line, codes, note = _resolve(spec)
+    try:
+        bp = Breakpoint(file, line, codes, condition, log, max_hits, every)
+    except SyntaxError as err:
+        raise UserError(f"{'the condition' if condition and err.filename == '<breakpoint condition>' else 'the log template'} does not compile: {err.msg}") from None
+    bp.note = note
+    with _lock:
+        tool = _tool()
+        _breakpoints[bp.id] = bp
+        for code in codes:
+            _by_code.setdefault(code, {}).setdefault(line, []).append(bp)
+            sys.monitoring.set_local_events(tool, code, sys.monitoring.events.LINE)
+        # Lines that answered DISABLE before must fire again.
+        sys.monitoring.restart_events()
+    return bp.describe()
+
+
+def remove(bp_id: int) -> dict:
+    with _lock:
+        bp = _breakpoints.pop(bp_id, None)
+        if bp is None:
+            raise UserError(f"no breakpoint {bp_id}; `rankscope PID break list` shows them")
+        for code in bp.codes:
+            lines = _by_code.get(code, {})
+            holders = lines.get(bp.line, [])
+            if bp in holders:
+                holders.remove(bp)
+            if not holders:
+                lines.pop(bp.line, None)
+            if not lines:
+                _by_code.pop(code, None)
+                if _tool_id is not None:
+                    sys.monitoring.set_local_events(_tool_id, code, 0)
+        _release_tool()
+    return bp.describe()
+
+
+def clear() -> list[dict]:
+    return [remove(bp_id) for bp_id in list(_breakpoints)]
+
+
+def listing() -> list[dict]:
+    return [bp.describe() for bp in _breakpoints.values()]
+
+
+def snapshots() -> list[dict]:
+    return list(_snapshots)
+
+
+def handle(request_text: str) -> str:
+    """The probe's /v1/breakpoints endpoint: {"op": ..., ...} -> JSON."""
+    try:
+        request = json.loads(request_text)
+        op = request.get("op")
+        if op == "add":
+            result = add(request["spec"], request.get("condition"), request.get("log"), request.get("max"), request.get("every"))
+        elif op == "list":
+            result = listing()
+        elif op == "rm":
+            result = remove(int(request["id"]))
+        elif op == "clear":
+            result = clear()
+        elif op == "snapshots":
+            result = snapshots()
+        else:
+            raise UserError(f"unknown breakpoint operation {op!r}")
+        return json.dumps({"ok": result}, default=str)
+    except UserError as err:
+        return json.dumps({"error": str(err)})

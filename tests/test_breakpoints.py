@@ -1,0 +1,137 @@
+"""Breakpoints that record and go on (CPython 3.12+ through sys.monitoring),
+set into a loop that is already running."""
+
+import json
+import sys
+import time
+
+import pytest
+
+from conftest import line_of
+
+LOOP = """
+import time
+
+def train():
+    step = 0
+    loss = 0.0
+    while True:
+        step += 1
+
+        loss = 1.0 / step  # @body
+        time.sleep(0.005)
+
+print("READY", flush=True)
+train()
+"""
+
+
+def version_of(python):
+    import subprocess
+
+    out = subprocess.run([python, "-c", "import sys; print(sys.version_info[1])"], capture_output=True, text=True).stdout
+    return (3, int(out))
+
+
+def snapshots(cli, pid):
+    result = cli(pid, "snapshots", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_for(predicate, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def loop(python, spawn):
+    if version_of(python) < (3, 12):
+        pytest.skip("breakpoints need 3.12+ for now (see test_breakpoints_say_311_is_not_supported)")
+    return spawn(python, LOOP)
+
+
+def test_a_breakpoint_in_a_running_loop_records_snapshots(loop, cli):
+    body = line_of(LOOP, "body")
+    added = cli(loop.pid, "break", "add", f"target.py:{body}")
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.strip() == f"breakpoint 1 at {loop.script}:{body}"
+    snaps = wait_for(lambda: [s for s in snapshots(cli, loop.pid) if s["hit"] >= 3])
+    first = snapshots(cli, loop.pid)[0]
+    assert first["bp_id"] == 1 and first["thread"] == "MainThread"
+    assert [f["func"] for f in first["frames"][:2]] == ["train", "<module>"]
+    assert first["frames"][0]["lineno"] == body
+    names = {l["name"] for l in first["frames"][0]["locals"]}
+    assert {"step", "loss"} <= names
+    listing = cli(loop.pid, "break", "list").stdout
+    assert f"target.py:{body}" in listing and "hits" in listing
+
+    assert cli(loop.pid, "break", "rm", "1").returncode == 0
+    count = len(snapshots(cli, loop.pid))
+    time.sleep(0.3)
+    assert len(snapshots(cli, loop.pid)) == count
+    assert loop.alive()
+
+
+def test_condition_max_and_logpoint(loop, cli):
+    body = line_of(LOOP, "body")
+    cond = cli(loop.pid, "break", "add", f"target.py:{body}", "--if", "step % 2 == 0", "--max", "3", "--log", "step {step} loss {loss:.3f}")
+    assert cond.returncode == 0, cond.stderr
+    snaps = wait_for(lambda: len(snapshots(cli, loop.pid)) >= 3 and snapshots(cli, loop.pid))
+    time.sleep(0.3)
+    snaps = snapshots(cli, loop.pid)
+    assert len(snaps) == 3
+    steps = [int(s["log"].split()[1]) for s in snaps]
+    assert all(step % 2 == 0 for step in steps)
+    assert snaps[0]["log"].startswith(f"step {steps[0]} loss ")
+    assert "No breakpoints." in cli(loop.pid, "break", "list").stdout  # --max removed it
+
+
+def test_a_line_without_code_moves_to_the_next_one(loop, cli):
+    body = line_of(LOOP, "body")
+    added = cli(loop.pid, "break", "add", f"target.py:{body - 1}")
+    assert added.returncode == 0, added.stderr
+    assert f"line {body - 1} has no code; the breakpoint is on line {body}" in added.stderr
+
+
+def test_bad_input_changes_nothing(loop, cli):
+    bad = cli(loop.pid, "break", "add", f"target.py:{line_of(LOOP, 'body')}", "--if", "step >")
+    assert bad.returncode == 1 and "the condition does not compile" in bad.stderr
+    missing = cli(loop.pid, "break", "add", "nowhere.py:3")
+    assert missing.returncode == 1 and "no loaded code comes from 'nowhere.py'" in missing.stderr
+    form = cli(loop.pid, "break", "add", "target.py")
+    assert form.returncode == 1 and "is not FILE:LINE" in form.stderr
+    assert "No breakpoints." in cli(loop.pid, "break", "list").stdout
+
+
+def test_a_failing_condition_disables_itself_and_never_reaches_the_program(loop, cli):
+    body = line_of(LOOP, "body")
+    assert cli(loop.pid, "break", "add", f"target.py:{body}", "--if", "no_such_name > 1").returncode == 0
+    listing = wait_for(lambda: (out := cli(loop.pid, "break", "list").stdout) and "[disabled]" in out and out)
+    assert "disabled after 5 errors; last: NameError" in listing
+    assert snapshots(cli, loop.pid) == []
+    assert loop.alive()
+
+
+def test_clear_gives_the_monitoring_tool_back(loop, cli):
+    body = line_of(LOOP, "body")
+    cli(loop.pid, "break", "add", f"target.py:{body}")
+    tools = "import sys; [sys.monitoring.get_tool(i) for i in range(6)]"
+    assert "'rankscope'" in cli(loop.pid, "eval", tools).stdout
+    cleared = cli(loop.pid, "break", "clear")
+    assert cleared.stdout.strip() == "removed 1 breakpoints"
+    assert "'rankscope'" not in cli(loop.pid, "eval", tools).stdout
+
+
+def test_breakpoints_say_311_is_not_supported(default_python, spawn, cli):
+    if version_of(default_python) >= (3, 12):
+        pytest.skip("the default Python has sys.monitoring")
+    target = spawn(default_python, LOOP)
+    result = cli(target.pid, "break", "add", f"target.py:{line_of(LOOP, 'body')}")
+    assert result.returncode == 1
+    assert "breakpoints need CPython 3.12 or later for now" in result.stderr
