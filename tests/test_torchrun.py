@@ -80,10 +80,39 @@ def test_a_held_rank_is_debugged_by_rank_number(torchrun, cli, tmp_path):
         while not list((tmp_path / "run").glob("debug-rank1-pid*.sock")):
             assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never held for a debugger"
             time.sleep(0.05)
-        session = cli("debug", "--rank", "1", input="p step\np activations.shape\nq\n", env={"RANKSCOPE_RUN_DIR": str(tmp_path / "run")})
+        session = cli("debug", "--rank", "1", input="p step\np rank\np activations.shape\nq\n", env={"RANKSCOPE_RUN_DIR": str(tmp_path / "run")})
         assert session.returncode == 0, session.stderr
         assert "(Pdb rank 1) 41" in session.stdout
+        assert "(Pdb rank 1) 1\n" in session.stdout  # p rank
         assert "torch.Size([3])" in session.stdout
         assert proc.wait(timeout=120) != 0
     finally:
         proc.kill()
+
+
+def test_rankscope_run_gives_every_worker_a_probe(default_python, rankscope_bin, endpoint_dir, cli, tmp_path):
+    if subprocess.run([default_python, "-c", "import torch.distributed"], capture_output=True).returncode != 0:
+        pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
+    script = tmp_path / "wait.py"
+    script.write_text("import time, torch.distributed as dist\ndist.init_process_group('gloo')\ntime.sleep(120)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env.update(RANKSCOPE_DIR=endpoint_dir, RANKSCOPE_RUN_DIR=str(tmp_path / "run"))
+    proc = subprocess.Popen(
+        [rankscope_bin, "run", "--", default_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            listing = cli("cluster", "list", "--run", tmp_path / "run")
+            if listing.stdout.count(" running ") == 2:
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, listing.stdout + listing.stderr
+            time.sleep(0.3)
+        assert "(2 ranks)" in listing.stdout
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
