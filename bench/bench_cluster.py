@@ -118,7 +118,12 @@ def main() -> int:
                 stop(procs)
         torchrun = None
         if subprocess.run([sys.executable, "-c", "import torch.distributed"], capture_output=True).returncode == 0:
-            torchrun = bench_torchrun(rankscope, env, run_dir, args.runs)
+            # A run directory of its own: the simulated jobs' registries are not part of it.
+            torch_run_dir = tempfile.mkdtemp(prefix="rankscope-bench-torchrun-run-")
+            try:
+                torchrun = bench_torchrun(rankscope, dict(env, RANKSCOPE_RUN_DIR=torch_run_dir), torch_run_dir, args.runs)
+            finally:
+                shutil.rmtree(torch_run_dir, ignore_errors=True)
     finally:
         shutil.rmtree(endpoint_dir, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)

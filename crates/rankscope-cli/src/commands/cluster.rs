@@ -101,8 +101,14 @@ fn read_entries(dir: &std::path::Path, out: &mut Vec<RankEntry>) {
 /// Finds the job: `--job ID`, else the one job with a live rank here.
 pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
     let mut entries = Vec::new();
-    // Live probes on this machine.
-    read_entries(&paths::endpoint_dir(), &mut entries);
+    // Live probes on this machine; what dead ones left behind goes, as in `rankscope list`.
+    let endpoint_dir = paths::endpoint_dir();
+    for pid in paths::listed_pids(&endpoint_dir) {
+        if !paths::pid_alive(pid) {
+            paths::remove_endpoint_files(&endpoint_dir, pid);
+        }
+    }
+    read_entries(&endpoint_dir, &mut entries);
     // The registries: --run, RANKSCOPE_RUN_DIR, else every job's run directory.
     let run_dirs: Vec<PathBuf> = match run.or_else(|| std::env::var_os(crash::RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from)) {
         Some(dir) => vec![dir],
@@ -254,6 +260,8 @@ pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration) -> Resu
     let states = fan_out(&ranks, |entry| match liveness(entry, &here) {
         Liveness::Running => match probe_of(entry).and_then(|p| p.meta(deadline)) {
             Ok(_) => "running".to_string(),
+            // A rank whose rankscope speaks another protocol answers, but not in our words.
+            Err(e) if format!("{e:#}").contains("speaks protocol") => "other-version".to_string(),
             Err(_) => "unresponsive".to_string(),
         },
         other => other.word().to_string(),
