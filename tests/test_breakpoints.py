@@ -135,3 +135,39 @@ def test_breakpoints_say_311_is_not_supported(default_python, spawn, cli):
     result = cli(target.pid, "break", "add", f"target.py:{line_of(LOOP, 'body')}")
     assert result.returncode == 1
     assert "breakpoints need CPython 3.12 or later for now" in result.stderr
+
+
+MODEL = """
+import time
+
+class Attention:
+    def forward(self, x):
+        scaled = x * 2  # @forward
+        return scaled
+
+def train():
+    layer = Attention()
+    step = 0
+    while True:
+        step += 1
+        layer.forward(step)
+        time.sleep(0.005)
+
+print("READY", flush=True)
+train()
+"""
+
+
+def test_a_function_breakpoint_and_hit_counts(python, spawn, cli):
+    if version_of(python) < (3, 12):
+        pytest.skip("breakpoints need 3.12+ for now")
+    target = spawn(python, MODEL)
+    added = cli(target.pid, "break", "add", "target.py:Attention.forward", "--hit", "5", "--every", "1", "--max", "2")
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.strip() == f"breakpoint 1 at {target.script}:{line_of(MODEL, 'forward')}"
+    snaps = wait_for(lambda: len(snapshots(cli, target.pid)) == 2 and snapshots(cli, target.pid))
+    xs = [int({l["name"]: l["repr"] for l in s["frames"][0]["locals"]}["x"]) for s in snaps]
+    assert xs[0] >= 5 and xs[1] == xs[0] + 1  # from the 5th pass on, two hits
+    assert [f["func"] for f in snaps[0]["frames"][:2]] == ["forward", "train"]
+    ambiguous = cli(target.pid, "break", "add", "target.py:nothing_here")
+    assert ambiguous.returncode == 1 and "no function 'nothing_here'" in ambiguous.stderr

@@ -131,7 +131,7 @@ enum Command {
 
 #[derive(Subcommand)]
 pub enum BreakAction {
-    /// Set a breakpoint at FILE:LINE (a file name or the end of its path)
+    /// Set a breakpoint at FILE:LINE or FILE:FUNCTION (a file name or the end of its path; Class.method)
     Add {
         spec: String,
         /// Record only when this Python expression is true in the frame
@@ -146,6 +146,9 @@ pub enum BreakAction {
         /// Record every Nth pass only
         #[arg(long)]
         every: Option<u64>,
+        /// Record from the Nth pass on
+        #[arg(long)]
+        hit: Option<u64>,
     },
     /// The breakpoints set, with their pass and hit counts
     List,

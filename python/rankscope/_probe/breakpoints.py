@@ -49,13 +49,23 @@ class UserError(Exception):
 
 
 class Breakpoint:
-    def __init__(self, file: str, line: int, codes: list, condition: str | None, log: str | None, max_hits: int | None, every: int | None):
+    def __init__(
+        self,
+        file: str,
+        line: int,
+        codes: list,
+        condition: str | None,
+        log: str | None,
+        max_hits: int | None,
+        every: int | None,
+        from_hit: int | None = None,
+    ):
         self.id = next(_ids)
         self.file, self.line, self.codes = file, line, codes
         self.condition_source, self.log_source = condition, log
         self.condition = compile(condition, "<breakpoint condition>", "eval") if condition else None
         self.log = compile("f" + repr(log), "<logpoint>", "eval") if log is not None else None
-        self.max_hits, self.every = max_hits, every
+        self.max_hits, self.every, self.from_hit = max_hits, every, from_hit
         self.passes = self.hits = self.errors = 0
         self.enabled, self.note = True, None
 
@@ -68,6 +78,7 @@ class Breakpoint:
             "log": self.log_source,
             "max": self.max_hits,
             "every": self.every,
+            "hit_from": self.from_hit,
             "passes": self.passes,
             "hits": self.hits,
             "errors": self.errors,
@@ -80,6 +91,8 @@ class Breakpoint:
             return
         self.passes += 1
         if self.every and self.passes % self.every:
+            return
+        if self.from_hit and self.passes < self.from_hit:
             return
         message = None
         try:
@@ -189,16 +202,18 @@ def _all_code() -> list[types.CodeType]:
 
 
 def _resolve(spec: str) -> tuple[str, int, list[types.CodeType], str | None]:
-    path, sep, line_text = spec.rpartition(":")
-    if not sep or not line_text.isdigit():
-        raise UserError(f"{spec!r} is not FILE:LINE (e.g. train.py:88)")
-    wanted = int(line_text)
+    path, sep, where = spec.rpartition(":")
+    if not sep or not where:
+        raise UserError(f"{spec!r} is not FILE:LINE or FILE:FUNCTION (e.g. train.py:88, model.py:Attention.forward)")
     codes = [c for c in _all_code() if c.co_filename == path or os.path.basename(c.co_filename) == path or c.co_filename.endswith("/" + path)]
     files = sorted({c.co_filename for c in codes})
     if not files:
         raise UserError(f"no loaded code comes from {path!r} (breakpoints in modules not imported yet are not supported yet)")
     if len(files) > 1:
         raise UserError(f"{path!r} matches several files: {', '.join(files)}; give more of the path")
+    if not where.isdigit():
+        return _resolve_function(files[0], where, codes)
+    wanted = int(where)
     lines = sorted({ln for c in codes for _, _, ln in c.co_lines() if ln is not None and ln >= wanted})
     if not lines:
         raise UserError(f"{files[0]} has no code at or after line {wanted}")
@@ -208,14 +223,38 @@ def _resolve(spec: str) -> tuple[str, int, list[types.CodeType], str | None]:
     return files[0], line, holders, note
 
 
-def add(spec: str, condition: str | None = None, log: str | None = None, max_hits: int | None = None, every: int | None = None) -> dict:
+def _resolve_function(file: str, name: str, codes: list) -> tuple[str, int, list[types.CodeType], str | None]:
+    """FILE:FUNCTION (a qualified name, `Class.method`): its first line of body."""
+    matches = [c for c in codes if c.co_qualname == name]
+    if not matches:
+        matches = [c for c in codes if c.co_name == name]
+    if not matches:
+        raise UserError(f"no function {name!r} in {file}")
+    if len({c.co_qualname for c in matches}) > 1:
+        names = ", ".join(sorted({c.co_qualname for c in matches}))
+        raise UserError(f"{name!r} matches several functions in {file}: {names}; give the qualified name")
+    code = matches[0]
+    body = sorted({ln for _, _, ln in code.co_lines() if ln is not None and ln > code.co_firstlineno})
+    if not body:
+        raise UserError(f"{name!r} in {file} has no body to stop in")
+    return file, body[0], [code], None
+
+
+def add(
+    spec: str,
+    condition: str | None = None,
+    log: str | None = None,
+    max_hits: int | None = None,
+    every: int | None = None,
+    from_hit: int | None = None,
+) -> dict:
     if sys.version_info < (3, 12):
         raise UserError("breakpoints need CPython 3.12 or later for now (3.11 support is not built yet)")
-    if max_hits is not None and max_hits < 1 or every is not None and every < 1:
-        raise UserError("--max and --every take a number of at least 1")
+    if any(n is not None and n < 1 for n in (max_hits, every, from_hit)):
+        raise UserError("--max, --every and --hit take a number of at least 1")
     file, line, codes, note = _resolve(spec)
     try:
-        bp = Breakpoint(file, line, codes, condition, log, max_hits, every)
+        bp = Breakpoint(file, line, codes, condition, log, max_hits, every, from_hit)
     except SyntaxError as err:
         raise UserError(f"{'the condition' if condition and err.filename == '<breakpoint condition>' else 'the log template'} does not compile: {err.msg}") from None
     bp.note = note
@@ -268,7 +307,9 @@ def handle(request_text: str) -> str:
         request = json.loads(request_text)
         op = request.get("op")
         if op == "add":
-            result = add(request["spec"], request.get("condition"), request.get("log"), request.get("max"), request.get("every"))
+            result = add(
+                request["spec"], request.get("condition"), request.get("log"), request.get("max"), request.get("every"), request.get("hit")
+            )
         elif op == "list":
             result = listing()
         elif op == "rm":

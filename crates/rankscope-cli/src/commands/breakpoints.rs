@@ -11,8 +11,9 @@ use crate::{BreakAction, BtFormat};
 
 pub fn run(probe: &Probe, action: BreakAction) -> Result<u8> {
     match action {
-        BreakAction::Add { spec, condition, log, max, every } => {
-            let bp = probe.breakpoints(&json!({"op": "add", "spec": spec, "condition": condition, "log": log, "max": max, "every": every}))?;
+        BreakAction::Add { spec, condition, log, max, every, hit } => {
+            let request = json!({"op": "add", "spec": spec, "condition": condition, "log": log, "max": max, "every": every, "hit": hit});
+            let bp = probe.breakpoints(&request)?;
             if let Some(note) = bp["note"].as_str() {
                 eprintln!("note: {note}");
             }
@@ -49,7 +50,7 @@ fn describe(bp: &Value) -> String {
         bp["passes"],
         bp["hits"]
     );
-    for (key, label) in [("condition", "if"), ("log", "log"), ("every", "every"), ("max", "max")] {
+    for (key, label) in [("condition", "if"), ("log", "log"), ("every", "every"), ("hit_from", "hit"), ("max", "max")] {
         if !bp[key].is_null() {
             let value = bp[key].as_str().map(str::to_string).unwrap_or_else(|| bp[key].to_string());
             let _ = write!(line, "  {label} {value}");
