@@ -171,3 +171,15 @@ def test_a_function_breakpoint_and_hit_counts(python, spawn, cli):
     assert [f["func"] for f in snaps[0]["frames"][:2]] == ["forward", "train"]
     ambiguous = cli(target.pid, "break", "add", "target.py:nothing_here")
     assert ambiguous.returncode == 1 and "no function 'nothing_here'" in ambiguous.stderr
+
+
+def test_snapshots_are_tables(loop, cli):
+    body = line_of(LOOP, "body")
+    assert cli(loop.pid, "break", "add", f"target.py:{body}", "--max", "3").returncode == 0
+    wait_for(lambda: len(snapshots(cli, loop.pid)) == 3)
+    hits = cli(loop.pid, "query", "SELECT bp_id, hit, func, lineno FROM python.snapshots ORDER BY hit", "--format", "json")
+    assert hits.returncode == 0, hits.stderr
+    assert json.loads(hits.stdout) == [{"bp_id": 1, "hit": h, "func": "train", "lineno": body} for h in (1, 2, 3)]
+    steps = cli(loop.pid, "query", "SELECT hit, repr FROM python.snapshot_locals WHERE bp_id = 1 AND name = 'step' ORDER BY hit", "--format", "csv")
+    values = [int(line.split(",")[1]) for line in steps.stdout.split()[1:]]
+    assert len(values) == 3 and values == sorted(values)

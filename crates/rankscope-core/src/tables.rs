@@ -132,7 +132,37 @@ pub const CRASHES: TableDef = TableDef {
     ],
 };
 
-pub const ALL_TABLES: &[TableDef] = &[BACKTRACE, THREADS, PROCESS_INFO, PROCESS_ENV, CRASHES];
+pub const SNAPSHOTS: TableDef = TableDef {
+    schema: "python",
+    name: "snapshots",
+    description: "one row per breakpoint hit recorded (ts is the hit's time), at the hit frame",
+    columns: &[
+        col("id", Int64),
+        col("bp_id", Int64),
+        col("hit", Int64),
+        col("thread", Utf8),
+        col("func", Utf8),
+        col("file", Utf8),
+        col("lineno", Int64),
+        col("log", Utf8),
+    ],
+};
+
+pub const SNAPSHOT_LOCALS: TableDef = TableDef {
+    schema: "python",
+    name: "snapshot_locals",
+    description: "one row per local of the hit frame of each snapshot (safe reprs)",
+    columns: &[
+        col("snapshot_id", Int64),
+        col("bp_id", Int64),
+        col("hit", Int64),
+        col("name", Utf8),
+        col("repr", Utf8),
+        col("type", Utf8),
+    ],
+};
+
+pub const ALL_TABLES: &[TableDef] = &[BACKTRACE, THREADS, PROCESS_INFO, PROCESS_ENV, CRASHES, SNAPSHOTS, SNAPSHOT_LOCALS];
 
 pub fn find_table(schema: &str, name: &str) -> Option<&'static TableDef> {
     ALL_TABLES

@@ -67,6 +67,10 @@ impl RowSource for LiveProbe {
                 let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
                 Ok(tables::env_rows(&meta, &env, now()))
             }
+            ("python", "snapshots") | ("python", "snapshot_locals") => {
+                let snaps = self.probe.breakpoints(&serde_json::json!({"op": "snapshots"})).map_err(|e| format!("{e:#}"))?;
+                Ok(snapshot_rows(table.name, &meta, &snaps))
+            }
             ("python", "crashes") => {
                 // The target's run directory, from the target's environment.
                 let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
@@ -81,6 +85,45 @@ impl RowSource for LiveProbe {
             _ => Err(format!("no rows for {}", table.qualified_name())),
         }
     }
+}
+
+/// `python.snapshots` (one row per hit, at the hit frame) or
+/// `python.snapshot_locals` (one row per local of that frame).
+fn snapshot_rows(table: &str, meta: &ProcessMeta, snaps: &serde_json::Value) -> Rows {
+    use serde_json::{json, Value};
+    let mut rows = Vec::new();
+    for snap in snaps.as_array().into_iter().flatten() {
+        let identity = [json!(meta.pid), json!(meta.rank), json!(meta.host), json!((snap["time"].as_f64().unwrap_or(0.0) * 1e6).round() as i64)];
+        let frame = &snap["frames"][0];
+        if table == "snapshots" {
+            let mut row = identity.to_vec();
+            row.extend([
+                snap["id"].clone(),
+                snap["bp_id"].clone(),
+                snap["hit"].clone(),
+                snap["thread"].clone(),
+                frame["func"].clone(),
+                frame["file"].clone(),
+                frame["lineno"].clone(),
+                snap["log"].clone(),
+            ]);
+            rows.push(row);
+        } else {
+            for local in frame["locals"].as_array().into_iter().flatten() {
+                let mut row = identity.to_vec();
+                row.extend([
+                    snap["id"].clone(),
+                    snap["bp_id"].clone(),
+                    snap["hit"].clone(),
+                    local.get("name").cloned().unwrap_or(Value::Null),
+                    local.get("repr").cloned().unwrap_or(Value::Null),
+                    local.get("type").cloned().unwrap_or(Value::Null),
+                ]);
+                rows.push(row);
+            }
+        }
+    }
+    rows
 }
 
 /// What is left on disk when no process is asked: the run directories.
