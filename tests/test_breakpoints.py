@@ -102,8 +102,10 @@ def test_a_line_without_code_moves_to_the_next_one(loop, cli):
 def test_bad_input_changes_nothing(loop, cli):
     bad = cli(loop.pid, "break", "add", f"target.py:{line_of(LOOP, 'body')}", "--if", "step >")
     assert bad.returncode == 1 and "the condition does not compile" in bad.stderr
-    missing = cli(loop.pid, "break", "add", "nowhere.py:3")
-    assert missing.returncode == 1 and "no loaded code comes from 'nowhere.py'" in missing.stderr
+    # A file not imported (yet) is not an error: the breakpoint waits for it.
+    pending = cli(loop.pid, "break", "add", "nowhere.py:3")
+    assert pending.returncode == 0 and "pending: nowhere.py is not imported yet" in pending.stderr
+    assert cli(loop.pid, "break", "rm", "1").returncode == 0
     form = cli(loop.pid, "break", "add", "target.py")
     assert form.returncode == 1 and "is not FILE:LINE" in form.stderr
     assert "No breakpoints." in cli(loop.pid, "break", "list").stdout
@@ -183,3 +185,39 @@ def test_snapshots_are_tables(loop, cli):
     steps = cli(loop.pid, "query", "SELECT hit, repr FROM python.snapshot_locals WHERE bp_id = 1 AND name = 'step' ORDER BY hit", "--format", "csv")
     values = [int(line.split(",")[1]) for line in steps.stdout.split()[1:]]
     assert len(values) == 3 and values == sorted(values)
+
+
+LATER = """
+import os, sys, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+print("READY", flush=True)
+while not os.path.exists("go"):
+    time.sleep(0.01)
+import later_mod
+while True:
+    later_mod.compute(3)
+    time.sleep(0.005)
+"""
+
+LATER_MOD = """
+def compute(x):
+    doubled = x * 2  # @compute
+    return doubled
+"""
+
+
+def test_a_breakpoint_in_a_module_not_imported_yet_arms_on_import(python, spawn, cli):
+    if version_of(python) < (3, 12):
+        pytest.skip("breakpoints need 3.12+ for now")
+    target = spawn(python, LATER)
+    (target.script.parent / "later_mod.py").write_text(LATER_MOD)
+    line = line_of(LATER_MOD, "compute")
+    added = cli(target.pid, "break", "add", f"later_mod.py:{line}")
+    assert added.returncode == 0, added.stderr
+    assert "pending: later_mod.py is not imported yet" in cli(target.pid, "break", "list").stdout
+    (target.script.parent / "go").write_text("")
+    snaps = wait_for(lambda: snapshots(cli, target.pid))
+    assert snaps[0]["frames"][0]["func"] == "compute" and snaps[0]["frames"][0]["lineno"] == line
+    assert "pending" not in cli(target.pid, "break", "list").stdout
+    assert cli(target.pid, "break", "clear").returncode == 0
+    assert "_ArmOnImport" not in cli(target.pid, "eval", "import sys; [type(f).__name__ for f in sys.meta_path]").stdout

@@ -129,3 +129,17 @@ def test_list_cleans_a_dead_socket_whose_pid_was_reused(default_python, spawn, c
     assert str(bystander.pid) not in result.stdout
     assert not sock_path.exists()
     assert bystander.alive()
+
+
+def test_a_closed_pipe_ends_the_cli_quietly(default_python, spawn, rankscope_bin, endpoint_dir):
+    import subprocess
+
+    target = spawn(default_python, "import time\nprint('READY', flush=True)\nwhile True: time.sleep(1)\n")
+    env = dict(os.environ, RANKSCOPE_DIR=endpoint_dir)
+    pipeline = subprocess.run(
+        # 1 MB of output into a reader that leaves after 10 bytes.
+        f"""{rankscope_bin} {target.pid} eval "print('x' * 1000000)" | head -c 10""",
+        shell=True, capture_output=True, text=True, env=env,
+    )
+    assert len(pipeline.stdout) == 10
+    assert "panicked" not in pipeline.stderr and "Broken pipe" not in pipeline.stderr

@@ -279,6 +279,10 @@ fn rewrite_pid_form(mut args: Vec<String>) -> Vec<String> {
 }
 
 fn main() -> ExitCode {
+    // `rankscope PID snapshots | head`: a closed pipe ends us quietly, as it
+    // does any Unix tool, instead of a panic in println!.
+    // SAFETY: restoring the default disposition of one signal at start-up.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse_from(rewrite_pid_form(std::env::args().collect()));
     let result = match cli.command {
         Command::List { format } => commands::list::run(format),

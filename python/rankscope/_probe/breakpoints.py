@@ -10,14 +10,20 @@ locals, the same code as crash records) or a log line into a bounded table.
 Nothing raised here reaches user code: a failing condition is counted, and
 after MAX_ERRORS the breakpoint disables itself and says why.
 
+A breakpoint in a file that is not imported yet stays pending: a meta-path
+finder that only watches wraps that module's loader, and arms the breakpoint
+once the module has executed (module-level lines of that first run are not
+seen; functions are).
+
 Not built yet: 3.11 (no sys.monitoring there; it needs code-object
-instrumentation), pause sessions, watches, pending breakpoints.
+instrumentation), pause sessions, watches.
 """
 
 from __future__ import annotations
 
 import collections
 import gc
+import importlib.machinery
 import itertools
 import json
 import os
@@ -46,6 +52,112 @@ _tool_id: int | None = None
 
 class UserError(Exception):
     """Bad input: reported to the CLI, nothing changed."""
+
+
+class _NotLoaded(Exception):
+    """No loaded code comes from this file (yet)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.path = path
+
+
+class _Pending:
+    """A breakpoint in a file not imported yet: armed when a module whose
+    file matches finishes executing (functions exist then)."""
+
+    def __init__(self, spec: str, path: str, options: dict):
+        self.id = next(_ids)
+        self.spec, self.path, self.options = spec, path, options
+        self.note = None
+
+    def describe(self) -> dict:
+        file, _, line = self.spec.rpartition(":")
+        return {
+            "id": self.id,
+            "file": file,
+            "line": int(line) if line.isdigit() else line,
+            "condition": self.options.get("condition"),
+            "log": self.options.get("log"),
+            "max": self.options.get("max_hits"),
+            "every": self.options.get("every"),
+            "hit_from": self.options.get("from_hit"),
+            "passes": 0,
+            "hits": 0,
+            "errors": 0,
+            "enabled": True,
+            "pending": True,
+            "note": self.note or f"pending: {self.path} is not imported yet; armed on import",
+        }
+
+
+_pending: dict[int, _Pending] = {}
+
+
+def _matches(filename: str | None, path: str) -> bool:
+    return bool(filename) and (filename == path or os.path.basename(filename) == path or filename.endswith("/" + path))
+
+
+class _ArmOnImport:
+    """A meta-path finder that only watches: it asks the other finders, and
+    wraps the loader of a module whose file a pending breakpoint names."""
+
+    _busy = threading.local()
+
+    def find_spec(self, name, path=None, target=None):
+        # Never in the way of an import: no recursion into ourselves, and
+        # any failure here means "not mine", so the normal finders go on.
+        if not _pending or getattr(self._busy, "active", False):
+            return None
+        self._busy.active = True
+        try:
+            return self._watch(name, path, target)
+        except Exception:  # noqa: BLE001
+            return None
+        finally:
+            self._busy.active = False
+
+    def _watch(self, name, path, target):
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not any(_matches(spec.origin, p.path) for p in _pending.values()):
+            return None
+        if not hasattr(spec.loader, "exec_module"):
+            return None
+        original = spec.loader.exec_module
+
+        def exec_module(module, _original=original):
+            _original(module)
+            try:
+                _arm_pending(spec.origin)
+            except Exception:  # noqa: BLE001 - the import itself succeeded; keep it that way
+                pass
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_finder = _ArmOnImport()
+
+
+def _arm_pending(filename: str) -> None:
+    with _lock:
+        for pending in [p for p in _pending.values() if _matches(filename, p.path)]:
+            try:
+                file, line, codes, note = _resolve(pending.spec)
+                bp = Breakpoint(file, line, codes, **_breakpoint_options(pending.options))
+            except Exception as err:  # noqa: BLE001 - reported in break list, never raised into the import
+                pending.note = f"could not arm on import: {err}"
+                continue
+            del _pending[pending.id]
+            bp.id = pending.id
+            bp.note = note
+            _arm(bp)
+        if not _pending and _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+
+
+def _breakpoint_options(options: dict) -> dict:
+    return {k: options.get(k) for k in ("condition", "log", "max_hits", "every", "from_hit")}
 
 
 class Breakpoint:
@@ -208,7 +320,7 @@ def _resolve(spec: str) -> tuple[str, int, list[types.CodeType], str | None]:
     codes = [c for c in _all_code() if c.co_filename == path or os.path.basename(c.co_filename) == path or c.co_filename.endswith("/" + path)]
     files = sorted({c.co_filename for c in codes})
     if not files:
-        raise UserError(f"no loaded code comes from {path!r} (breakpoints in modules not imported yet are not supported yet)")
+        raise _NotLoaded(path)
     if len(files) > 1:
         raise UserError(f"{path!r} matches several files: {', '.join(files)}; give more of the path")
     if not where.isdigit():
@@ -252,25 +364,47 @@ def add(
         raise UserError("breakpoints need CPython 3.12 or later for now (3.11 support is not built yet)")
     if any(n is not None and n < 1 for n in (max_hits, every, from_hit)):
         raise UserError("--max, --every and --hit take a number of at least 1")
-    file, line, codes, note = _resolve(spec)
+    options = {"condition": condition, "log": log, "max_hits": max_hits, "every": every, "from_hit": from_hit}
     try:
-        bp = Breakpoint(file, line, codes, condition, log, max_hits, every, from_hit)
+        # Compiled now, so that a syntax error is reported now, pending or not.
+        for source, mode_name in ((condition, "condition"), (None if log is None else "f" + repr(log), "log template")):
+            if source:
+                compile(source, f"<breakpoint {mode_name}>", "eval")
     except SyntaxError as err:
-        raise UserError(f"{'the condition' if condition and err.filename == '<breakpoint condition>' else 'the log template'} does not compile: {err.msg}") from None
+        raise UserError(f"the {'condition' if 'condition' in (err.filename or '') else 'log template'} does not compile: {err.msg}") from None
+    try:
+        file, line, codes, note = _resolve(spec)
+    except _NotLoaded as missing:
+        with _lock:
+            pending = _Pending(spec, missing.path, options)
+            _pending[pending.id] = pending
+            if _finder not in sys.meta_path:
+                sys.meta_path.insert(0, _finder)
+        return pending.describe()
+    bp = Breakpoint(file, line, codes, **_breakpoint_options(options))
     bp.note = note
     with _lock:
-        tool = _tool()
-        _breakpoints[bp.id] = bp
-        for code in codes:
-            _by_code.setdefault(code, {}).setdefault(line, []).append(bp)
-            sys.monitoring.set_local_events(tool, code, sys.monitoring.events.LINE)
-        # Lines that answered DISABLE before must fire again.
-        sys.monitoring.restart_events()
+        _arm(bp)
     return bp.describe()
+
+
+def _arm(bp: Breakpoint) -> None:
+    tool = _tool()
+    _breakpoints[bp.id] = bp
+    for code in bp.codes:
+        _by_code.setdefault(code, {}).setdefault(bp.line, []).append(bp)
+        sys.monitoring.set_local_events(tool, code, sys.monitoring.events.LINE)
+    # Lines that answered DISABLE before must fire again.
+    sys.monitoring.restart_events()
 
 
 def remove(bp_id: int) -> dict:
     with _lock:
+        pending = _pending.pop(bp_id, None)
+        if pending is not None:
+            if not _pending and _finder in sys.meta_path:
+                sys.meta_path.remove(_finder)
+            return pending.describe()
         bp = _breakpoints.pop(bp_id, None)
         if bp is None:
             raise UserError(f"no breakpoint {bp_id}; `rankscope PID break list` shows them")
@@ -290,11 +424,12 @@ def remove(bp_id: int) -> dict:
 
 
 def clear() -> list[dict]:
-    return [remove(bp_id) for bp_id in list(_breakpoints)]
+    return [remove(bp_id) for bp_id in list(_breakpoints) + list(_pending)]
 
 
 def listing() -> list[dict]:
-    return [bp.describe() for bp in _breakpoints.values()]
+    every = [bp.describe() for bp in _breakpoints.values()] + [p.describe() for p in _pending.values()]
+    return sorted(every, key=lambda d: d["id"])
 
 
 def snapshots() -> list[dict]:
