@@ -221,3 +221,18 @@ def test_a_breakpoint_in_a_module_not_imported_yet_arms_on_import(python, spawn,
     assert "pending" not in cli(target.pid, "break", "list").stdout
     assert cli(target.pid, "break", "clear").returncode == 0
     assert "_ArmOnImport" not in cli(target.pid, "eval", "import sys; [type(f).__name__ for f in sys.meta_path]").stdout
+
+
+def test_snapshots_outlive_the_process(python, spawn, cli, tmp_path):
+    if version_of(python) < (3, 12):
+        pytest.skip("breakpoints need 3.12+ for now")
+    run = tmp_path / "run"
+    target = spawn(python, LOOP, env={"RANKSCOPE_RUN_DIR": str(run)})
+    assert cli(target.pid, "break", "add", f"target.py:{line_of(LOOP, 'body')}", "--max", "2").returncode == 0
+    wait_for(lambda: len(snapshots(cli, target.pid)) == 2)
+    target.kill()  # SIGKILL: nothing runs at exit
+    result = cli("query", "SELECT pid, rank, hit, func FROM python.snapshots ORDER BY hit", "--run", run, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"pid": target.pid, "rank": 0, "hit": h, "func": "train"} for h in (1, 2)]
+    names = cli("query", "SELECT DISTINCT name FROM python.snapshot_locals ORDER BY name", "--run", run, "--format", "csv")
+    assert "step" in names.stdout.split()

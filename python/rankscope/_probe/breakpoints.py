@@ -38,6 +38,9 @@ from rankscope._probe.stacks import _locals
 MAX_ERRORS = 5
 MAX_SNAPSHOTS = 1000
 MAX_SNAPSHOT_FRAMES = 30
+# Snapshots also go, one JSON line each, to <run dir>/snapshots/pid<P>.jsonl
+# so that they outlive the process; past this size the spill stops.
+MAX_SPILL_BYTES = 64 << 20
 TOOL_NAME = "rankscope"
 
 _lock = threading.RLock()
@@ -48,6 +51,9 @@ _by_code: dict[types.CodeType, dict[int, list["Breakpoint"]]] = {}
 _snapshots: collections.deque = collections.deque(maxlen=MAX_SNAPSHOTS)
 _snapshot_ids = itertools.count(1)
 _tool_id: int | None = None
+_spill_fd: int | None = None
+_spilled = 0
+_spill_off = False
 
 
 class UserError(Exception):
@@ -220,7 +226,9 @@ class Breakpoint:
                 self.note = f"disabled after {self.errors} errors; last: {self.note}"
             return
         self.hits += 1
-        _snapshots.append(_snapshot(self, frame, message))
+        snap = _snapshot(self, frame, message)
+        _snapshots.append(snap)
+        _spill(snap)
         if self.max_hits and self.hits >= self.max_hits:
             self.enabled = False
             remove(self.id)
@@ -251,6 +259,34 @@ def _snapshot(bp: Breakpoint, frame, message: str | None) -> dict:
         "log": message,
         "frames": frames,
     }
+
+
+def _spill(snap: dict) -> None:
+    """Appends the snapshot to the run directory; a failure (full or
+    read-only disk) turns spilling off and costs the program nothing."""
+    global _spill_fd, _spilled, _spill_off
+    if _spill_off:
+        return
+    try:
+        if _spill_fd is None:
+            from rankscope._probe import crashes
+
+            directory = os.path.join(crashes.run_dir(), "snapshots")
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            path = os.path.join(directory, f"pid{os.getpid()}.jsonl")
+            _spill_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            _spill_identity.update(pid=os.getpid(), rank=crashes._rank(), host=os.uname().nodename)
+        line = (json.dumps(dict(snap, **_spill_identity), default=str) + "\n").encode("utf-8", "backslashreplace")
+        if _spilled + len(line) > MAX_SPILL_BYTES:
+            _spill_off = True
+            return
+        os.write(_spill_fd, line)
+        _spilled += len(line)
+    except Exception:  # noqa: BLE001
+        _spill_off = True
+
+
+_spill_identity: dict = {}
 
 
 def _on_line(code, line):

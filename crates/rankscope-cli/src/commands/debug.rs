@@ -24,7 +24,8 @@ fn parse(path: &Path) -> Option<Held> {
     Some(Held { rank: rank.parse().ok()?, pid: pid.parse().ok()?, socket: path.to_path_buf() })
 }
 
-fn run_dirs(run: Option<PathBuf>) -> Vec<PathBuf> {
+/// `--run`, else RANKSCOPE_RUN_DIR, else every job's run directory.
+pub fn run_dirs(run: Option<PathBuf>) -> Vec<PathBuf> {
     if let Some(dir) = run.or_else(|| std::env::var_os(crash::RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from)) {
         return vec![dir];
     }

@@ -69,7 +69,7 @@ impl RowSource for LiveProbe {
             }
             ("python", "snapshots") | ("python", "snapshot_locals") => {
                 let snaps = self.probe.breakpoints(&serde_json::json!({"op": "snapshots"})).map_err(|e| format!("{e:#}"))?;
-                Ok(snapshot_rows(table.name, &meta, &snaps))
+                Ok(snapshot_rows(table.name, Some(&meta), snaps.as_array().map(Vec::as_slice).unwrap_or_default()))
             }
             ("python", "crashes") => {
                 // The target's run directory, from the target's environment.
@@ -89,11 +89,17 @@ impl RowSource for LiveProbe {
 
 /// `python.snapshots` (one row per hit, at the hit frame) or
 /// `python.snapshot_locals` (one row per local of that frame).
-fn snapshot_rows(table: &str, meta: &ProcessMeta, snaps: &serde_json::Value) -> Rows {
+/// The identity columns come from the live probe's metadata, or, for
+/// snapshots spilled to the run directory, from each line's own fields.
+fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::Value]) -> Rows {
     use serde_json::{json, Value};
     let mut rows = Vec::new();
-    for snap in snaps.as_array().into_iter().flatten() {
-        let identity = [json!(meta.pid), json!(meta.rank), json!(meta.host), json!((snap["time"].as_f64().unwrap_or(0.0) * 1e6).round() as i64)];
+    for snap in snaps {
+        let (pid, rank, host) = match meta {
+            Some(m) => (json!(m.pid), json!(m.rank), json!(m.host)),
+            None => (snap["pid"].clone(), snap["rank"].clone(), snap["host"].clone()),
+        };
+        let identity = [pid, rank, host, json!((snap["time"].as_f64().unwrap_or(0.0) * 1e6).round() as i64)];
         let frame = &snap["frames"][0];
         if table == "snapshots" {
             let mut row = identity.to_vec();
@@ -126,6 +132,22 @@ fn snapshot_rows(table: &str, meta: &ProcessMeta, snaps: &serde_json::Value) -> 
     rows
 }
 
+/// Every snapshot spilled under the run directories (`snapshots/*.jsonl`).
+fn spilled_snapshots(run: Option<PathBuf>) -> Vec<serde_json::Value> {
+    let mut snaps = Vec::new();
+    for dir in super::debug::run_dirs(run) {
+        let Ok(read) = std::fs::read_dir(dir.join("snapshots")) else { continue };
+        let mut files: Vec<PathBuf> = read.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "jsonl")).collect();
+        files.sort();
+        for file in files {
+            let Ok(text) = std::fs::read_to_string(&file) else { continue };
+            // A line cut short by a kill is skipped; the rest still count.
+            snaps.extend(text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()));
+        }
+    }
+    snaps
+}
+
 /// What is left on disk when no process is asked: the run directories.
 struct RunDirs {
     run: Option<PathBuf>,
@@ -135,6 +157,9 @@ impl RowSource for RunDirs {
     fn rows(&self, table: &TableDef) -> Result<Rows, String> {
         match (table.schema, table.name) {
             ("python", "crashes") => super::crashes::table_rows(self.run.clone(), None).map_err(|e| format!("{e:#}")),
+            ("python", "snapshots") | ("python", "snapshot_locals") => {
+                Ok(snapshot_rows(table.name, None, &spilled_snapshots(self.run.clone())))
+            }
             _ => Err(format!(
                 "{} is read from a live process: run `rankscope PID query ...` (`rankscope list` shows the PIDs)",
                 table.qualified_name()
