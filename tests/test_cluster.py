@@ -166,3 +166,31 @@ def test_cluster_bt_finds_the_rank_that_is_not_in_the_collective(default_python,
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+CRASHING_RANK = """
+import os, time
+print("READY", flush=True)
+if os.environ["RANK"] == "1":
+    shard = 7
+    raise RuntimeError("shape mismatch on rank 1")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_cluster_crashes_lists_the_jobs_crashes_by_rank(default_python, spawn, cli, tmp_path):
+    job_id = f"job-{uuid.uuid4().hex[:8]}"
+    run = tmp_path / "run"
+    targets = [
+        spawn(default_python, CRASHING_RANK, env={"RANK": str(r), "WORLD_SIZE": "3", "TORCHELASTIC_RUN_ID": job_id, "RANKSCOPE_RUN_DIR": str(run)})
+        for r in range(3)
+    ]
+    assert targets[1].proc.wait(timeout=30) == 1
+    listing = cli("cluster", "list", "--run", run)
+    [row] = [l for l in listing.stdout.splitlines() if l.split()[:1] == ["1"]]
+    assert " crashed " in row
+    crashes = cli("cluster", "crashes", "--run", run)
+    assert crashes.returncode == 0, crashes.stderr
+    assert f"job {job_id}: crashes recorded in {run}" in crashes.stdout
+    assert "RuntimeError: shape mismatch on rank 1" in crashes.stdout

@@ -180,6 +180,8 @@ enum ClusterAction {
         #[arg(long = "eval-timeout", default_value_t = 10.0)]
         eval_timeout: f64,
     },
+    /// Crashes recorded by the job's ranks (the job's run directory)
+    Crashes,
     /// SQL over the tables of every rank, as one table with a rank column
     Query {
         sql: String,
@@ -266,6 +268,7 @@ fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: 
         ClusterAction::List => cluster::list(job, run, deadline),
         ClusterAction::Bt { ranks, ignore_lines } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, deadline),
         ClusterAction::Eval { code, ranks, eval_timeout } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout),
+        ClusterAction::Crashes => cluster::crashes(job, run),
         ClusterAction::Query { sql, ranks, format } => cluster::query(job, run, ranks.as_deref(), &sql, format),
     }
 }

@@ -30,11 +30,17 @@ struct RankEntry {
     /// "running", "exited" or "crashed", as the rank last wrote it.
     #[serde(default)]
     state: Option<String>,
+    /// The run directory whose registry holds this entry (None: seen only
+    /// through its live probe).
+    #[serde(skip)]
+    run_dir: Option<PathBuf>,
 }
 
 pub struct Job {
     pub id: String,
     ranks: Vec<RankEntry>,
+    /// Where the ranks registered: crash records live there too.
+    run_dirs: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,7 +123,11 @@ pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
             .unwrap_or_default(),
     };
     for dir in run_dirs {
+        let first_new = entries.len();
         read_entries(&dir.join("ranks"), &mut entries);
+        for entry in &mut entries[first_new..] {
+            entry.run_dir = Some(dir.clone());
+        }
     }
     let here = hostname();
     let job_of = |e: &RankEntry| e.meta.job_id.clone().unwrap_or_else(|| "(no job id)".into());
@@ -167,13 +177,19 @@ pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
                 if entry.state.is_some() {
                     kept.state = entry.state;
                 }
+                if entry.run_dir.is_some() {
+                    kept.run_dir = entry.run_dir;
+                }
             }
             _ => {
                 by_rank.insert(entry.meta.rank, entry);
             }
         }
     }
-    Ok(Job { id, ranks: by_rank.into_values().collect() })
+    let mut job_run_dirs: Vec<PathBuf> = by_rank.values().filter_map(|e| e.run_dir.clone()).collect();
+    job_run_dirs.sort();
+    job_run_dirs.dedup();
+    Ok(Job { id, ranks: by_rank.into_values().collect(), run_dirs: job_run_dirs })
 }
 
 fn names(jobs: &BTreeMap<String, Vec<RankEntry>>) -> String {
@@ -359,6 +375,27 @@ pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_l
         println!("  rank {rank}: no stacks ({why})");
     }
     Ok(0)
+}
+
+/// The crash records of the job's ranks, from the run directory they
+/// registered in.
+pub fn crashes(job: Option<&str>, run: Option<PathBuf>) -> Result<u8> {
+    let job = find_job(job, run)?;
+    match job.run_dirs.as_slice() {
+        [dir] => {
+            println!("job {}: crashes recorded in {}", job.id, dir.display());
+            super::crashes::list(Some(dir.clone()), crate::ListFormat::Table)
+        }
+        [] => Err(Hinted::new(
+            format!("job {} has no registry in a run directory here", job.id),
+            "its ranks' crashes are where RANKSCOPE_RUN_DIR pointed them; pass --run DIR",
+        )
+        .into()),
+        several => {
+            let names: Vec<String> = several.iter().map(|d| d.display().to_string()).collect();
+            Err(Hinted::new(format!("job {} registered in several run directories", job.id), format!("pick one with --run: {}", names.join(", "))).into())
+        }
+    }
 }
 
 pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: &str, timeout: f64) -> Result<u8> {
