@@ -171,6 +171,8 @@ def bench_torchrun(rankscope: str, env: dict[str, str], run_dir: str, runs: int)
         return median([timed(cmd, env) for _ in range(runs)])
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
+        # torchrun's workers have process groups of their own.
+        subprocess.run(["pkill", "-9", "-f", script], check=False)
         proc.wait()
         shutil.rmtree(work, ignore_errors=True)
 

@@ -183,3 +183,30 @@ def query_json(cli, pid: int, sql: str) -> list[dict]:
     result = cli(pid, "query", sql, "--format", "json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILLs `pid` and every process below it. torchrun puts its workers
+    in process groups of their own, so killing the launcher's group is not
+    enough: the workers would sit in a collective until gloo times out."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    order, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        order.append(current)
+        stack.extend(children.get(current, []))
+    # The launcher first, so it cannot start new workers meanwhile.
+    for victim in order:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from conftest import kill_tree
+
 
 TRAIN = """
 import os
@@ -50,7 +52,7 @@ def torchrun(default_python, endpoint_dir, tmp_path):
 
     yield _run
     for proc in started:
-        proc.kill()
+        kill_tree(proc.pid)
         proc.wait()
 
 
@@ -87,7 +89,7 @@ def test_a_held_rank_is_debugged_by_rank_number(torchrun, cli, tmp_path):
         assert "torch.Size([3])" in session.stdout
         assert proc.wait(timeout=120) != 0
     finally:
-        proc.kill()
+        kill_tree(proc.pid)
 
 
 def test_rankscope_run_gives_every_worker_a_probe(default_python, rankscope_bin, endpoint_dir, cli, tmp_path):
@@ -114,5 +116,5 @@ def test_rankscope_run_gives_every_worker_a_probe(default_python, rankscope_bin,
             time.sleep(0.3)
         assert "(2 ranks)" in listing.stdout
     finally:
-        os.killpg(proc.pid, 9)
+        kill_tree(proc.pid)
         proc.wait()
