@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import kill_tree
+from conftest import kill_tree, launch_torchrun, require_torch
 
 RANK = """
 import ctypes, os, time
@@ -138,19 +138,11 @@ train_step()
 
 
 def test_cluster_bt_finds_the_rank_that_is_not_in_the_collective(default_python, cli, endpoint_dir, tmp_path):
-    if subprocess.run([default_python, "-c", "import torch.distributed"], capture_output=True).returncode != 0:
-        pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
+    require_torch(default_python)
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
-    env.update(RANKSCOPE="1", RANKSCOPE_DIR=endpoint_dir, RANKSCOPE_RUN_DIR=str(tmp_path / "run"))
-    proc = subprocess.Popen(
-        [default_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        cwd=tmp_path,
-        start_new_session=True,
+    proc = launch_torchrun(
+        default_python, script, 4, endpoint_dir, tmp_path / "run", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         deadline = time.monotonic() + 120

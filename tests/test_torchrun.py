@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import kill_tree
+from conftest import kill_tree, launch_torchrun, require_torch
 
 
 TRAIN = """
@@ -30,22 +30,14 @@ dist.barrier()
 
 @pytest.fixture
 def torchrun(default_python, endpoint_dir, tmp_path):
-    if subprocess.run([default_python, "-c", "import torch.distributed"], capture_output=True).returncode != 0:
-        pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
+    require_torch(default_python)
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     started = []
 
     def _run(**env):
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
-        full_env.update(RANKSCOPE="1", RANKSCOPE_DIR=endpoint_dir, RANKSCOPE_RUN_DIR=str(tmp_path / "run"), **env)
-        proc = subprocess.Popen(
-            [default_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=full_env,
-            cwd=tmp_path,
+        proc = launch_torchrun(
+            default_python, script, 2, endpoint_dir, tmp_path / "run", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         started.append(proc)
         return proc, script
@@ -93,18 +85,13 @@ def test_a_held_rank_is_debugged_by_rank_number(torchrun, cli, tmp_path):
 
 
 def test_rankscope_run_gives_every_worker_a_probe(default_python, rankscope_bin, endpoint_dir, cli, tmp_path):
-    if subprocess.run([default_python, "-c", "import torch.distributed"], capture_output=True).returncode != 0:
-        pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
+    require_torch(default_python)
     script = tmp_path / "wait.py"
     script.write_text("import time, torch.distributed as dist\ndist.init_process_group('gloo')\ntime.sleep(120)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
-    env.update(RANKSCOPE_DIR=endpoint_dir, RANKSCOPE_RUN_DIR=str(tmp_path / "run"))
-    proc = subprocess.Popen(
-        [rankscope_bin, "run", "--", default_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
+    # No RANKSCOPE=1 here: `rankscope run` is what turns the probe on.
+    proc = launch_torchrun(
+        default_python, script, 2, endpoint_dir, tmp_path / "run", prefix=(rankscope_bin, "run", "--"), probe=False,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 120

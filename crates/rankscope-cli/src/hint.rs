@@ -25,10 +25,6 @@ impl std::error::Error for Hinted {}
 
 /// Prints an error the way every command does, and returns the exit code.
 pub fn report(err: &anyhow::Error) -> i32 {
-    // `rankscope PID bt | head`: the reader left; nothing is wrong.
-    if err.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)) {
-        return 0;
-    }
     match err.downcast_ref::<Hinted>() {
         Some(h) => {
             eprintln!("error: {}", h.message);

@@ -14,9 +14,6 @@ use rankscope_core::protocol::{Frame, Local, ProcessMeta, StacksReply, ThreadSta
 
 use crate::hint::Hinted;
 
-fn now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
-}
 
 pub fn permission_hint() -> String {
     let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").unwrap_or_default();
@@ -60,16 +57,24 @@ fn is_probe_thread(pid: u32, tid: Option<u64>) -> bool {
 /// which links libunwind).
 pub const NATIVE_SUPPORTED: bool = cfg!(feature = "native");
 
+/// An error with what to install when this build cannot unwind native stacks.
+pub fn require_native() -> Result<()> {
+    if NATIVE_SUPPORTED {
+        return Ok(());
+    }
+    Err(Hinted::new(
+        "this rankscope was built without native unwinding",
+        "install libunwind-dev (apt-get install libunwind-dev liblzma-dev) and reinstall rankscope with `pip install .`",
+    )
+    .into())
+}
+
 /// Every thread's stack, innermost frame first; `python_version` is filled
 /// in. With `native`, C/C++/Rust frames are merged in where the interpreter
 /// called into them (py-spy matches Python frames to the eval-loop frames).
 pub fn read_stacks(pid: u32, with_locals: bool, native: bool) -> Result<(StacksReply, String)> {
-    if native && !NATIVE_SUPPORTED {
-        return Err(Hinted::new(
-            "this rankscope was built without native unwinding",
-            "install libunwind-dev (apt-get install libunwind-dev liblzma-dev) and reinstall rankscope with `pip install .`",
-        )
-        .into());
+    if native {
+        require_native()?;
     }
     let config = Config {
         native,
@@ -114,7 +119,7 @@ pub fn read_stacks(pid: u32, with_locals: bool, native: bool) -> Result<(StacksR
         })
         .collect();
     threads.sort_by_key(|t| (!t.is_main, t.name.clone(), t.thread_id));
-    Ok((StacksReply { taken_at: now(), threads }, version))
+    Ok((StacksReply { taken_at: rankscope_core::host::now_seconds(), threads }, version))
 }
 
 /// py-spy demangles C++ (which also turns Rust's legacy `_ZN` symbols into

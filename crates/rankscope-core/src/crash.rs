@@ -91,6 +91,24 @@ pub fn runs_root() -> PathBuf {
     home().join(".local/state/rankscope/runs")
 }
 
+/// The run directory the user named (`--run`, else RANKSCOPE_RUN_DIR), if any.
+pub fn explicit_run_dir(run: Option<PathBuf>) -> Option<PathBuf> {
+    run.or_else(|| std::env::var_os(RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from))
+}
+
+/// Where to look for what processes left: the named run directory, else
+/// every job's directory under [`runs_root`], sorted.
+pub fn run_dirs(run: Option<PathBuf>) -> Vec<PathBuf> {
+    if let Some(dir) = explicit_run_dir(run) {
+        return vec![dir];
+    }
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(runs_root())
+        .map(|read| read.flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect())
+        .unwrap_or_default();
+    dirs.sort();
+    dirs
+}
+
 /// The job's name: TORCHELASTIC_RUN_ID, else SLURM_JOB_ID, else "local".
 pub fn job_name() -> String {
     JOB_ENVS

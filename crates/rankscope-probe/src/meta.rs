@@ -1,23 +1,7 @@
 //! What a probe says about its process, computed once at start.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
+use rankscope_core::host::{hostname, now_seconds};
 use rankscope_core::protocol::ProcessMeta;
-
-pub fn now_seconds() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
-}
-
-pub fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: buf is valid for buf.len() bytes; gethostname NUL-terminates on success.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "unknown".into();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
-}
 
 /// First of the launcher variables that is set and numeric.
 fn env_int(names: &[&str]) -> Option<i64> {

@@ -80,15 +80,6 @@ fn liveness(entry: &RankEntry, here: &str) -> Liveness {
     }
 }
 
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: buf is valid for its length; gethostname NUL-terminates on success.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return String::new();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
-}
 
 fn read_entries(dir: &std::path::Path, out: &mut Vec<RankEntry>) {
     let Ok(read) = std::fs::read_dir(dir) else { return };
@@ -116,20 +107,14 @@ pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
     }
     read_entries(&endpoint_dir, &mut entries);
     // The registries: --run, RANKSCOPE_RUN_DIR, else every job's run directory.
-    let run_dirs: Vec<PathBuf> = match run.or_else(|| std::env::var_os(crash::RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from)) {
-        Some(dir) => vec![dir],
-        None => std::fs::read_dir(crash::runs_root())
-            .map(|r| r.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default(),
-    };
-    for dir in run_dirs {
+    for dir in crash::run_dirs(run) {
         let first_new = entries.len();
         read_entries(&dir.join("ranks"), &mut entries);
         for entry in &mut entries[first_new..] {
             entry.run_dir = Some(dir.clone());
         }
     }
-    let here = hostname();
+    let here = rankscope_core::host::hostname();
     let job_of = |e: &RankEntry| e.meta.job_id.clone().unwrap_or_else(|| "(no job id)".into());
     let mut jobs: BTreeMap<String, Vec<RankEntry>> = BTreeMap::new();
     for entry in entries {
@@ -271,7 +256,7 @@ fn probe_of(entry: &RankEntry) -> Result<Probe> {
 
 pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration) -> Result<u8> {
     let job = find_job(job, run)?;
-    let here = hostname();
+    let here = rankscope_core::host::hostname();
     let ranks: Vec<&RankEntry> = job.ranks.iter().collect();
     let states = fan_out(&ranks, |entry| match liveness(entry, &here) {
         Liveness::Running => match probe_of(entry).and_then(|p| p.meta(deadline)) {
@@ -284,7 +269,7 @@ pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration) -> Resu
     });
     println!("job {} ({} ranks)", job.id, job.ranks.len());
     println!("{:>5} {:>6} {:<16} {:>8}  {:<13} UPTIME", "RANK", "LOCAL", "HOST", "PID", "STATE");
-    let now = now();
+    let now = rankscope_core::host::now_seconds();
     for (entry, state) in job.ranks.iter().zip(states) {
         let m = &entry.meta;
         let uptime = if state == "running" || state == "unresponsive" { format!("{:.0}s", now - m.started_at) } else { "-".into() };
@@ -293,9 +278,6 @@ pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration) -> Resu
     Ok(0)
 }
 
-fn now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
-}
 
 enum Stacks {
     FromProbe(StacksReply),
@@ -340,7 +322,7 @@ fn signature(stacks: &StacksReply, ignore_lines: bool) -> Vec<String> {
 pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_lines: bool, deadline: Duration) -> Result<u8> {
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
-    let here = hostname();
+    let here = rankscope_core::host::hostname();
     let results = fan_out(&selected, |entry| stacks_of(entry, &here, deadline));
     let mut groups: BTreeMap<Vec<String>, Vec<i64>> = BTreeMap::new();
     let mut missing = Vec::new();
@@ -401,7 +383,7 @@ pub fn crashes(job: Option<&str>, run: Option<PathBuf>) -> Result<u8> {
 pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: &str, timeout: f64) -> Result<u8> {
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
-    let here = hostname();
+    let here = rankscope_core::host::hostname();
     let request = EvalRequest { code: code.to_string(), timeout_s: timeout, check_only: false };
     let results = fan_out(&selected, |entry| match liveness(entry, &here) {
         Liveness::Running => probe_of(entry).and_then(|p| p.eval(&request)).map_err(|e| format!("{e:#}")),
@@ -448,7 +430,7 @@ impl RowSource for AllRanks {
 pub fn query(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, sql: &str, format: QueryFormat) -> Result<u8> {
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
-    let here = hostname();
+    let here = rankscope_core::host::hostname();
     let mut probes: Vec<Box<dyn RowSource>> = Vec::new();
     let mut skipped = Vec::new();
     for entry in selected {

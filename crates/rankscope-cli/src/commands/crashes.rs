@@ -128,7 +128,7 @@ fn read_dir_entries(dir: &Path, out: &mut Vec<Entry>) -> Result<()> {
 /// in time order (ids are 1-based positions in it) and whether several run
 /// directories were read.
 fn collect(run: Option<PathBuf>) -> Result<(Vec<Entry>, bool)> {
-    let explicit = run.or_else(|| std::env::var_os(crash::RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from));
+    let explicit = crash::explicit_run_dir(run);
     let mut entries = Vec::new();
     let several = match explicit {
         Some(dir) => {
@@ -144,12 +144,7 @@ fn collect(run: Option<PathBuf>) -> Result<(Vec<Entry>, bool)> {
             false
         }
         None => {
-            let root = crash::runs_root();
-            let mut dirs: Vec<PathBuf> = match std::fs::read_dir(&root) {
-                Ok(read) => read.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect(),
-                Err(_) => Vec::new(),
-            };
-            dirs.sort();
+            let dirs = crash::run_dirs(None);
             for dir in &dirs {
                 read_dir_entries(dir, &mut entries)?;
             }

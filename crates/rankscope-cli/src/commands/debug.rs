@@ -24,18 +24,9 @@ fn parse(path: &Path) -> Option<Held> {
     Some(Held { rank: rank.parse().ok()?, pid: pid.parse().ok()?, socket: path.to_path_buf() })
 }
 
-/// `--run`, else RANKSCOPE_RUN_DIR, else every job's run directory.
-pub fn run_dirs(run: Option<PathBuf>) -> Vec<PathBuf> {
-    if let Some(dir) = run.or_else(|| std::env::var_os(crash::RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from)) {
-        return vec![dir];
-    }
-    std::fs::read_dir(crash::runs_root())
-        .map(|read| read.flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect())
-        .unwrap_or_default()
-}
 
 fn held_processes(run: Option<PathBuf>) -> Vec<Held> {
-    let mut held: Vec<Held> = run_dirs(run)
+    let mut held: Vec<Held> = crash::run_dirs(run)
         .iter()
         .filter_map(|dir| std::fs::read_dir(dir).ok())
         .flat_map(|read| read.flatten().filter_map(|e| parse(&e.path())))

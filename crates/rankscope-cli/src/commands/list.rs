@@ -27,9 +27,6 @@ fn human_duration(seconds: f64) -> String {
     }
 }
 
-fn now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
-}
 
 pub fn run(format: ListFormat) -> Result<u8> {
     let dir = paths::endpoint_dir();
@@ -93,7 +90,7 @@ pub fn run(format: ListFormat) -> Result<u8> {
                         "pid": e.pid,
                         "rank": e.meta.as_ref().map(|m| m.rank),
                         "state": if e.responsive { "ready" } else { "unresponsive" },
-                        "uptime_s": e.meta.as_ref().map(|m| now() - m.started_at),
+                        "uptime_s": e.meta.as_ref().map(|m| rankscope_core::host::now_seconds() - m.started_at),
                         "cmdline": e.meta.as_ref().map(|m| m.cmdline.join(" ")),
                         "python_version": e.meta.as_ref().map(|m| m.python_version.clone()),
                     })
@@ -111,7 +108,7 @@ pub fn run(format: ListFormat) -> Result<u8> {
                     let (rank, uptime, python, cmd) = match &e.meta {
                         Some(m) => (
                             m.rank.to_string(),
-                            human_duration(now() - m.started_at),
+                            human_duration(rankscope_core::host::now_seconds() - m.started_at),
                             m.python_version.clone(),
                             m.cmdline.join(" "),
                         ),

@@ -52,9 +52,6 @@ impl LiveProbe {
     }
 }
 
-fn now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
-}
 
 impl RowSource for LiveProbe {
     fn rows(&self, table: &TableDef) -> Result<Rows, String> {
@@ -62,10 +59,10 @@ impl RowSource for LiveProbe {
         match (table.schema, table.name) {
             ("python", "backtrace") => Ok(tables::backtrace_rows(&meta, &self.stacks()?)),
             ("python", "threads") => Ok(tables::threads_rows(&meta, &self.stacks()?)),
-            ("process", "info") => Ok(tables::info_rows(&meta, now())),
+            ("process", "info") => Ok(tables::info_rows(&meta, rankscope_core::host::now_seconds())),
             ("process", "env") => {
                 let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
-                Ok(tables::env_rows(&meta, &env, now()))
+                Ok(tables::env_rows(&meta, &env, rankscope_core::host::now_seconds()))
             }
             ("python", "snapshots") | ("python", "snapshot_locals") => {
                 let snaps = self.probe.breakpoints(&serde_json::json!({"op": "snapshots"})).map_err(|e| format!("{e:#}"))?;
@@ -135,7 +132,7 @@ fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::V
 /// Every snapshot spilled under the run directories (`snapshots/*.jsonl`).
 fn spilled_snapshots(run: Option<PathBuf>) -> Vec<serde_json::Value> {
     let mut snaps = Vec::new();
-    for dir in super::debug::run_dirs(run) {
+    for dir in rankscope_core::crash::run_dirs(run) {
         let Ok(read) = std::fs::read_dir(dir.join("snapshots")) else { continue };
         let mut files: Vec<PathBuf> = read.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "jsonl")).collect();
         files.sort();
@@ -174,9 +171,9 @@ pub fn run_offline(run: Option<PathBuf>, sql: &str, format: QueryFormat) -> Resu
 }
 
 pub fn run(probe: Probe, sql: &str, native: bool, format: QueryFormat) -> Result<u8> {
-    if native && !crate::outside::NATIVE_SUPPORTED {
+    if native {
         // Said before any SQL runs, whatever tables the query names.
-        crate::outside::read_stacks(probe.pid, false, true)?;
+        crate::outside::require_native()?;
     }
     execute(Arc::new(LiveProbe { probe, native, meta: Mutex::new(None), stacks: Mutex::new(None) }), sql, format)
 }
