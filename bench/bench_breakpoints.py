@@ -1,7 +1,7 @@
 """What an armed breakpoint costs code that never reaches it (CPython 3.12+).
 
 A call-heavy pure-Python workload (recursive fib and list comprehensions)
-runs in a fresh interpreter under four arms, alternating, K rounds:
+runs in a fresh interpreter under five arms, alternating, K rounds:
 
 - ``none``: no probe at all (the baseline);
 - ``breakpoint``: the probe started and one breakpoint armed through the
@@ -9,7 +9,11 @@ runs in a fresh interpreter under four arms, alternating, K rounds:
   function the workload never calls;
 - ``settrace``: a Python-level global trace function like pdb's, which
   looks each new frame up in a breakpoint table and declines it;
-- ``cleared``: the breakpoint armed, then `break clear`.
+- ``cleared``: the breakpoint armed, then `break clear`;
+- ``debugpy``: the workload started by ``python -m debugpy --listen
+  --wait-for-client`` with this script as the editor (a small DAP client
+  over TCP) and one breakpoint set in the same never-called function, as a
+  VS Code user would have it; skipped when the target has no debugpy.
 
 Targets (from the issue): breakpoint <= 1 % on 3.12+; cleared back to idle.
 
@@ -21,11 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
-from _common import BenchError, ROOT, base_env, machine, median, private_dir, run_main
+from _common import BenchError, ROOT, base_env, machine, median, private_dir, run_main, stop_target
+from _dap import DapClient
 
 WORKLOAD = r"""
 import json, os, sys, time
@@ -44,6 +51,7 @@ def work(reps):
         total += sum([j * 2 for j in range(200)])
     return total
 
+# "debugpy" runs like "none": that debugger is set up from outside.
 arm = sys.argv[1]
 if arm in ("breakpoint", "cleared"):
     import rankscope
@@ -66,7 +74,115 @@ work(int(sys.argv[2]))
 print(json.dumps({"wall": time.perf_counter() - t0}))
 """
 
-ARMS = ("none", "breakpoint", "settrace", "cleared")
+ARMS = ("none", "breakpoint", "settrace", "cleared", "debugpy")
+
+# debugpy's start-up and handshake must end within this, and then the
+# workload's run within as much again (seconds at the default --reps).
+DEBUGPY_TIMEOUT = 60.0
+
+
+def breakpoint_line() -> int:
+    """The line of never_called's body in WORKLOAD, as written to disk."""
+    lines = WORKLOAD.splitlines()
+    for number, text in enumerate(lines, 1):
+        if text.startswith("def never_called("):
+            return number + 1
+    raise BenchError("never_called not found in the workload")
+
+
+def free_port() -> int:
+    # Racy (the port could be taken before debugpy binds it), but debugpy
+    # wants a number on its command line and a lost race fails loudly.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_debugpy(python: str, script: str, reps: int, env: dict[str, str], line: int) -> tuple[float, float]:
+    """One run of the workload under debugpy, this process being the editor.
+
+    Returns (the workload's wall, seconds from spawn until the program was
+    let go by configurationDone), the second being what debugpy adds before
+    the user's code starts, which the workload's wall does not see.
+    """
+    port = free_port()
+    # Files, not pipes: debugpy's adapter is a child of the target and may
+    # hold inherited pipe ends open after the target has exited.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            [python, "-m", "debugpy", "--listen", f"127.0.0.1:{port}", "--wait-for-client", script, "debugpy", str(reps)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+        )
+
+        def stderr_tail() -> str:
+            err.seek(0)
+            return err.read().decode(errors="replace").strip()[-500:]
+
+        deadline = t0 + DEBUGPY_TIMEOUT
+        try:
+            dap = DapClient.connect("127.0.0.1", port, deadline, alive=lambda: proc.poll() is None, name="debugpy")
+            try:
+                seq = dap.send(
+                    "initialize",
+                    {
+                        "clientID": "rankscope-bench",
+                        "adapterID": "debugpy",
+                        "pathFormat": "path",
+                        "linesStartAt1": True,
+                        "columnsStartAt1": True,
+                    },
+                )
+                dap.response(seq, "initialize")
+                # debugpy answers attach only after configurationDone, and
+                # sends `initialized` in between: configuration goes there.
+                attach = dap.send("attach", {"name": "rankscope bench", "type": "debugpy", "request": "attach", "justMyCode": True})
+                dap.event("initialized")
+                seq = dap.send("setBreakpoints", {"source": {"path": script}, "breakpoints": [{"line": line}]})
+                bps = dap.response(seq, "setBreakpoints").get("body", {}).get("breakpoints", [])
+                # debugpy moves a breakpoint off a line with no code to the
+                # next one with code and still calls it verified: a moved one
+                # would measure some other breakpoint.
+                if len(bps) != 1 or not bps[0].get("verified") or bps[0].get("line") != line:
+                    raise BenchError(f"debugpy did not verify the breakpoint at {script}:{line}: {bps}")
+                dap.response(dap.send("configurationDone"), "configurationDone")
+                started = time.monotonic() - t0
+                dap.deadline = time.monotonic() + DEBUGPY_TIMEOUT
+                dap.response(attach, "attach")
+                # Keep reading while the workload runs, so debugpy never
+                # blocks on a full socket, until the session ends.
+                for msg in dap.drain():
+                    if msg.get("type") != "event":
+                        continue
+                    if msg.get("event") == "terminated":
+                        break
+                    # A stop waits for an editor's `continue` that never comes.
+                    if msg.get("event") == "stopped":
+                        raise BenchError(f"the target stopped ({msg.get('body')}): the breakpoint is meant never to be hit")
+                if not dap.closed:
+                    try:
+                        dap.send("disconnect")
+                    except BenchError:
+                        pass  # the adapter left first: nothing to end
+            finally:
+                dap.close()
+            proc.wait(timeout=max(1.0, dap.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stop_target(proc)
+            raise BenchError(f"arm debugpy: the target did not exit after its session ended: {stderr_tail()}") from None
+        except BenchError as e:
+            stop_target(proc)
+            raise BenchError(f"arm debugpy: {e}; target stderr: {stderr_tail()}") from None
+        if proc.returncode != 0:
+            raise BenchError(f"arm debugpy failed (rc={proc.returncode}): {stderr_tail()}")
+        out.seek(0)
+        lines = out.read().decode(errors="replace").strip().splitlines()
+        if not lines:
+            raise BenchError(f"arm debugpy printed nothing: {stderr_tail()}")
+        return json.loads(lines[-1])["wall"], started
 
 
 def main() -> int:
@@ -84,17 +200,31 @@ def main() -> int:
     version = subprocess.run([args.python, "--version"], capture_output=True, text=True).stdout.strip()
     print(f"machine: {machine()}")
     print(f"target interpreter: {args.python} ({version})")
-    walls = {arm: [] for arm in ARMS}
+    arms = ARMS
+    probe = subprocess.run([args.python, "-c", "import debugpy; print(debugpy.__version__)"], capture_output=True, text=True)
+    if probe.returncode == 0:
+        print(f"debugpy {probe.stdout.strip()}")
+    else:
+        arms = tuple(a for a in ARMS if a != "debugpy")
+        print(f"note: debugpy is not importable by {args.python}: the debugpy arm is skipped")
+    line = breakpoint_line()
+    walls = {arm: [] for arm in arms}
+    debugpy_startup = []
     for round_ in range(args.rounds):
-        order = ARMS if round_ % 2 == 0 else tuple(reversed(ARMS))
+        order = arms if round_ % 2 == 0 else tuple(reversed(arms))
         for arm in order:
+            if arm == "debugpy":
+                wall, started = run_debugpy(args.python, script, args.reps, env, line)
+                walls[arm].append(wall)
+                debugpy_startup.append(started)
+                continue
             out = subprocess.run([args.python, script, arm, str(args.reps)], env=env, capture_output=True, text=True)
             if out.returncode != 0:
                 raise BenchError(f"arm {arm} failed: {out.stderr.strip()[-500:]}")
             walls[arm].append(json.loads(out.stdout.strip().splitlines()[-1])["wall"])
     base = median(walls["none"])
     print(f"\nmedians of {args.rounds} rounds, workload wall s")
-    for arm in ARMS:
+    for arm in arms:
         m = median(walls[arm])
         print(f"{arm:12} {m:8.3f}   {m / base:5.3f}x   {100 * (m / base - 1):+6.2f}%")
     # Judged on per-round ratios: the arms of a round run back to back, so a
@@ -102,12 +232,17 @@ def main() -> int:
     def paired(arm):
         return 100 * (median([a / b for a, b in zip(walls[arm], walls["none"])]) - 1)
 
-    print(f"per-round median slowdown: breakpoint {paired('breakpoint'):+.2f}%, cleared {paired('cleared'):+.2f}%, settrace {paired('settrace'):+.1f}%")
+    also = f", debugpy {paired('debugpy'):+.1f}%" if "debugpy" in walls else ""
+    print(f"per-round median slowdown: breakpoint {paired('breakpoint'):+.2f}%, cleared {paired('cleared'):+.2f}%, settrace {paired('settrace'):+.1f}%{also}")
     noise = 100 * (max(walls["none"]) / min(walls["none"]) - 1)
     print(f"noise: the baseline runs alone span {noise:.1f}% (max/min)")
     slowdown = paired("breakpoint")
     print(f"target: one armed breakpoint elsewhere <= 1 %: {slowdown:+.2f}%, {'met' if slowdown <= 1 else 'NOT met'}")
     print(f"ratio settrace / breakpoint: {median(walls['settrace']) / median(walls['breakpoint']):.2f}x")
+    if "debugpy" in walls:
+        print(f"ratio debugpy / breakpoint: {median(walls['debugpy']) / median(walls['breakpoint']):.2f}x")
+        # Outside the workload's wall: what debugpy costs before user code runs.
+        print(f"debugpy start-up, spawn to configurationDone: {median(debugpy_startup):.3f} s median")
     return 0
 
 

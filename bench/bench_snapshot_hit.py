@@ -26,7 +26,7 @@ import json, sys, time
 import rankscope
 rankscope.start()
 from rankscope._probe import breakpoints
-if "--no-spill" in sys.argv: breakpoints._spill_off = True
+if "--no-spill" in sys.argv: breakpoints._spill.off = True
 
 def step(i):
     a0, a1, a2, a3, a4 = i, i * 1.5, str(i), [i] * 4, {"i": i}

@@ -77,4 +77,8 @@ build_and_install() {
     "$VENV/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$ROOT/.cache/wheels" "$ROOT"
     WHEEL="$(ls "$ROOT"/.cache/wheels/rankscope-*.whl)"
     "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps "$WHEEL"
+    # The wheel's one dependency (breakpoints on 3.11), which --no-deps skipped.
+    "$VENV/bin/python" -m pip install --quiet "$RUNTIME_DEPS"
 }
+
+RUNTIME_DEPS="bytecode>=0.15; python_version < '3.12'"

@@ -86,12 +86,12 @@ def line_of(source: str, marker: str) -> int:
 class Target:
     """A running Python program, killed when the test ends."""
 
-    def __init__(self, python: str, source: str, workdir: str, env: dict[str, str], args: list[str] | None = None):
+    def __init__(self, python: str, source: str, workdir: str, env: dict[str, str], args: list[str] | None = None, runner: list[str] | None = None):
         self.source = textwrap.dedent(source)
         self.script = Path(workdir) / "target.py"
         self.script.write_text(self.source)
         self.proc = subprocess.Popen(
-            [python, "-u", str(self.script), *(args or [])],
+            [python, "-u", *(runner or []), str(self.script), *(args or [])],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
@@ -134,10 +134,11 @@ class Target:
 
 @pytest.fixture
 def spawn(endpoint_dir):
-    """spawn(python, source, env=None, probe=True) -> a READY target."""
+    """spawn(python, source, env=None, probe=True, runner=None) -> a READY target.
+    `runner` goes between the interpreter and the script (["-m", "coverage", "run"])."""
     started: list[Target] = []
 
-    def _spawn(python: str, source: str, env: dict[str, str] | None = None, probe: bool = True, wait: bool = True, args=None) -> Target:
+    def _spawn(python: str, source: str, env: dict[str, str] | None = None, probe: bool = True, wait: bool = True, args=None, runner=None) -> Target:
         workdir = tempfile.mkdtemp(prefix="rs-target-", dir="/tmp")
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
         full_env["RANKSCOPE_DIR"] = endpoint_dir
@@ -146,7 +147,7 @@ def spawn(endpoint_dir):
         if probe:
             full_env["RANKSCOPE"] = "1"
         full_env.update(env or {})
-        target = Target(python, source, workdir, full_env, args)
+        target = Target(python, source, workdir, full_env, args, runner)
         started.append(target)
         if wait:
             target.wait_for_line("READY")

@@ -19,7 +19,10 @@ Commands on one process (PID first):
   rankscope PID bt [--locals]        every thread's Python stack, innermost frame first
   rankscope PID eval CODE            run CODE in the target's __main__ and print the result
   rankscope PID repl                 an interactive session in the target
-  rankscope PID query SQL            SQL over python.backtrace, python.threads, process.info, process.env";
+  rankscope PID query SQL            SQL over python.backtrace, python.threads, process.info, process.env
+  rankscope PID break add FILE:LINE  a breakpoint that records a snapshot and goes on (--if, --log, --pause, ...)
+  rankscope PID watch FILE:FUNC VAR  record each change of a local variable
+  rankscope PID attach               pdb on a thread paused by a --pause breakpoint";
 
 #[derive(Parser)]
 #[command(name = "rankscope", version, about = "Look inside live Python and PyTorch processes", after_help = AFTER_HELP)]
@@ -149,6 +152,12 @@ pub enum BreakAction {
         /// Record from the Nth pass on
         #[arg(long)]
         hit: Option<u64>,
+        /// Also pause the thread that hits, for `rankscope PID attach`; the other threads run on
+        #[arg(long)]
+        pause: bool,
+        /// Seconds a paused thread waits for `attach` (and for each command in it) before it resumes
+        #[arg(long, requires = "pause")]
+        pause_timeout: Option<f64>,
     },
     /// The breakpoints set, with their pass and hit counts
     List,
@@ -236,10 +245,29 @@ pub enum Action {
         #[arg(long, default_value_t = 10.0)]
         timeout: f64,
     },
-    /// Breakpoints that record a snapshot (or a log line) and go on (CPython 3.12+)
+    /// Breakpoints that record a snapshot (or a log line) and go on, or pause one thread
     Break {
         #[command(subcommand)]
         action: BreakAction,
+    },
+    /// Record each change of a local variable inside a function, with the line that changed it
+    Watch {
+        /// The function: FILE:FUNCTION (e.g. train.py:train_step, model.py:Attention.forward)
+        spec: String,
+        /// The local variable
+        name: String,
+        /// The variable is a tensor: record in-place changes (its version counter moves)
+        #[arg(long)]
+        tensor: bool,
+    },
+    /// A pdb session on a thread paused by a `--pause` breakpoint (c, q or Ctrl-C resume it)
+    Attach {
+        /// The paused thread's name, when several are paused
+        #[arg(long)]
+        thread: Option<String>,
+        /// Seconds to wait for a thread to pause
+        #[arg(long, default_value_t = 30.0)]
+        wait: f64,
     },
     /// What breakpoints recorded: time, breakpoint, thread, stack, locals
     Snapshots {

@@ -5,6 +5,7 @@
 //! with the GIL held only for the duration of that call.
 
 mod deadline;
+mod frame_trace;
 mod handler;
 mod injected;
 mod meta;
@@ -124,5 +125,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forget_after_fork, m)?)?;
     m.add_function(wrap_pyfunction!(arm_deadline, m)?)?;
     m.add_function(wrap_pyfunction!(disarm_deadline, m)?)?;
+    m.add_function(wrap_pyfunction!(frame_trace::trace_frames, m)?)?;
     Ok(())
 }

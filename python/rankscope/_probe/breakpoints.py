@@ -1,12 +1,13 @@
-"""Breakpoints that record and go on, set from outside into a live process.
+"""Breakpoints and watches that record and go on, set from outside into a
+live process.
 
-CPython 3.12+: ``sys.monitoring`` under a tool id of our own. ``LINE`` events
-are enabled only on the code objects that hold a breakpoint, and every other
-line of those returns ``DISABLE``, so the rest of the program runs untouched,
-and frames that are already running see the breakpoint too (a ``while True``
-loop in ``train()``). A hit evaluates the condition (compiled once, when the
-breakpoint is set), counts, and records a snapshot (the stack with safe-repr
-locals, the same code as crash records) or a log line into a bounded table.
+How frames get to us is `linehooks`' business (sys.monitoring on 3.12+,
+instrumented code objects and a per-thread trace for running frames on
+3.11). Here: what is armed where, and what a hit does. A breakpoint hit
+evaluates the condition (compiled once, when the breakpoint is set), counts,
+and records a snapshot or a log line (`snapshots`), or pauses the thread for
+`rankscope PID attach` (`pause`). A watch compares one local of a function
+at each of its lines and records each change with the line that made it.
 Nothing raised here reaches user code: a failing condition is counted, and
 after MAX_ERRORS the breakpoint disables itself and says why.
 
@@ -14,14 +15,10 @@ A breakpoint in a file that is not imported yet stays pending: a meta-path
 finder that only watches wraps that module's loader, and arms the breakpoint
 once the module has executed (module-level lines of that first run are not
 seen; functions are).
-
-Not built yet: 3.11 (no sys.monitoring there; it needs code-object
-instrumentation), pause sessions, watches.
 """
 
 from __future__ import annotations
 
-import collections
 import gc
 import importlib.machinery
 import itertools
@@ -29,31 +26,21 @@ import json
 import os
 import sys
 import threading
-import time
 import types
 
-from rankscope._probe.saferepr import Budget, safe_repr
-from rankscope._probe.stacks import _locals
+from rankscope._probe import linehooks, snapshots
+from rankscope._probe import pause as pause_module
+from rankscope._probe.saferepr import Budget, safe_repr, type_name
 
 MAX_ERRORS = 5
-MAX_SNAPSHOTS = 1000
-MAX_SNAPSHOT_FRAMES = 30
-# Snapshots also go, one JSON line each, to <run dir>/snapshots/pid<P>.jsonl
-# so that they outlive the process; past this size the spill stops.
-MAX_SPILL_BYTES = 64 << 20
-TOOL_NAME = "rankscope"
 
 _lock = threading.RLock()
 _ids = itertools.count(1)
-_breakpoints: dict[int, "Breakpoint"] = {}
-# code object -> line -> breakpoints there
-_by_code: dict[types.CodeType, dict[int, list["Breakpoint"]]] = {}
-_snapshots: collections.deque = collections.deque(maxlen=MAX_SNAPSHOTS)
-_snapshot_ids = itertools.count(1)
-_tool_id: int | None = None
-_spill_fd: int | None = None
-_spilled = 0
-_spill_off = False
+# Breakpoints and watches by id; both are "handlers" of lines.
+_handlers: dict[int, "Breakpoint | Watch"] = {}
+# original code object -> line -> handlers there
+_by_code: dict[types.CodeType, dict[int, list]] = {}
+_hooks = None
 
 
 class UserError(Exception):
@@ -66,6 +53,62 @@ class _NotLoaded(Exception):
     def __init__(self, path: str):
         super().__init__(path)
         self.path = path
+
+
+def _dispatch(code, line, frame) -> bool:
+    handlers = _by_code.get(code)
+    if handlers is None:
+        return False
+    here = handlers.get(line)
+    if not here:
+        return False
+    for handler in list(here):
+        handler.on_line(frame, line)
+    return True
+
+
+def _line_hooks():
+    global _hooks
+    if _hooks is None:
+        try:
+            _hooks = linehooks.make(_dispatch)
+        except linehooks.HookError as err:
+            raise UserError(str(err)) from None
+    return _hooks
+
+
+def _arm(handler) -> str | None:
+    hooks = _line_hooks()
+    _handlers[handler.id] = handler
+    notes = []
+    try:
+        for code in handler.codes:
+            lines = _by_code.setdefault(code, {})
+            for line in handler.lines:
+                lines.setdefault(line, []).append(handler)
+            note = hooks.set_lines(code, set(lines))
+            if note:
+                notes.append(note)
+    except linehooks.HookError as err:
+        _disarm(handler)
+        raise UserError(str(err)) from None
+    return "; ".join(notes) or None
+
+
+def _disarm(handler) -> None:
+    _handlers.pop(handler.id, None)
+    for code in handler.codes:
+        lines = _by_code.get(code, {})
+        for line in handler.lines:
+            holders = lines.get(line, [])
+            if handler in holders:
+                holders.remove(handler)
+            if not holders:
+                lines.pop(line, None)
+        if not lines:
+            _by_code.pop(code, None)
+        if _hooks is not None:
+            _hooks.set_lines(code, set(lines))
 
 
 class _Pending:
@@ -81,6 +124,7 @@ class _Pending:
         file, _, line = self.spec.rpartition(":")
         return {
             "id": self.id,
+            "kind": "breakpoint",
             "file": file,
             "line": int(line) if line.isdigit() else line,
             "condition": self.options.get("condition"),
@@ -88,6 +132,7 @@ class _Pending:
             "max": self.options.get("max_hits"),
             "every": self.options.get("every"),
             "hit_from": self.options.get("from_hit"),
+            "pause": self.options.get("pause"),
             "passes": 0,
             "hits": 0,
             "errors": 0,
@@ -151,19 +196,31 @@ def _arm_pending(filename: str) -> None:
             try:
                 file, line, codes, note = _resolve(pending.spec)
                 bp = Breakpoint(file, line, codes, **_breakpoint_options(pending.options))
+                bp.id = pending.id
+                _arm(bp)
             except Exception as err:  # noqa: BLE001 - reported in break list, never raised into the import
                 pending.note = f"could not arm on import: {err}"
                 continue
             del _pending[pending.id]
-            bp.id = pending.id
             bp.note = note
-            _arm(bp)
         if not _pending and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
 
 
+_OPTIONS = ("condition", "log", "max_hits", "every", "from_hit", "pause", "pause_timeout")
+
+
 def _breakpoint_options(options: dict) -> dict:
-    return {k: options.get(k) for k in ("condition", "log", "max_hits", "every", "from_hit")}
+    return {k: options.get(k) for k in _OPTIONS}
+
+
+def _count_error(handler, err: Exception) -> None:
+    """An error at a hit is recorded, never raised; too many disable the handler."""
+    handler.errors += 1
+    handler.note = f"{type(err).__name__}: {err}"
+    if handler.errors >= MAX_ERRORS:
+        handler.enabled = False
+        handler.note = f"disabled after {handler.errors} errors; last: {handler.note}"
 
 
 class Breakpoint:
@@ -172,24 +229,30 @@ class Breakpoint:
         file: str,
         line: int,
         codes: list,
-        condition: str | None,
-        log: str | None,
-        max_hits: int | None,
-        every: int | None,
+        condition: str | None = None,
+        log: str | None = None,
+        max_hits: int | None = None,
+        every: int | None = None,
         from_hit: int | None = None,
+        pause: bool | None = None,
+        pause_timeout: float | None = None,
     ):
         self.id = next(_ids)
         self.file, self.line, self.codes = file, line, codes
+        self.lines = (line,)
         self.condition_source, self.log_source = condition, log
         self.condition = compile(condition, "<breakpoint condition>", "eval") if condition else None
         self.log = compile("f" + repr(log), "<logpoint>", "eval") if log is not None else None
         self.max_hits, self.every, self.from_hit = max_hits, every, from_hit
+        self.pause = bool(pause)
+        self.pause_timeout = pause_timeout or pause_module.DEFAULT_TIMEOUT_S
         self.passes = self.hits = self.errors = 0
         self.enabled, self.note = True, None
 
     def describe(self) -> dict:
         return {
             "id": self.id,
+            "kind": "breakpoint",
             "file": self.file,
             "line": self.line,
             "condition": self.condition_source,
@@ -197,6 +260,7 @@ class Breakpoint:
             "max": self.max_hits,
             "every": self.every,
             "hit_from": self.from_hit,
+            "pause": self.pause or None,
             "passes": self.passes,
             "hits": self.hits,
             "errors": self.errors,
@@ -204,7 +268,8 @@ class Breakpoint:
             "note": self.note,
         }
 
-    def on_line(self, frame) -> None:
+
+    def on_line(self, frame, line) -> None:
         if not self.enabled:
             return
         self.passes += 1
@@ -219,119 +284,136 @@ class Breakpoint:
             if self.log is not None:
                 message = str(eval(self.log, frame.f_globals, frame.f_locals))
         except Exception as err:  # noqa: BLE001 - never into user code
-            self.errors += 1
-            self.note = f"{type(err).__name__}: {err}"
-            if self.errors >= MAX_ERRORS:
-                self.enabled = False
-                self.note = f"disabled after {self.errors} errors; last: {self.note}"
+            _count_error(self, err)
             return
         self.hits += 1
-        snap = _snapshot(self, frame, message)
-        _snapshots.append(snap)
-        _spill(snap)
+        snapshots.record(snapshots.take(self.id, self.hits, frame, message))
         if self.max_hits and self.hits >= self.max_hits:
             self.enabled = False
             remove(self.id)
+        if self.pause and not pause_module.in_session():
+            self.note = pause_module.pause(frame, self.id, self.pause_timeout, on_resume=_after_session)
 
 
-def _snapshot(bp: Breakpoint, frame, message: str | None) -> dict:
-    budget = Budget(tensor_stats=False)
-    frames = []
-    current = frame
-    while current is not None and len(frames) < MAX_SNAPSHOT_FRAMES:
-        code = current.f_code
-        frames.append(
-            {
-                "func": code.co_name,
-                "file": code.co_filename,
-                "lineno": current.f_lineno,
-                # Locals of the hit frame; the outer ones only name where it came from.
-                "locals": _locals(current, budget) if current is frame else [],
-            }
-        )
-        current = current.f_back
-    return {
-        "id": next(_snapshot_ids),
-        "bp_id": bp.id,
-        "hit": bp.hits,
-        "time": time.time(),
-        "thread": threading.current_thread().name,
-        "log": message,
-        "frames": frames,
-    }
+def _after_session() -> None:
+    if _hooks is not None:
+        with _lock:
+            _hooks.after_session()
 
 
-def _spill(snap: dict) -> None:
-    """Appends the snapshot to the run directory; a failure (full or
-    read-only disk) turns spilling off and costs the program nothing."""
-    global _spill_fd, _spilled, _spill_off
-    if _spill_off:
-        return
-    try:
-        if _spill_fd is None:
-            from rankscope._probe import crashes
 
-            directory = os.path.join(crashes.run_dir(), "snapshots")
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            path = os.path.join(directory, f"pid{os.getpid()}.jsonl")
-            _spill_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            _spill_identity.update(pid=os.getpid(), rank=crashes._rank(), host=os.uname().nodename)
-        line = (json.dumps(dict(snap, **_spill_identity), default=str) + "\n").encode("utf-8", "backslashreplace")
-        if _spilled + len(line) > MAX_SPILL_BYTES:
-            _spill_off = True
+_UNBOUND = object()
+
+
+class Watch:
+    """Records each change of one local of a function, with the line that
+    made it: the value is compared at every line of the function (its code
+    object only), the change is charged to the line that ran before."""
+
+    def __init__(self, file: str, function: str, name: str, code: types.CodeType, tensor: bool):
+        self.id = next(_ids)
+        self.file, self.function, self.name, self.codes = file, function, name, [code]
+        self.tensor = tensor
+        # Every line of the body; 0 stands for "a call starts" (state reset).
+        self.lines = tuple(sorted({ln for _, _, ln in code.co_lines() if ln is not None and ln > code.co_firstlineno}))
+        self.first_line = self.lines[0] if self.lines else None
+        # id(frame) -> [value identity, repr or tensor version, last line]
+        self._frames: dict[int, list] = {}
+        self._first_stretch_end: dict[types.CodeType, int] = {}
+        self.passes = self.hits = self.errors = 0
+        self.enabled, self.note = True, None
+
+    def describe(self) -> dict:
+        return {
+            "id": self.id,
+            "kind": "watch",
+            "file": self.file,
+            "line": self.function,
+            "watch": self.name,
+            "tensor": self.tensor or None,
+            "passes": self.passes,
+            "hits": self.hits,
+            "errors": self.errors,
+            "enabled": self.enabled,
+            "note": self.note,
+        }
+
+    def _state_of(self, value):
+        if self.tensor:
+            return getattr(value, "_version", None)
+        return safe_repr(value, Budget(tensor_stats=False))
+
+    def on_line(self, frame, line) -> None:
+        if not self.enabled:
             return
-        os.write(_spill_fd, line)
-        _spilled += len(line)
-    except Exception:  # noqa: BLE001
-        _spill_off = True
+        self.passes += 1
+        try:
+            value = frame.f_locals.get(self.name, _UNBOUND)
+            key = id(frame)
+            state = self._frames.get(key)
+            # A call's first line starts its state afresh: a parameter's
+            # value, or an unbound name, is where the function began.
+            if state is None or (line == self.first_line and frame.f_lasti < self._first_stretch(frame.f_code)):
+                if len(self._frames) > 1024:
+                    self._frames.clear()
+                self._frames[key] = [id(value), None if value is _UNBOUND else self._state_of(value), line]
+                return
+            last_id, last_state, last_line = state
+            state[2] = line
+            if value is _UNBOUND:
+                return
+            if id(value) == last_id and not self.tensor and type(value) in (int, float, str, bool, type(None)):
+                return
+            now = self._state_of(value)
+            if id(value) == last_id and now == last_state:
+                return
+            if id(value) != last_id and now == last_state and not self.tensor:
+                state[0] = id(value)
+                return  # a new object with the same value: not a change
+            state[0], state[1] = id(value), now
+            self._record(frame, value, last_state, now, last_line)
+        except Exception as err:  # noqa: BLE001 - never into user code
+            _count_error(self, err)
 
+    def _first_stretch(self, code) -> int:
+        """Where the first stretch of the first body line ends: a frame
+        before it has just been called (the 3.11 copy has its own offsets)."""
+        end = self._first_stretch_end.get(code)
+        if end is None:
+            end = 0
+            for start, stop, ln in code.co_lines():
+                if ln == self.first_line and (end == 0 or start == end):
+                    end = stop
+                elif end:
+                    break
+            self._first_stretch_end[code] = end
+        return end
 
-_spill_identity: dict = {}
-
-
-def _on_line(code, line):
-    try:
-        bps = _by_code.get(code, {}).get(line)
-        if not bps:
-            return sys.monitoring.DISABLE
-        frame = sys._getframe(1)
-        for bp in list(bps):
-            bp.on_line(frame)
-    except Exception:  # noqa: BLE001 - a broken breakpoint must not break the program
-        pass
-    return None
-
-
-def _tool() -> int:
-    global _tool_id
-    if _tool_id is not None:
-        return _tool_id
-    monitoring = sys.monitoring
-    for candidate in range(6):  # ids 0-5 are for tools; 6 is settrace's, 7 setprofile's
-        if monitoring.get_tool(candidate) is None:
-            monitoring.use_tool_id(candidate, TOOL_NAME)
-            monitoring.register_callback(candidate, monitoring.events.LINE, _on_line)
-            _tool_id = candidate
-            return candidate
-    owners = ", ".join(str(monitoring.get_tool(i)) for i in range(6))
-    raise UserError(f"every sys.monitoring tool id is taken ({owners})")
-
-
-def _release_tool() -> None:
-    global _tool_id
-    if _tool_id is None or _by_code:
-        return
-    sys.monitoring.register_callback(_tool_id, sys.monitoring.events.LINE, None)
-    sys.monitoring.free_tool_id(_tool_id)
-    _tool_id = None
+    def _record(self, frame, value, before, after, changed_by) -> None:
+        self.hits += 1
+        budget = Budget(tensor_stats=True, max_stats_elements=snapshots.MAX_SNAPSHOT_STATS_ELEMENTS)
+        text = safe_repr(value, budget)
+        if self.tensor:
+            was = "first seen" if before is None else f"version {before} -> {after}"
+            message = f"{self.name} changed in place ({was}) by line {changed_by}: {text}"
+        else:
+            was = "<unbound>" if before is None else before
+            message = f"{self.name} = {text} (was {was}) changed by line {changed_by}"
+        snap = snapshots.take(self.id, self.hits, frame, message, with_locals=False)
+        snap["frames"][0]["locals"] = [[self.name, text, type_name(value)]]
+        snap["changed_by"] = changed_by
+        snapshots.record(snap)
 
 
 def _all_code() -> list[types.CodeType]:
     """Every code object reachable from functions and running frames,
-    nested ones (inner functions, comprehensions) included."""
+    nested ones (inner functions, comprehensions) included, as originals
+    (not the instrumented copies of 3.11)."""
+    original = _hooks.original if _hooks is not None else (lambda code: code)
     seen: dict[int, types.CodeType] = {}
 
     def visit(code):
+        code = original(code)
         if id(code) in seen:
             return
         seen[id(code)] = code
@@ -349,31 +431,50 @@ def _all_code() -> list[types.CodeType]:
     return list(seen.values())
 
 
-def _resolve(spec: str) -> tuple[str, int, list[types.CodeType], str | None]:
-    path, sep, where = spec.rpartition(":")
-    if not sep or not where:
-        raise UserError(f"{spec!r} is not FILE:LINE or FILE:FUNCTION (e.g. train.py:88, model.py:Attention.forward)")
-    codes = [c for c in _all_code() if c.co_filename == path or os.path.basename(c.co_filename) == path or c.co_filename.endswith("/" + path)]
+def _codes_of(path: str) -> tuple[str, list[types.CodeType]]:
+    codes = [c for c in _all_code() if _matches(c.co_filename, path)]
     files = sorted({c.co_filename for c in codes})
     if not files:
         raise _NotLoaded(path)
     if len(files) > 1:
         raise UserError(f"{path!r} matches several files: {', '.join(files)}; give more of the path")
+    return files[0], codes
+
+
+def _split(spec: str) -> tuple[str, str]:
+    path, sep, where = spec.rpartition(":")
+    if not sep or not where or not path:
+        raise UserError(f"{spec!r} is not FILE:LINE or FILE:FUNCTION (e.g. train.py:88, model.py:Attention.forward)")
+    return path, where
+
+
+def _resolve(spec: str) -> tuple[str, int, list[types.CodeType], str | None]:
+    path, where = _split(spec)
+    file, codes = _codes_of(path)
     if not where.isdigit():
-        return _resolve_function(files[0], where, codes)
+        code = _function(file, where, codes)
+        body = sorted({ln for _, _, ln in code.co_lines() if ln is not None and ln > code.co_firstlineno})
+        if not body:
+            raise UserError(f"{where!r} in {file} has no body to stop in")
+        return file, body[0], [code], None
     wanted = int(where)
-    lines = sorted({ln for c in codes for _, _, ln in c.co_lines() if ln is not None and ln >= wanted})
+    lines = sorted({ln for c in codes for _, _, ln in c.co_lines() if ln is not None and ln >= wanted and _body_line(c, ln)})
     if not lines:
-        raise UserError(f"{files[0]} has no code at or after line {wanted}")
+        raise UserError(f"{file} has no code at or after line {wanted}")
     line = lines[0]
     holders = [c for c in codes if any(ln == line for _, _, ln in c.co_lines())]
     note = None if line == wanted else f"line {wanted} has no code; the breakpoint is on line {line}, the next line that has"
-    return files[0], line, holders, note
+    return file, line, holders, note
 
 
-def _resolve_function(file: str, name: str, codes: list) -> tuple[str, int, list[types.CodeType], str | None]:
-    """FILE:FUNCTION (a qualified name, `Class.method`): its first line of body."""
-    matches = [c for c in codes if c.co_qualname == name]
+def _body_line(code: types.CodeType, line: int) -> bool:
+    """A `def` line holds only the frame's set-up in a function's own code."""
+    return code.co_name == "<module>" or line != code.co_firstlineno
+
+
+def _function(file: str, name: str, codes: list) -> types.CodeType:
+    """FILE:FUNCTION: a qualified name (`Class.method`) or a plain one."""
+    matches = [c for c in codes if c.co_qualname == name] if hasattr(types.CodeType, "co_qualname") else []
     if not matches:
         matches = [c for c in codes if c.co_name == name]
     if not matches:
@@ -381,11 +482,12 @@ def _resolve_function(file: str, name: str, codes: list) -> tuple[str, int, list
     if len({c.co_qualname for c in matches}) > 1:
         names = ", ".join(sorted({c.co_qualname for c in matches}))
         raise UserError(f"{name!r} matches several functions in {file}: {names}; give the qualified name")
-    code = matches[0]
-    body = sorted({ln for _, _, ln in code.co_lines() if ln is not None and ln > code.co_firstlineno})
-    if not body:
-        raise UserError(f"{name!r} in {file} has no body to stop in")
-    return file, body[0], [code], None
+    return matches[0]
+
+
+def _check_counts(*numbers) -> None:
+    if any(n is not None and n < 1 for n in numbers):
+        raise UserError("--max, --every, --hit and --pause-timeout take a number of at least 1")
 
 
 def add(
@@ -395,12 +497,13 @@ def add(
     max_hits: int | None = None,
     every: int | None = None,
     from_hit: int | None = None,
+    pause: bool | None = None,
+    pause_timeout: float | None = None,
 ) -> dict:
-    if sys.version_info < (3, 12):
-        raise UserError("breakpoints need CPython 3.12 or later for now (3.11 support is not built yet)")
-    if any(n is not None and n < 1 for n in (max_hits, every, from_hit)):
-        raise UserError("--max, --every and --hit take a number of at least 1")
-    options = {"condition": condition, "log": log, "max_hits": max_hits, "every": every, "from_hit": from_hit}
+    _check_counts(max_hits, every, from_hit, pause_timeout)
+    if pause and log is not None:
+        raise UserError("a logpoint never stops: give --log or --pause, not both")
+    options = dict(zip(_OPTIONS, (condition, log, max_hits, every, from_hit, pause, pause_timeout)))
     try:
         # Compiled now, so that a syntax error is reported now, pending or not.
         for source, mode_name in ((condition, "condition"), (None if log is None else "f" + repr(log), "log template")):
@@ -408,30 +511,44 @@ def add(
                 compile(source, f"<breakpoint {mode_name}>", "eval")
     except SyntaxError as err:
         raise UserError(f"the {'condition' if 'condition' in (err.filename or '') else 'log template'} does not compile: {err.msg}") from None
-    try:
-        file, line, codes, note = _resolve(spec)
-    except _NotLoaded as missing:
-        with _lock:
+    _line_hooks()  # a Python that cannot hook lines says so before anything is pending
+    with _lock:
+        try:
+            file, line, codes, note = _resolve(spec)
+        except _NotLoaded as missing:
             pending = _Pending(spec, missing.path, options)
             _pending[pending.id] = pending
             if _finder not in sys.meta_path:
                 sys.meta_path.insert(0, _finder)
-        return pending.describe()
-    bp = Breakpoint(file, line, codes, **_breakpoint_options(options))
-    bp.note = note
-    with _lock:
-        _arm(bp)
+            return pending.describe()
+        bp = Breakpoint(file, line, codes, **_breakpoint_options(options))
+        running_note = _arm(bp)
+        bp.note = "; ".join(n for n in (note, running_note) if n) or None
     return bp.describe()
 
 
-def _arm(bp: Breakpoint) -> None:
-    tool = _tool()
-    _breakpoints[bp.id] = bp
-    for code in bp.codes:
-        _by_code.setdefault(code, {}).setdefault(bp.line, []).append(bp)
-        sys.monitoring.set_local_events(tool, code, sys.monitoring.events.LINE)
-    # Lines that answered DISABLE before must fire again.
-    sys.monitoring.restart_events()
+def watch(spec: str, name: str, tensor: bool = False) -> dict:
+    path, where = _split(spec)
+    if where.isdigit():
+        raise UserError(f"a watch is set on a function, FILE:FUNCTION (e.g. train.py:train_step), not on line {where}")
+    if not name.isidentifier():
+        raise UserError(f"{name!r} is not a variable name")
+    _line_hooks()
+    with _lock:
+        try:
+            file, codes = _codes_of(path)
+        except _NotLoaded:
+            raise UserError(f"no loaded code comes from {path!r}; a watch needs its function to exist") from None
+        code = _function(file, where, codes)
+        local_names = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+        if name not in local_names:
+            known = ", ".join(sorted(local_names)) or "none"
+            raise UserError(f"{name!r} is not a local of {code.co_qualname} (its locals: {known})")
+        handler = Watch(file, code.co_qualname, name, code, tensor)
+        if not handler.lines:
+            raise UserError(f"{code.co_qualname} in {file} has no body to watch")
+        handler.note = _arm(handler)
+    return handler.describe()
 
 
 def remove(bp_id: int) -> dict:
@@ -441,35 +558,24 @@ def remove(bp_id: int) -> dict:
             if not _pending and _finder in sys.meta_path:
                 sys.meta_path.remove(_finder)
             return pending.describe()
-        bp = _breakpoints.pop(bp_id, None)
-        if bp is None:
+        handler = _handlers.get(bp_id)
+        if handler is None:
             raise UserError(f"no breakpoint {bp_id}; `rankscope PID break list` shows them")
-        for code in bp.codes:
-            lines = _by_code.get(code, {})
-            holders = lines.get(bp.line, [])
-            if bp in holders:
-                holders.remove(bp)
-            if not holders:
-                lines.pop(bp.line, None)
-            if not lines:
-                _by_code.pop(code, None)
-                if _tool_id is not None:
-                    sys.monitoring.set_local_events(_tool_id, code, 0)
-        _release_tool()
-    return bp.describe()
+        _disarm(handler)
+    return handler.describe()
 
 
 def clear() -> list[dict]:
-    return [remove(bp_id) for bp_id in list(_breakpoints) + list(_pending)]
+    return [remove(bp_id) for bp_id in list(_handlers) + list(_pending)]
 
 
 def listing() -> list[dict]:
-    every = [bp.describe() for bp in _breakpoints.values()] + [p.describe() for p in _pending.values()]
+    every = [h.describe() for h in _handlers.values()] + [p.describe() for p in _pending.values()]
+    for session in pause_module.paused():
+        for entry in every:
+            if entry["id"] == session["bp_id"]:
+                entry.setdefault("paused", []).append(session["thread"])
     return sorted(every, key=lambda d: d["id"])
-
-
-def snapshots() -> list[dict]:
-    return list(_snapshots)
 
 
 def handle(request_text: str) -> str:
@@ -479,8 +585,17 @@ def handle(request_text: str) -> str:
         op = request.get("op")
         if op == "add":
             result = add(
-                request["spec"], request.get("condition"), request.get("log"), request.get("max"), request.get("every"), request.get("hit")
+                request["spec"],
+                request.get("condition"),
+                request.get("log"),
+                request.get("max"),
+                request.get("every"),
+                request.get("hit"),
+                request.get("pause"),
+                request.get("pause_timeout"),
             )
+        elif op == "watch":
+            result = watch(request["spec"], request["name"], bool(request.get("tensor")))
         elif op == "list":
             result = listing()
         elif op == "rm":
@@ -488,7 +603,9 @@ def handle(request_text: str) -> str:
         elif op == "clear":
             result = clear()
         elif op == "snapshots":
-            result = snapshots()
+            result = snapshots.listing()
+        elif op == "paused":
+            result = pause_module.paused()
         else:
             raise UserError(f"unknown breakpoint operation {op!r}")
         return json.dumps({"ok": result}, default=str)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
-from rankscope._probe import crashes
+from rankscope._probe import crashes, private_socket
 
 MODES = ("record", "console", "socket", "web")
 DEFAULT_WEB_PORT = 7860
@@ -102,33 +102,16 @@ def _hold_on_socket(exc: BaseException, tb) -> None:
     os.makedirs(directory, mode=0o700, exist_ok=True)
     path = socket_path(rank, pid)
     hold = hold_timeout()
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        if os.path.exists(path):
-            os.unlink(path)
-        old_umask = os.umask(0o177)
-        try:
-            server.bind(path)
-        finally:
-            os.umask(old_umask)
-        server.listen(1)
-        server.settimeout(hold)
-        sys.stderr.write(
-            f"rankscope: rank {rank} (pid {pid}) is held for a debugger after {type(exc).__name__}: "
-            f"`rankscope debug --pid {pid}` (or `nc -U {path}`); it exits in {hold:g} s otherwise\n"
-        )
-        sys.stderr.flush()
-        try:
-            conn, _ = server.accept()
-        except socket.timeout:
-            sys.stderr.write(f"rankscope: no debugger came within {hold:g} s; exiting\n")
-            return
-    finally:
-        server.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    server = private_socket.listen(path)
+    sys.stderr.write(
+        f"rankscope: rank {rank} (pid {pid}) is held for a debugger after {type(exc).__name__}: "
+        f"`rankscope debug --pid {pid}` (or `nc -U {path}`); it exits in {hold:g} s otherwise\n"
+    )
+    sys.stderr.flush()
+    conn = private_socket.accept_one(server, path, hold)
+    if conn is None:
+        sys.stderr.write(f"rankscope: no debugger came within {hold:g} s; exiting\n")
+        return
     with conn:
         conn.settimeout(hold)
         # Two file objects: a text file that both reads and writes drops its

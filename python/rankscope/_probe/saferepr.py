@@ -25,15 +25,35 @@ class ReprTimeout(BaseException):
     """Raised asynchronously in a ``__repr__`` that ran past its deadline."""
 
 
-_SCALARS = (bool, float, complex, type(None), type(...))
+# Builtins whose C repr is short and cannot run user code.
+_SCALARS = frozenset((bool, float, complex, type(None), type(...), range, slice))
+# Items that let a short container be printed by its own C repr in one go:
+# the hot path of a snapshot, which must stay within tens of microseconds.
+_PLAIN_ITEMS = _SCALARS | {int, str}
 _SEQUENCES = {list: ("[", "]"), tuple: ("(", ")"), set: ("{", "}"), frozenset: ("frozenset({", "})")}
+_type_names: dict[type, str] = {}
 
 
 def type_name(obj: object) -> str:
     t = type(obj)
+    cached = _type_names.get(t)
+    if cached is not None:
+        return cached
     module = getattr(t, "__module__", "") or ""
     name = getattr(t, "__qualname__", None) or t.__name__
-    return name if module == "builtins" else f"{module}.{name}"
+    name = name if module == "builtins" else f"{module}.{name}"
+    if len(_type_names) < 4096:
+        _type_names[t] = name
+    return name
+
+
+def _plain(items) -> bool:
+    plain = _PLAIN_ITEMS
+    for item in items:
+        t = type(item)
+        if t not in plain or (t is str and len(item) > MAX_STRING) or (t is int and item.bit_length() > 256):
+            return False
+    return True
 
 
 def _cut(text: str, limit: int) -> str:
@@ -51,9 +71,10 @@ class Budget:
     """Time spent in user reprs during one request, and whether tensors get
     statistics (crash records) or metadata only (a live process)."""
 
-    def __init__(self, seconds: float = REPR_BUDGET_S, tensor_stats: bool = False):
+    def __init__(self, seconds: float = REPR_BUDGET_S, tensor_stats: bool = False, max_stats_elements: int = MAX_STATS_ELEMENTS):
         self.left = seconds
         self.tensor_stats = tensor_stats
+        self.max_stats_elements = max_stats_elements
 
 
 def safe_repr(obj: object, budget: Budget | None = None, depth: int = 0) -> str:
@@ -85,10 +106,18 @@ def _repr(obj: object, budget: Budget, depth: int) -> str:
             return repr(obj)
         return f"{bytes(obj[:MAX_STRING])!r}... ({len(obj)} bytes)"
     if t in _SEQUENCES:
+        if len(obj) <= MAX_ITEMS and _plain(obj):
+            return repr(obj)
+        if t in (list, tuple) and depth < MAX_DEPTH and _plain(obj[:MAX_ITEMS]):
+            opening, closing = _SEQUENCES[t]
+            head = repr(list(obj[:MAX_ITEMS]))[1:-1]
+            return f"{opening}{head}, ... {len(obj) - MAX_ITEMS} more{closing} (len={len(obj)})"
         return _sequence(obj, t, budget, depth)
     if t is dict:
+        if len(obj) <= MAX_ITEMS and _plain(obj) and _plain(obj.values()):
+            return repr(obj)
         return _mapping(obj, budget, depth)
-    summary = _array_summary(obj, t, budget.tensor_stats)
+    summary = _array_summary(obj, t, budget.max_stats_elements if budget.tensor_stats else 0)
     if summary is not None:
         return summary
     if isinstance(obj, type):
@@ -128,25 +157,26 @@ def _mapping(obj: dict, budget: Budget, depth: int) -> str:
     return "{" + ", ".join(items) + "}" + suffix
 
 
-def _array_summary(obj: object, t: type, stats: bool = False) -> str | None:
+def _array_summary(obj: object, t: type, stats_max_elements: int = 0) -> str | None:
     """Tensors and arrays: shape, dtype and device, read from metadata only;
-    with `stats`, min/max/mean and NaN/Inf counts of small CPU tensors."""
+    with `stats_max_elements`, min/max/mean and NaN/Inf counts of CPU
+    tensors up to that size."""
     module = getattr(t, "__module__", "") or ""
     root = module.split(".", 1)[0]
     if root == "torch" and hasattr(obj, "shape") and hasattr(obj, "dtype"):
         shape = tuple(obj.shape)
         device = getattr(obj, "device", "?")
         grad = ", requires_grad=True" if getattr(obj, "requires_grad", False) else ""
-        extra = _tensor_stats(obj) if stats else ""
+        extra = _tensor_stats(obj, stats_max_elements) if stats_max_elements else ""
         return f"{t.__name__}(shape={list(shape)}, dtype={obj.dtype}, device={device}{grad}{extra})"
     if root == "numpy" and t.__name__ == "ndarray":
         return f"ndarray(shape={list(obj.shape)}, dtype={obj.dtype})"
     return None
 
 
-def _tensor_stats(tensor) -> str:
+def _tensor_stats(tensor, max_elements: int) -> str:
     """", min=..., max=..., mean=..., nan=N, inf=N" for a CPU tensor of a
-    real dtype and at most MAX_STATS_ELEMENTS elements; "" otherwise. A GPU
+    real dtype and at most `max_elements` elements; "" otherwise. A GPU
     tensor would need a device sync, which a failing CUDA context may never
     finish."""
     try:
@@ -154,7 +184,7 @@ def _tensor_stats(tensor) -> str:
 
         if tensor.device.type != "cpu" or tensor.is_sparse or tensor.numel() == 0:
             return ""
-        if tensor.numel() > MAX_STATS_ELEMENTS or tensor.dtype == torch.bool or tensor.is_complex():
+        if tensor.numel() > max_elements or tensor.dtype == torch.bool or tensor.is_complex():
             return ""
         with torch.no_grad():
             values = tensor.detach()

@@ -3,16 +3,26 @@
 
 use std::fmt::Write as _;
 
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
 use anyhow::Result;
 use serde_json::{json, Value};
 
 use crate::client::Probe;
+use crate::hint::Hinted;
 use crate::{BreakAction, BtFormat};
 
 pub fn run(probe: &Probe, action: BreakAction) -> Result<u8> {
     match action {
-        BreakAction::Add { spec, condition, log, max, every, hit } => {
-            let request = json!({"op": "add", "spec": spec, "condition": condition, "log": log, "max": max, "every": every, "hit": hit});
+        BreakAction::Add { spec, condition, log, max, every, hit, pause, pause_timeout } => {
+            if let Some(t) = pause_timeout {
+                super::seconds(t, "--pause-timeout")?;
+            }
+            let request = json!({
+                "op": "add", "spec": spec, "condition": condition, "log": log, "max": max, "every": every, "hit": hit,
+                "pause": pause, "pause_timeout": pause_timeout,
+            });
             let bp = probe.breakpoints(&request)?;
             if let Some(note) = bp["note"].as_str() {
                 eprintln!("note: {note}");
@@ -42,15 +52,13 @@ pub fn run(probe: &Probe, action: BreakAction) -> Result<u8> {
 }
 
 fn describe(bp: &Value) -> String {
-    let mut line = format!(
-        "{:>3}  {}:{}  passes {} hits {}",
-        bp["id"],
-        bp["file"].as_str().unwrap_or("?"),
-        bp["line"],
-        bp["passes"],
-        bp["hits"]
-    );
-    for (key, label) in [("condition", "if"), ("log", "log"), ("every", "every"), ("hit_from", "hit"), ("max", "max")] {
+    let place = match &bp["line"] {
+        Value::String(function) => function.clone(),
+        other => other.to_string(),
+    };
+    let kind = if bp["kind"] == "watch" { "watch " } else { "" };
+    let mut line = format!("{:>3}  {kind}{}:{place}  passes {} hits {}", bp["id"], bp["file"].as_str().unwrap_or("?"), bp["passes"], bp["hits"]);
+    for (key, label) in [("watch", "var"), ("tensor", "tensor"), ("condition", "if"), ("log", "log"), ("every", "every"), ("hit_from", "hit"), ("max", "max"), ("pause", "pause")] {
         if !bp[key].is_null() {
             let value = bp[key].as_str().map(str::to_string).unwrap_or_else(|| bp[key].to_string());
             let _ = write!(line, "  {label} {value}");
@@ -59,10 +67,67 @@ fn describe(bp: &Value) -> String {
     if bp["enabled"] == Value::Bool(false) {
         line.push_str("  [disabled]");
     }
+    for thread in bp["paused"].as_array().into_iter().flatten() {
+        let _ = write!(line, "  [paused: thread {}]", thread.as_str().unwrap_or("?"));
+    }
     if let Some(note) = bp["note"].as_str() {
         let _ = write!(line, "  ({note})");
     }
     line
+}
+
+pub fn watch(probe: &Probe, spec: &str, name: &str, tensor: bool) -> Result<u8> {
+    let watch = probe.breakpoints(&json!({"op": "watch", "spec": spec, "name": name, "tensor": tensor}))?;
+    if let Some(note) = watch["note"].as_str() {
+        eprintln!("note: {note}");
+    }
+    let what = if tensor { "in-place changes of tensor" } else { "changes of" };
+    println!("watch {}: {what} {name} in {}:{}", watch["id"], watch["file"].as_str().unwrap_or("?"), watch["line"].as_str().unwrap_or("?"));
+    Ok(0)
+}
+
+/// Waits (up to `wait`) for a thread paused by a `--pause` breakpoint and
+/// joins its pdb session.
+pub fn attach(probe: &Probe, thread: Option<&str>, wait: Duration) -> Result<u8> {
+    let started = Instant::now();
+    let mut told = false;
+    let session = loop {
+        let paused = probe.breakpoints(&json!({"op": "paused"}))?;
+        let paused = paused.as_array().cloned().unwrap_or_default();
+        let names: Vec<&str> = paused.iter().filter_map(|s| s["thread"].as_str()).collect();
+        let chosen: Vec<&Value> = paused.iter().filter(|s| thread.is_none_or(|t| s["thread"] == t)).collect();
+        match chosen.as_slice() {
+            [one] => break (*one).clone(),
+            [_, _, ..] => {
+                return Err(Hinted::new(
+                    format!("several threads are paused: {}", names.join(", ")),
+                    "pick one with --thread NAME",
+                )
+                .into())
+            }
+            [] if started.elapsed() >= wait => {
+                let hint = if names.is_empty() {
+                    "set one with `rankscope PID break add FILE:LINE --pause`; `break list` shows the breakpoints and their hits".to_string()
+                } else {
+                    format!("paused now: {}", names.join(", "))
+                };
+                let what = thread.map_or("no thread".to_string(), |t| format!("no thread named {t:?}"));
+                return Err(Hinted::new(format!("{what} paused within {:.0} s", wait.as_secs_f64()), hint).into());
+            }
+            [] => {
+                if !told {
+                    eprintln!("waiting for a thread to pause (up to {:.0} s)...", wait.as_secs_f64());
+                    told = true;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    };
+    let socket = session["socket"].as_str().unwrap_or_default();
+    let stream = UnixStream::connect(socket).map_err(|e| {
+        Hinted::new(format!("cannot join the paused thread {}: {e}", session["thread"]), "it may have resumed (pause timeout) or another attach took it")
+    })?;
+    super::debug::relay(stream)
 }
 
 pub fn snapshots(probe: &Probe, format: BtFormat) -> Result<u8> {
@@ -83,9 +148,17 @@ pub fn snapshots(probe: &Probe, format: BtFormat) -> Result<u8> {
         for frame in snap["frames"].as_array().into_iter().flatten() {
             println!("    {} ({}:{})", frame["func"].as_str().unwrap_or("?"), frame["file"].as_str().unwrap_or("?"), frame["lineno"]);
             for local in frame["locals"].as_array().into_iter().flatten() {
-                println!("        {} = {}", local["name"].as_str().unwrap_or("?"), local["repr"].as_str().unwrap_or("?"));
+                let [name, repr, _] = snapshot_local(local);
+                println!("        {} = {}", name.as_str().unwrap_or("?"), repr.as_str().unwrap_or("?"));
             }
         }
     }
     Ok(0)
+}
+
+/// A snapshot's local is `[name, repr, type]`: the probe writes it compact,
+/// since encoding it is a part of every hit's cost.
+pub fn snapshot_local(local: &Value) -> [Value; 3] {
+    let field = |i: usize| local.get(i).cloned().unwrap_or(Value::Null);
+    [field(0), field(1), field(2)]
 }

@@ -67,6 +67,11 @@ pub fn run(rank: Option<i64>, pid: Option<u32>, run: Option<PathBuf>) -> Result<
             "another debugger may have taken the session, or the hold timed out",
         )
     })?;
+    relay(stream)
+}
+
+/// Connects the terminal to a pdb session on `stream` until either side ends it.
+pub fn relay(stream: UnixStream) -> Result<u8> {
     let mut from_pdb = stream.try_clone()?;
     // pdb's output goes to our stdout as it comes; when pdb ends the session
     // (q, or the process exits), so does this command.

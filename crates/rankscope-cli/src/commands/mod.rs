@@ -54,6 +54,8 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
         Action::Query { sql, native, format } => query::run(probe, &sql, native, format),
         Action::Break { action } => breakpoints::run(&probe, action),
         Action::Snapshots { format } => breakpoints::snapshots(&probe, format),
+        Action::Watch { spec, name, tensor } => breakpoints::watch(&probe, &spec, &name, tensor),
+        Action::Attach { thread, wait } => breakpoints::attach(&probe, thread.as_deref(), seconds(wait, "--wait")?),
     }
 }
 

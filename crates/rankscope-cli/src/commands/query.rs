@@ -89,7 +89,7 @@ impl RowSource for LiveProbe {
 /// The identity columns come from the live probe's metadata, or, for
 /// snapshots spilled to the run directory, from each line's own fields.
 fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::Value]) -> Rows {
-    use serde_json::{json, Value};
+    use serde_json::json;
     let mut rows = Vec::new();
     for snap in snaps {
         let (pid, rank, host) = match meta {
@@ -114,14 +114,8 @@ fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::V
         } else {
             for local in frame["locals"].as_array().into_iter().flatten() {
                 let mut row = identity.to_vec();
-                row.extend([
-                    snap["id"].clone(),
-                    snap["bp_id"].clone(),
-                    snap["hit"].clone(),
-                    local.get("name").cloned().unwrap_or(Value::Null),
-                    local.get("repr").cloned().unwrap_or(Value::Null),
-                    local.get("type").cloned().unwrap_or(Value::Null),
-                ]);
+                row.extend([snap["id"].clone(), snap["bp_id"].clone(), snap["hit"].clone()]);
+                row.extend(super::breakpoints::snapshot_local(local));
                 rows.push(row);
             }
         }
