@@ -1,4 +1,4 @@
-"""What an armed breakpoint costs code that never reaches it (CPython 3.12+).
+"""What an armed breakpoint costs code that never reaches it (CPython 3.11+).
 
 A call-heavy pure-Python workload (recursive fib and list comprehensions)
 runs in a fresh interpreter under five arms, alternating, K rounds:
@@ -10,12 +10,17 @@ runs in a fresh interpreter under five arms, alternating, K rounds:
 - ``settrace``: a Python-level global trace function like pdb's, which
   looks each new frame up in a breakpoint table and declines it;
 - ``cleared``: the breakpoint armed, then `break clear`;
+- ``running``: a breakpoint (whose condition is never true) set from
+  another thread into the workload's loop while it runs; then, as
+  ``running-after``, a new call of the workload with it still armed;
 - ``debugpy``: the workload started by ``python -m debugpy --listen
   --wait-for-client`` with this script as the editor (a small DAP client
   over TCP) and one breakpoint set in the same never-called function, as a
   VS Code user would have it; skipped when the target has no debugpy.
 
-Targets (from the issue): breakpoint <= 1 % on 3.12+; cleared back to idle.
+Targets (from the issue): breakpoint <= 1 % on 3.12+ and <= 2 % on 3.11;
+cleared back to idle; on 3.11 a running frame pays for tracing while it
+runs, and nothing after.
 
     .venv/bin/python bench/bench_breakpoints.py [--python .cache/venvs/py3.12/bin/python] [--rounds 9]
 """
@@ -44,20 +49,36 @@ def never_called(x):
 def fib(n):
     return n if n < 2 else fib(n - 1) + fib(n - 2)
 
-def work(reps):
+def work(reps, ready=None):
+    if ready is not None:
+        ready()  # returns once a breakpoint is armed into this running frame
+    t0 = time.perf_counter()
     total = 0
     for i in range(reps):
-        total += fib(18)
+        total += fib(18)  # the "running" arm's breakpoint line
         total += sum([j * 2 for j in range(200)])
-    return total
+    return time.perf_counter() - t0
 
 # "debugpy" runs like "none": that debugger is set up from outside.
 arm = sys.argv[1]
-if arm in ("breakpoint", "cleared"):
+reps = int(sys.argv[2])
+ready = None
+if arm in ("breakpoint", "cleared", "running"):
     import rankscope
     rankscope.start()
     from rankscope._probe import breakpoints
-    breakpoints.add(f"{__file__}:{never_called.__code__.co_firstlineno + 1}")
+    if arm == "running":
+        import threading
+        line = work.__code__.co_firstlineno + 6
+        def ready():
+            # From another thread, as the CLI's request would come: the
+            # loop is already running when its breakpoint arrives. It never
+            # records (the condition is false): this measures the mechanism.
+            adder = threading.Thread(target=breakpoints.add, args=(f"{__file__}:{line}", "False"))
+            adder.start()
+            adder.join()
+    else:
+        breakpoints.add(f"{__file__}:{never_called.__code__.co_firstlineno + 1}")
     if arm == "cleared":
         breakpoints.clear()
 elif arm == "settrace":
@@ -69,12 +90,14 @@ elif arm == "settrace":
     sys.settrace(tracer)
 
 work(5)  # warm up
-t0 = time.perf_counter()
-work(int(sys.argv[2]))
-print(json.dumps({"wall": time.perf_counter() - t0}))
+result = {"wall": work(reps, ready)}
+if arm == "running":
+    # A new call, the breakpoint still armed: the running frame's trace (3.11) is gone.
+    result["after"] = work(reps)
+print(json.dumps(result))
 """
 
-ARMS = ("none", "breakpoint", "settrace", "cleared", "debugpy")
+ARMS = ("none", "breakpoint", "settrace", "cleared", "running", "debugpy")
 
 # debugpy's start-up and handshake must end within this, and then the
 # workload's run within as much again (seconds at the default --reps).
@@ -221,10 +244,13 @@ def main() -> int:
             out = subprocess.run([args.python, script, arm, str(args.reps)], env=env, capture_output=True, text=True)
             if out.returncode != 0:
                 raise BenchError(f"arm {arm} failed: {out.stderr.strip()[-500:]}")
-            walls[arm].append(json.loads(out.stdout.strip().splitlines()[-1])["wall"])
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            walls[arm].append(result["wall"])
+            if "after" in result:
+                walls.setdefault("running-after", []).append(result["after"])
     base = median(walls["none"])
     print(f"\nmedians of {args.rounds} rounds, workload wall s")
-    for arm in arms:
+    for arm in [*arms, "running-after"]:
         m = median(walls[arm])
         print(f"{arm:12} {m:8.3f}   {m / base:5.3f}x   {100 * (m / base - 1):+6.2f}%")
     # Judged on per-round ratios: the arms of a round run back to back, so a
@@ -237,7 +263,12 @@ def main() -> int:
     noise = 100 * (max(walls["none"]) / min(walls["none"]) - 1)
     print(f"noise: the baseline runs alone span {noise:.1f}% (max/min)")
     slowdown = paired("breakpoint")
-    print(f"target: one armed breakpoint elsewhere <= 1 %: {slowdown:+.2f}%, {'met' if slowdown <= 1 else 'NOT met'}")
+    limit = 1 if "3.11" not in version else 2
+    print(f"target: one armed breakpoint elsewhere <= {limit} %: {slowdown:+.2f}%, {'met' if slowdown <= limit else 'NOT met'}")
+    print(
+        f"a breakpoint set into the running loop (never recording): {paired('running'):+.1f}% while that frame runs, "
+        f"{paired('running-after'):+.1f}% for the next call (on 3.11 the running frame is traced, then the trace goes)"
+    )
     print(f"ratio settrace / breakpoint: {median(walls['settrace']) / median(walls['breakpoint']):.2f}x")
     if "debugpy" in walls:
         print(f"ratio debugpy / breakpoint: {median(walls['debugpy']) / median(walls['breakpoint']):.2f}x")

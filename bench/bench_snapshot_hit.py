@@ -4,7 +4,7 @@ A function with 20 locals is called N times with a breakpoint on its last
 line that records at every hit (through the code the CLI reaches,
 `rankscope._probe.breakpoints.add`); the same calls without the breakpoint
 are the baseline, in the same interpreter. The cost per hit is the
-difference divided by the hits. Needs CPython 3.12+.
+difference divided by the hits. Any CPython 3.11+.
 
 Target (from the issue): <= 50 us per snapshot hit with 20 locals.
 
@@ -26,7 +26,8 @@ import json, sys, time
 import rankscope
 rankscope.start()
 from rankscope._probe import breakpoints
-if "--no-spill" in sys.argv: breakpoints._spill.off = True
+from rankscope._probe import snapshots
+if "--no-spill" in sys.argv: snapshots._spill.off = True
 
 def step(i):
     a0, a1, a2, a3, a4 = i, i * 1.5, str(i), [i] * 4, {"i": i}
@@ -49,7 +50,7 @@ for _ in range(5):
     bp = breakpoints.add(f"{__file__}:{step.__code__.co_firstlineno + 5}", max_hits=None)
     armed = run(calls)
     hits = breakpoints.remove(bp["id"])["hits"]
-    breakpoints._snapshots.clear()
+    snapshots._table.clear()
     rounds.append({"base": base, "armed": armed, "hits": hits})
 print(json.dumps(rounds))
 """
@@ -62,7 +63,7 @@ def main() -> int:
     ap.add_argument("--no-spill", action="store_true", help="leave out the write to the run directory, to see its share")
     args = ap.parse_args()
     if not os.path.exists(args.python):
-        raise BenchError(f"{args.python} not found: give a CPython 3.12+ with rankscope installed (--python)")
+        raise BenchError(f"{args.python} not found: give a CPython 3.11+ with rankscope installed (--python)")
     work = tempfile.mkdtemp(prefix="rankscope-bench-hit-")
     script = os.path.join(work, "target.py")
     with open(script, "w") as f:

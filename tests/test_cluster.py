@@ -117,6 +117,32 @@ def test_bad_ranks_and_missing_jobs_are_hinted_errors(job, cli, tmp_path):
     assert none.returncode == 1 and "no job no-such-job found" in none.stderr and job_id in none.stderr
 
 
+def test_cluster_break_sets_breakpoints_per_rank(job, cli):
+    from conftest import line_of
+
+    _, run, targets = job()
+    peers = line_of(RANK, "peers")
+    added = cli("cluster", "break", "add", f"target.py:{peers}", "--ranks", "1,3", "--if", "RANK_VALUE == 3", "--max", "2", "--run", run)
+    assert added.returncode == 0, added.stderr
+    for rank in (1, 3):
+        assert f"== rank {rank} (pid {targets[rank].pid})\nbreakpoint 1 at {targets[rank].script}:{peers}" in added.stdout
+    assert "== rank 0" not in added.stdout
+    # Only rank 3's condition holds: its hits come back in one cluster query.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        q = cli("cluster", "query", "--run", run, "SELECT rank, hit, lineno FROM python.snapshots ORDER BY rank, hit", "--format", "json")
+        if q.returncode == 0 and len(json.loads(q.stdout)) == 2:
+            break
+        time.sleep(0.1)
+    assert json.loads(q.stdout) == [{"rank": 3, "hit": h, "lineno": peers} for h in (1, 2)]
+    listing = cli("cluster", "break", "list", "--run", run)
+    # Rank 3's went at --max; ranks 0 and 2 never had one; rank 1's condition never held.
+    assert listing.stdout.count("No breakpoints.") == 3
+    assert f"== rank 1 (pid {targets[1].pid})\n  1  {targets[1].script}:{peers}  passes" in listing.stdout
+    bad = cli("cluster", "break", "add", "target.py:peers_nowhere", "--run", run, "--ranks", "0")
+    assert bad.returncode == 1 and "no function 'peers_nowhere'" in bad.stdout
+
+
 TRAIN = """
 import time
 import torch

@@ -191,6 +191,14 @@ enum ClusterAction {
     },
     /// Crashes recorded by the job's ranks (the job's run directory)
     Crashes,
+    /// Breakpoints on every rank (or --ranks) at once: add, list, rm, clear
+    Break {
+        /// Only these ranks (e.g. 2 or 0,4-7)
+        #[arg(long, global = true)]
+        ranks: Option<String>,
+        #[command(subcommand)]
+        action: BreakAction,
+    },
     /// SQL over the tables of every rank, as one table with a rank column
     Query {
         sql: String,
@@ -297,6 +305,7 @@ fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: 
         ClusterAction::Bt { ranks, ignore_lines } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, deadline),
         ClusterAction::Eval { code, ranks, eval_timeout } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout),
         ClusterAction::Crashes => cluster::crashes(job, run),
+        ClusterAction::Break { ranks, action } => cluster::breakpoints(job, run, ranks.as_deref(), &action),
         ClusterAction::Query { sql, ranks, format } => cluster::query(job, run, ranks.as_deref(), &sql, format),
     }
 }

@@ -13,40 +13,54 @@ use crate::client::Probe;
 use crate::hint::Hinted;
 use crate::{BreakAction, BtFormat};
 
-pub fn run(probe: &Probe, action: BreakAction) -> Result<u8> {
-    match action {
+/// The probe request for a `break` action (the same for one process and
+/// for every rank of a job).
+pub fn request_of(action: &BreakAction) -> Result<Value> {
+    Ok(match action {
         BreakAction::Add { spec, condition, log, max, every, hit, pause, pause_timeout } => {
             if let Some(t) = pause_timeout {
-                super::seconds(t, "--pause-timeout")?;
+                super::seconds(*t, "--pause-timeout")?;
             }
-            let request = json!({
+            json!({
                 "op": "add", "spec": spec, "condition": condition, "log": log, "max": max, "every": every, "hit": hit,
                 "pause": pause, "pause_timeout": pause_timeout,
-            });
-            let bp = probe.breakpoints(&request)?;
-            if let Some(note) = bp["note"].as_str() {
-                eprintln!("note: {note}");
-            }
-            println!("breakpoint {} at {}:{}", bp["id"], bp["file"].as_str().unwrap_or("?"), bp["line"]);
+            })
+        }
+        BreakAction::List => json!({"op": "list"}),
+        BreakAction::Rm { id } => json!({"op": "rm", "id": id}),
+        BreakAction::Clear => json!({"op": "clear"}),
+    })
+}
+
+/// What the user reads for the probe's reply: (stdout lines, notes for stderr).
+pub fn render(action: &BreakAction, reply: &Value) -> (Vec<String>, Vec<String>) {
+    let notes = reply["note"].as_str().map(|n| vec![format!("note: {n}")]).unwrap_or_default();
+    let lines = match action {
+        BreakAction::Add { .. } => {
+            vec![format!("breakpoint {} at {}:{}", reply["id"], reply["file"].as_str().unwrap_or("?"), reply["line"])]
         }
         BreakAction::List => {
-            let bps = probe.breakpoints(&json!({"op": "list"}))?;
-            let bps = bps.as_array().cloned().unwrap_or_default();
+            let bps = reply.as_array().cloned().unwrap_or_default();
             if bps.is_empty() {
-                println!("No breakpoints.");
+                vec!["No breakpoints.".to_string()]
+            } else {
+                bps.iter().map(describe).collect()
             }
-            for bp in bps {
-                println!("{}", describe(&bp));
-            }
         }
-        BreakAction::Rm { id } => {
-            let bp = probe.breakpoints(&json!({"op": "rm", "id": id}))?;
-            println!("removed breakpoint {} ({} hits)", bp["id"], bp["hits"]);
-        }
-        BreakAction::Clear => {
-            let removed = probe.breakpoints(&json!({"op": "clear"}))?;
-            println!("removed {} breakpoints", removed.as_array().map_or(0, Vec::len));
-        }
+        BreakAction::Rm { .. } => vec![format!("removed breakpoint {} ({} hits)", reply["id"], reply["hits"])],
+        BreakAction::Clear => vec![format!("removed {} breakpoints", reply.as_array().map_or(0, Vec::len))],
+    };
+    (lines, notes)
+}
+
+pub fn run(probe: &Probe, action: BreakAction) -> Result<u8> {
+    let reply = probe.breakpoints(&request_of(&action)?)?;
+    let (lines, notes) = render(&action, &reply);
+    for note in notes {
+        eprintln!("{note}");
+    }
+    for line in lines {
+        println!("{line}");
     }
     Ok(0)
 }
@@ -57,7 +71,7 @@ fn describe(bp: &Value) -> String {
         other => other.to_string(),
     };
     let kind = if bp["kind"] == "watch" { "watch " } else { "" };
-    let mut line = format!("{:>3}  {kind}{}:{place}  passes {} hits {}", bp["id"], bp["file"].as_str().unwrap_or("?"), bp["passes"], bp["hits"]);
+    let mut line = format!("{:>3}  {kind}{}:{place}  passes {} hits {}", bp["id"].to_string(), bp["file"].as_str().unwrap_or("?"), bp["passes"], bp["hits"]);
     for (key, label) in [("watch", "var"), ("tensor", "tensor"), ("condition", "if"), ("log", "log"), ("every", "every"), ("hit_from", "hit"), ("max", "max"), ("pause", "pause")] {
         if !bp[key].is_null() {
             let value = bp[key].as_str().map(str::to_string).unwrap_or_else(|| bp[key].to_string());

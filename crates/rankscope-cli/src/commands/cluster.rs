@@ -461,3 +461,33 @@ mod tests {
         assert_eq!(compress(&[]), "");
     }
 }
+
+/// `cluster break ...`: the same breakpoint request to every rank (or
+/// `--ranks`), each answer under its rank.
+pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: &crate::BreakAction) -> Result<u8> {
+    let job = find_job(job, run)?;
+    let selected = job.selected(ranks)?;
+    let here = rankscope_core::host::hostname();
+    let request = super::breakpoints::request_of(action)?;
+    let results = fan_out(&selected, |entry| match liveness(entry, &here) {
+        Liveness::Running => probe_of(entry).and_then(|p| p.breakpoints(&request)).map_err(|e| format!("{e:#}")),
+        other => Err(other.word().to_string()),
+    });
+    let mut code = 0;
+    for (entry, result) in selected.iter().zip(results) {
+        println!("== rank {} (pid {})", entry.meta.rank, entry.meta.pid);
+        match result {
+            Ok(reply) => {
+                let (lines, notes) = super::breakpoints::render(action, &reply);
+                for line in notes.iter().chain(&lines) {
+                    println!("{line}");
+                }
+            }
+            Err(why) => {
+                println!("error: {why}");
+                code = 1;
+            }
+        }
+    }
+    Ok(code)
+}
