@@ -143,6 +143,32 @@ def test_cluster_break_sets_breakpoints_per_rank(job, cli):
     assert bad.returncode == 1 and "no function 'peers_nowhere'" in bad.stdout
 
 
+def test_a_rank_with_another_rankscope_version_is_named_and_the_rest_answer(job, cli, endpoint_dir):
+    from pathlib import Path
+
+    _, run, targets = job(world_size=3)
+    # What a rank started by another rankscope publishes: a different protocol.
+    for entry in (run / "ranks" / f"rank1-pid{targets[1].pid}.json", Path(endpoint_dir) / f"{targets[1].pid}.json"):
+        meta = json.loads(entry.read_text())
+        meta.update(protocol=999, rankscope_version="9.9.9")
+        entry.write_text(json.dumps(meta))
+    listing = cli("cluster", "list", "--run", run)
+    [row] = [l for l in listing.stdout.splitlines() if l.split()[:1] == ["1"]]
+    assert "other-version" in row
+    ev = cli("cluster", "eval", "--run", run, "RANK_VALUE")
+    assert ev.returncode == 1
+    assert ev.stdout.splitlines() == [
+        f"== rank 0 (pid {targets[0].pid})", "0",
+        f"== rank 1 (pid {targets[1].pid})", "error: other-version",
+        f"== rank 2 (pid {targets[2].pid})", "2",
+    ]
+    q = cli("cluster", "query", "--run", run, "SELECT DISTINCT rank FROM python.threads ORDER BY rank", "--format", "csv")
+    assert q.stdout.split() == ["rank", "0", "2"] and "rank 1 (other-version)" in q.stderr
+    # Stacks do not depend on the probe's version: read from outside.
+    bt = cli("cluster", "bt", "--run", run)
+    assert "ranks 0-1 (2): wait_for_peers" in bt.stdout and "read from outside" in bt.stderr
+
+
 TRAIN = """
 import time
 import torch

@@ -52,6 +52,8 @@ enum Liveness {
     Dead,
     /// On another machine: not reachable through a local socket.
     Remote,
+    /// Alive, with a rankscope that speaks another protocol than this CLI.
+    OtherVersion,
 }
 
 impl Liveness {
@@ -62,6 +64,7 @@ impl Liveness {
             Liveness::Crashed => "crashed",
             Liveness::Dead => "dead",
             Liveness::Remote => "remote",
+            Liveness::OtherVersion => "other-version",
         }
     }
 }
@@ -71,6 +74,11 @@ fn liveness(entry: &RankEntry, here: &str) -> Liveness {
         return Liveness::Remote;
     }
     if paths::pid_alive(entry.meta.pid) {
+        // The registry says what the rank speaks: no request is sent in
+        // words it would misread.
+        if entry.meta.protocol != rankscope_core::PROTOCOL_VERSION {
+            return Liveness::OtherVersion;
+        }
         return Liveness::Running;
     }
     match entry.state.as_deref() {
@@ -288,6 +296,13 @@ enum Stacks {
 fn stacks_of(entry: &RankEntry, here: &str, deadline: Duration) -> Stacks {
     match liveness(entry, here) {
         Liveness::Running => {}
+        // Stacks do not depend on the probe's version: read them from outside.
+        Liveness::OtherVersion => {
+            return match outside::read_stacks(entry.meta.pid, false, false) {
+                Ok((stacks, _)) => Stacks::FromOutside(stacks),
+                Err(e) => Stacks::Missing(format!("other-version, and the outside read failed: {}", crate::commands::first_line(&e))),
+            }
+        }
         other => return Stacks::Missing(other.word().to_string()),
     }
     match probe_of(entry).and_then(|p| p.stacks(false, deadline)) {
@@ -351,7 +366,10 @@ pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_l
         println!("  {label}: {}{more}{differs}", shown.join(" <- "));
     }
     if !outside_ranks.is_empty() {
-        eprintln!("note: rank(s) {} did not answer in time; their stacks were read from outside", compress(&outside_ranks));
+        eprintln!(
+            "note: rank(s) {} did not answer in time or run another rankscope version; their stacks were read from outside",
+            compress(&outside_ranks)
+        );
     }
     for (rank, why) in &missing {
         println!("  rank {rank}: no stacks ({why})");
