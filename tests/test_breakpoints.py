@@ -101,10 +101,11 @@ def test_a_line_without_code_moves_to_the_next_one(loop, cli):
 def test_bad_input_changes_nothing(loop, cli):
     bad = cli(loop.pid, "break", "add", f"target.py:{line_of(LOOP, 'body')}", "--if", "step >")
     assert bad.returncode == 1 and "the condition does not compile" in bad.stderr
-    # A file not imported (yet) is not an error: the breakpoint waits for it.
-    pending = cli(loop.pid, "break", "add", "nowhere.py:3")
-    assert pending.returncode == 0 and "pending: nowhere.py is not imported yet" in pending.stderr
-    assert cli(loop.pid, "break", "rm", "1").returncode == 0
+    # A file that is neither loaded nor on disk: a typo, not a pending breakpoint.
+    missing = cli(loop.pid, "break", "add", "nowhere.py:3")
+    assert missing.returncode == 1 and "no loaded code comes from 'nowhere.py', and no such file is found" in missing.stderr
+    beyond = cli(loop.pid, "break", "add", "target.py:9999")
+    assert beyond.returncode == 1 and "has no code at or after line 9999" in beyond.stderr
     form = cli(loop.pid, "break", "add", "target.py")
     assert form.returncode == 1 and "is not FILE:LINE" in form.stderr
     assert "No breakpoints." in cli(loop.pid, "break", "list").stdout

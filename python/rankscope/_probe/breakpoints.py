@@ -441,6 +441,16 @@ def _codes_of(path: str) -> tuple[str, list[types.CodeType]]:
     return files[0], codes
 
 
+def _on_disk(path: str) -> bool:
+    """Whether a file not imported yet could still be: as given, or under
+    one of the directories imports search (a pending breakpoint for a typo
+    would wait for ever)."""
+    if os.path.isabs(path):
+        return os.path.isfile(path)
+    roots = [os.getcwd(), *(p for p in sys.path if isinstance(p, str) and p)]
+    return any(os.path.isfile(os.path.join(root, path)) for root in roots)
+
+
 def _split(spec: str) -> tuple[str, str]:
     path, sep, where = spec.rpartition(":")
     if not sep or not where or not path:
@@ -516,6 +526,11 @@ def add(
         try:
             file, line, codes, note = _resolve(spec)
         except _NotLoaded as missing:
+            if not _on_disk(missing.path):
+                raise UserError(
+                    f"no loaded code comes from {missing.path!r}, and no such file is found from the target's "
+                    "working directory or sys.path; give the path as the program imports it"
+                ) from None
             pending = _Pending(spec, missing.path, options)
             _pending[pending.id] = pending
             if _finder not in sys.meta_path:
