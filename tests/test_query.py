@@ -87,3 +87,42 @@ def test_bad_sql_gets_the_engine_message_and_nonzero_exit(default_python, spawn,
     missing = cli(target.pid, "query", "SELECT * FROM python.nonexistent")
     assert missing.returncode != 0 and "nonexistent" in missing.stderr
     assert target.alive()
+
+
+DEEP = """
+import threading, time
+hold = threading.Event()
+
+def deep(n):
+    if n == 0:
+        hold.wait()
+        return
+    deep(n - 1)
+
+threading.Thread(target=deep, args=(40,), name="worker", daemon=True).start()
+print("READY", flush=True)
+deep(25)
+"""
+
+
+def test_pushed_down_scans_agree_with_full_ones(python, spawn, cli):
+    """Counts, depth limits and thread filters are answered by the probe
+    itself; the answers must match what the full rows say."""
+    import json
+
+    target = spawn(python, DEEP)
+
+    def rows(sql):
+        out = cli(target.pid, "query", sql, "--format", "json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    full = rows("SELECT thread_name, depth, func, file FROM python.backtrace")
+    [counted] = rows("SELECT count(*) AS n, min(pid) AS pid FROM python.backtrace")
+    assert counted == {"n": len(full), "pid": target.pid}
+    per_thread = rows("SELECT count(*) AS n FROM python.threads")
+    assert per_thread == [{"n": len({r["thread_name"] for r in full})}]
+    shallow = rows("SELECT thread_name, depth, func, file FROM python.backtrace WHERE depth < 3 AND thread_name = 'worker'")
+    assert shallow == [r for r in full if r["depth"] < 3 and r["thread_name"] == "worker"]
+    assert len(shallow) == 3 and shallow[0]["func"] == "wait"
+    assert rows("SELECT count(*) AS n FROM python.backtrace WHERE depth <= 1")[0]["n"] == 2 * len({r["thread_name"] for r in full})

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use rankscope_core::http;
 use rankscope_core::paths;
-use rankscope_core::protocol::{EnvReply, EvalReply, EvalRequest, ProcessMeta, StacksReply};
+use rankscope_core::protocol::{EnvReply, EvalReply, EvalRequest, ProcessMeta, StacksQuery, StacksReply};
 use serde::de::DeserializeOwned;
 
 use crate::hint::Hinted;
@@ -138,8 +138,11 @@ impl Probe {
     }
 
     pub fn stacks(&self, with_locals: bool, timeout: Duration) -> Result<StacksReply> {
-        let path = if with_locals { "/v1/stacks?locals=1" } else { "/v1/stacks" };
-        self.request("GET", path, b"", timeout)
+        self.stacks_query(&StacksQuery { locals: with_locals, ..StacksQuery::default() }, timeout)
+    }
+
+    pub fn stacks_query(&self, query: &StacksQuery, timeout: Duration) -> Result<StacksReply> {
+        self.request("GET", &query.path(), b"", timeout)
     }
 
     pub fn env(&self, timeout: Duration) -> Result<EnvReply> {

@@ -119,7 +119,7 @@ pub fn read_stacks(pid: u32, with_locals: bool, native: bool) -> Result<(StacksR
         })
         .collect();
     threads.sort_by_key(|t| (!t.is_main, t.name.clone(), t.thread_id));
-    Ok((StacksReply { taken_at: rankscope_core::host::now_seconds(), threads }, version))
+    Ok((StacksReply { taken_at: rankscope_core::host::now_seconds(), threads, counts: None }, version))
 }
 
 /// py-spy demangles C++ (which also turns Rust's legacy `_ZN` symbols into

@@ -116,8 +116,7 @@ mod tests {
                     },
                     Frame { func: "<module>".into(), qualname: "".into(), file: "t.py".into(), lineno: 9, locals: None, native_module: None },
                 ],
-            }],
-        };
+            }], counts: None };
         let text = render(&meta, &stacks);
         let expected = "Process 9: python t.py  [rank 0, Python 3.11.7]\n\n\
                         Thread 0xff \"MainThread\" (main, tid 77)\n    \

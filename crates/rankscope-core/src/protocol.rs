@@ -48,6 +48,7 @@ pub struct Frame {
     pub func: String,
     #[serde(default)]
     pub qualname: String,
+    #[serde(default)]
     pub file: String,
     /// The line being executed now, not the line of the `def`.
     pub lineno: i64,
@@ -89,6 +90,63 @@ pub struct StacksReply {
     /// Seconds since the Unix epoch at which the stacks were read.
     pub taken_at: f64,
     pub threads: Vec<ThreadStack>,
+    /// Only how many threads and frames there are (`threads` is empty): what
+    /// a query that reads no per-frame column needs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counts: Option<StackCounts>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StackCounts {
+    pub threads: u64,
+    pub frames: u64,
+}
+
+/// What a stacks request may leave out: pushed down from SQL, so that the
+/// wire carries only the rows and columns a query reads.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct StacksQuery {
+    pub locals: bool,
+    pub count_only: bool,
+    /// At most this many frames per thread, innermost first.
+    pub max_depth: Option<i64>,
+    pub thread_name: Option<String>,
+    pub thread_id: Option<i64>,
+    /// Frame fields beyond func and lineno (`file`, `qualname`); None: all.
+    pub fields: Option<Vec<&'static str>>,
+}
+
+impl StacksQuery {
+    /// The request path, `/v1/stacks?...`.
+    pub fn path(&self) -> String {
+        let mut params = Vec::new();
+        if self.locals {
+            params.push("locals=1".to_string());
+        }
+        if self.count_only {
+            params.push("count=1".to_string());
+        }
+        if let Some(depth) = self.max_depth {
+            params.push(format!("max_depth={depth}"));
+        }
+        if let Some(name) = &self.thread_name {
+            params.push(format!("thread_name={}", percent_encode(name)));
+        }
+        if let Some(id) = self.thread_id {
+            params.push(format!("thread_id={id}"));
+        }
+        if let Some(fields) = &self.fields {
+            params.push(format!("fields={}", fields.join(",")));
+        }
+        if params.is_empty() { "/v1/stacks".to_string() } else { format!("/v1/stacks?{}", params.join("&")) }
+    }
+}
+
+fn percent_encode(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

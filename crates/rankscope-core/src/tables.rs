@@ -178,7 +178,8 @@ fn micros(seconds: f64) -> Value {
     json!((seconds * 1e6).round() as i64)
 }
 
-fn identity(meta: &ProcessMeta, taken_at: f64) -> [Value; 4] {
+/// The columns every row of one process shares at one moment.
+pub fn identity(meta: &ProcessMeta, taken_at: f64) -> [Value; 4] {
     [json!(meta.pid), json!(meta.rank), json!(meta.host), micros(taken_at)]
 }
 
@@ -312,8 +313,7 @@ mod tests {
                     holds_gil: None,
                     frames: vec![],
                 },
-            ],
-        }
+            ], counts: None }
     }
 
     #[test]

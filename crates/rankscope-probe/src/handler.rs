@@ -30,7 +30,12 @@ impl Handler for ProbeHandler {
             ("GET", "/v1/env") => env_reply(),
             ("GET", "/v1/stacks") => {
                 let with_locals = request.query_flag("locals");
-                call_helper("rankscope._probe.stacks", "collect", (with_locals,))
+                let count_only = request.query_flag("count");
+                let max_depth = request.query_param("max_depth").and_then(|v| v.parse::<i64>().ok());
+                let thread_name = request.query_param("thread_name").map(percent_decode);
+                let thread_id = request.query_param("thread_id").and_then(|v| v.parse::<i64>().ok());
+                let fields = request.query_param("fields").map(percent_decode);
+                call_helper("rankscope._probe.stacks", "collect", (with_locals, count_only, max_depth, thread_name, thread_id, fields))
             }
             ("POST", "/v1/eval") => match serde_json::from_slice::<EvalRequest>(&request.body) {
                 Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only)),
@@ -90,4 +95,26 @@ fn traceback_of(py: Python<'_>, err: &PyErr) -> String {
         .and_then(|tb| tb.format().ok())
         .map(|text| format!("\n{text}"))
         .unwrap_or_default()
+}
+
+/// `%XX` escapes of a query parameter (a thread name may hold anything).
+fn percent_decode(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match (bytes[i], bytes.get(i + 1..i + 3)) {
+            (b'%', Some(hex)) => match std::str::from_utf8(hex).ok().and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                Some(byte) => {
+                    out.push(byte);
+                    i += 3;
+                    continue;
+                }
+                None => out.push(b'%'),
+            },
+            (byte, _) => out.push(byte),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }

@@ -66,3 +66,31 @@ pub fn rows_to_batch(def: &TableDef, rows: &Rows) -> Result<RecordBatch, DataFus
     let columns = def.all_columns().enumerate().map(|(i, c)| column(c.ty, rows, i)).collect();
     Ok(RecordBatch::try_new(schema, columns)?)
 }
+
+/// Batches for a scan that reads identity columns only: each process's
+/// identity values repeated as many times as it has rows, in the projected
+/// columns only (no per-row JSON is ever built).
+pub fn uniform_batches(
+    def: &TableDef,
+    projection: &[usize],
+    groups: &[([Value; 4], usize)],
+) -> Result<(SchemaRef, Vec<RecordBatch>), DataFusionError> {
+    use datafusion::arrow::record_batch::RecordBatchOptions;
+    use datafusion::scalar::ScalarValue;
+    let full = arrow_schema(def);
+    let schema = Arc::new(full.project(projection)?);
+    let width = def.all_columns().count();
+    let mut batches = Vec::new();
+    for (identity, count) in groups {
+        let mut row: Vec<Value> = identity.to_vec();
+        row.resize(width, Value::Null);
+        let one = rows_to_batch(def, &vec![row])?;
+        let columns = projection
+            .iter()
+            .map(|&i| ScalarValue::try_from_array(one.column(i), 0)?.to_array_of_size(*count))
+            .collect::<Result<Vec<_>, _>>()?;
+        let options = RecordBatchOptions::new().with_row_count(Some(*count));
+        batches.push(RecordBatch::try_new_with_options(schema.clone(), columns, &options)?);
+    }
+    Ok((schema, batches))
+}

@@ -15,11 +15,11 @@ use async_trait::async_trait;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::catalog::{MemTable, MemoryCatalogProvider, SchemaProvider, Session, TableProvider};
-use datafusion::logical_expr::{Expr, TableType};
+use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::error::DataFusionError;
 use datafusion::prelude::{SessionConfig, SessionContext};
-use rankscope_core::tables::{ALL_TABLES, Rows, TableDef};
+use rankscope_core::tables::{ALL_TABLES, IDENTITY_COLUMNS, Rows, TableDef};
 use thiserror::Error;
 
 pub use arrow_rows::{arrow_schema, rows_to_batch};
@@ -28,6 +28,61 @@ pub use render::{render, OutputFormat};
 /// Hands over the rows of a table; implemented by the CLI for live probes.
 pub trait RowSource: Send + Sync {
     fn rows(&self, table: &TableDef) -> Result<Rows, String>;
+
+    /// The rows a scan needs: a source that can leave rows or columns out
+    /// (a probe, over the wire) overrides this; the engine still applies
+    /// every filter itself, so leaving out too little is never wrong.
+    fn scan(&self, table: &TableDef, _scan: &Scan) -> Result<Fetched, String> {
+        self.rows(table).map(Fetched::Rows)
+    }
+}
+
+/// What a query reads of one table: pushed down to the source.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Scan {
+    /// The columns read; None: all. Empty: only how many rows there are.
+    pub columns: Option<Vec<&'static str>>,
+    /// `column op literal` conditions that every returned row must meet
+    /// (the engine checks them again).
+    pub filters: Vec<Filter>,
+}
+
+impl Scan {
+    /// Whether the query reads only the identity columns (pid, rank, host,
+    /// ts): one process's rows then differ in nothing, and a count is enough.
+    pub fn reads_identity_only(&self) -> bool {
+        self.columns.as_ref().is_some_and(|cols| cols.iter().all(|c| IDENTITY_COLUMNS.iter().any(|i| i.name == *c)))
+    }
+
+    /// The literal a column is compared to with `op`, if the query says so.
+    pub fn literal(&self, column: &str, op: CmpOp) -> Option<&serde_json::Value> {
+        self.filters.iter().find(|f| f.column == column && f.op == op).map(|f| &f.value)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Filter {
+    pub column: &'static str,
+    pub op: CmpOp,
+    pub value: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CmpOp {
+    Eq,
+    Lt,
+    LtEq,
+    Gt,
+    GtEq,
+}
+
+/// A source's answer to a scan.
+pub enum Fetched {
+    /// Full rows (every column; those not read may be null).
+    Rows(Rows),
+    /// For a scan that reads identity columns only: per process, its
+    /// identity values (pid, rank, host, ts) and how many rows it has.
+    Counts(Vec<([serde_json::Value; 4], usize)>),
 }
 
 #[derive(Debug, Error)]
@@ -104,6 +159,15 @@ impl TableProvider for LazyTable {
         TableType::Base
     }
 
+    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> Result<Vec<TableProviderFilterPushDown>, DataFusionError> {
+        // Inexact: the source may return more rows than match, and the
+        // engine filters again, so a source that ignores a filter is correct.
+        Ok(filters
+            .iter()
+            .map(|f| if pushed_filter(self.def, f).is_some() { TableProviderFilterPushDown::Inexact } else { TableProviderFilterPushDown::Unsupported })
+            .collect())
+    }
+
     async fn scan(
         &self,
         state: &dyn Session,
@@ -112,13 +176,56 @@ impl TableProvider for LazyTable {
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>, DataFusionError> {
         let def = self.def;
-        let rows = self
+        let names: Vec<&'static str> = def.all_columns().map(|c| c.name).collect();
+        let scan = Scan {
+            columns: projection.map(|p| p.iter().map(|&i| names[i]).collect()),
+            filters: filters.iter().filter_map(|f| pushed_filter(def, f)).collect(),
+        };
+        let fetched = self
             .source
-            .rows(def)
+            .scan(def, &scan)
             .map_err(|e| DataFusionError::Execution(format!("cannot read {}: {e}", def.qualified_name())))?;
-        let batch = rows_to_batch(def, &rows)?;
-        MemTable::try_new(batch.schema(), vec![vec![batch]])?.scan(state, projection, filters, limit).await
+        match fetched {
+            Fetched::Rows(rows) => {
+                let batch = rows_to_batch(def, &rows)?;
+                MemTable::try_new(batch.schema(), vec![vec![batch]])?.scan(state, projection, filters, limit).await
+            }
+            Fetched::Counts(groups) => {
+                let projection: Vec<usize> = projection.cloned().unwrap_or_else(|| (0..names.len()).collect());
+                let (schema, batches) = arrow_rows::uniform_batches(def, &projection, &groups)?;
+                MemTable::try_new(schema, vec![batches])?.scan(state, None, filters, limit).await
+            }
+        }
     }
+}
+
+/// `column op literal` (either way round) on a column of this table.
+fn pushed_filter(def: &TableDef, expr: &Expr) -> Option<Filter> {
+    use datafusion::logical_expr::{BinaryExpr, Operator};
+    use datafusion::scalar::ScalarValue;
+    let Expr::BinaryExpr(BinaryExpr { left, op, right }) = expr else { return None };
+    let (column, literal, flipped) = match (left.as_ref(), right.as_ref()) {
+        (Expr::Column(c), Expr::Literal(v, _)) => (c, v, false),
+        (Expr::Literal(v, _), Expr::Column(c)) => (c, v, true),
+        _ => return None,
+    };
+    let column = def.all_columns().find(|c| c.name == column.name)?.name;
+    let op = match (op, flipped) {
+        (Operator::Eq, _) => CmpOp::Eq,
+        (Operator::Lt, false) | (Operator::Gt, true) => CmpOp::Lt,
+        (Operator::LtEq, false) | (Operator::GtEq, true) => CmpOp::LtEq,
+        (Operator::Gt, false) | (Operator::Lt, true) => CmpOp::Gt,
+        (Operator::GtEq, false) | (Operator::LtEq, true) => CmpOp::GtEq,
+        _ => return None,
+    };
+    let value = match literal {
+        ScalarValue::Int64(Some(v)) => serde_json::json!(v),
+        ScalarValue::Int32(Some(v)) => serde_json::json!(v),
+        ScalarValue::Utf8(Some(v)) | ScalarValue::LargeUtf8(Some(v)) | ScalarValue::Utf8View(Some(v)) => serde_json::json!(v),
+        ScalarValue::Boolean(Some(v)) => serde_json::json!(v),
+        _ => return None,
+    };
+    Some(Filter { column, op, value })
 }
 
 fn context(source: Arc<dyn RowSource>) -> SessionContext {
@@ -203,8 +310,7 @@ mod tests {
                             native_module: None,
                         })
                         .collect(),
-                }],
-            };
+                }], counts: None };
             let env = EnvReply { vars: vec![EnvVar { name: "HF_TOKEN".into(), value: "<hidden>".into(), hidden: true }] };
             Ok(match (table.schema, table.name) {
                 ("python", "backtrace") => tables::backtrace_rows(&meta(), &stacks),
@@ -267,5 +373,42 @@ mod tests {
     fn empty_results_keep_their_header() {
         let out = query("SELECT func FROM python.backtrace WHERE depth > 100").unwrap();
         assert_eq!(out, "func\n");
+    }
+
+    /// Counts for two processes, and the scan the engine asked for.
+    struct Counting {
+        seen: std::sync::Mutex<Vec<Scan>>,
+    }
+
+    impl RowSource for Counting {
+        fn rows(&self, _: &TableDef) -> Result<Rows, String> {
+            Err("only scans here".into())
+        }
+
+        fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
+            self.seen.lock().unwrap().push(scan.clone());
+            if !scan.reads_identity_only() {
+                return Fixed.rows(table).map(Fetched::Rows);
+            }
+            let identity = |rank: i64| [serde_json::json!(7 + rank), serde_json::json!(rank), serde_json::json!("h"), serde_json::json!(1)];
+            Ok(Fetched::Counts(vec![(identity(0), 600_000), (identity(1), 400_000)]))
+        }
+    }
+
+    #[test]
+    fn a_count_reads_no_rows_and_filters_reach_the_source() {
+        let source = Arc::new(Counting { seen: std::sync::Mutex::new(Vec::new()) });
+        let (schema, batches) = run_sql(source.clone(), "SELECT rank, count(*) AS n FROM python.backtrace GROUP BY rank ORDER BY rank").unwrap();
+        assert_eq!(render(&schema, &batches, OutputFormat::Csv).unwrap(), "rank,n\n0,600000\n1,400000\n");
+        let (schema, batches) = run_sql(source.clone(), "SELECT count(*) AS n FROM python.backtrace").unwrap();
+        assert_eq!(render(&schema, &batches, OutputFormat::Csv).unwrap(), "n\n1000000\n");
+        let (schema, batches) = run_sql(source.clone(), "SELECT func FROM python.backtrace WHERE depth < 2 AND 'MainThread' = thread_name").unwrap();
+        assert_eq!(render(&schema, &batches, OutputFormat::Csv).unwrap(), "func\nf0\nf1\n");
+        let seen = source.seen.lock().unwrap();
+        assert_eq!(seen[0].columns, Some(vec!["rank"]));
+        assert!(seen[1].columns.as_ref().is_some_and(Vec::is_empty));
+        let last = seen.last().unwrap();
+        assert_eq!(last.literal("depth", CmpOp::Lt), Some(&serde_json::json!(2)));
+        assert_eq!(last.literal("thread_name", CmpOp::Eq), Some(&serde_json::json!("MainThread")));
     }
 }

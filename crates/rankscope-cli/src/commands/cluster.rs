@@ -15,7 +15,7 @@ use anyhow::Result;
 use rankscope_core::protocol::{EvalRequest, ProcessMeta, StacksReply};
 use rankscope_core::tables::{Rows, TableDef};
 use rankscope_core::{crash, paths};
-use rankscope_query::RowSource;
+use rankscope_query::{Fetched, RowSource, Scan};
 use serde::Deserialize;
 
 use crate::client::Probe;
@@ -430,18 +430,39 @@ struct AllRanks {
 
 impl RowSource for AllRanks {
     fn rows(&self, table: &TableDef) -> Result<Rows, String> {
-        let per_rank: Vec<Result<Rows, String>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self.probes.iter().map(|p| scope.spawn(|| p.rows(table))).collect();
+        match self.scan(table, &Scan::default())? {
+            Fetched::Rows(rows) => Ok(rows),
+            Fetched::Counts(_) => Err("a full scan came back as counts".into()),
+        }
+    }
+
+    /// Every rank gets the same scan, in parallel; counts stay counts, so a
+    /// `count(*)` over the job moves one number per rank.
+    fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
+        let per_rank: Vec<Result<Fetched, String>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self.probes.iter().map(|p| scope.spawn(|| p.scan(table, scan))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
         });
-        let mut all = Vec::new();
+        let mut rows = Vec::new();
+        let mut counts = Vec::new();
         for result in per_rank {
             match result {
-                Ok(rows) => all.extend(rows),
+                Ok(Fetched::Rows(r)) => rows.extend(r),
+                Ok(Fetched::Counts(c)) => counts.extend(c),
                 Err(e) => self.warnings.lock().unwrap_or_else(|e| e.into_inner()).push(e),
             }
         }
-        Ok(all)
+        if rows.is_empty() {
+            return Ok(Fetched::Counts(counts));
+        }
+        // Mixed answers (not expected: every rank gets the same scan): rows for all.
+        let width = table.all_columns().count();
+        for (identity, count) in counts {
+            let mut row = identity.to_vec();
+            row.resize(width, serde_json::Value::Null);
+            rows.extend(std::iter::repeat_n(row, count));
+        }
+        Ok(Fetched::Rows(rows))
     }
 }
 

@@ -5,9 +5,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use rankscope_core::protocol::{ProcessMeta, StacksReply};
+use std::collections::HashMap;
+
+use rankscope_core::protocol::{ProcessMeta, StacksQuery, StacksReply};
 use rankscope_core::tables::{self, Rows, TableDef};
-use rankscope_query::{run_sql, OutputFormat, QueryError, RowSource};
+use rankscope_query::{run_sql, CmpOp, Fetched, OutputFormat, QueryError, RowSource, Scan};
 
 use crate::client::Probe;
 use crate::hint::Hinted;
@@ -15,19 +17,20 @@ use crate::QueryFormat;
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Rows of one live probe; each endpoint is asked at most once per query, so
-/// a query joining backtrace and threads sees one consistent snapshot.
+/// Rows of one live probe. Each distinct request is made at most once per
+/// query, so a query that reads backtrace and threads the same way sees one
+/// consistent moment.
 pub struct LiveProbe {
     probe: Probe,
     /// Stacks come from outside, with native frames merged in.
     native: bool,
     meta: Mutex<Option<ProcessMeta>>,
-    stacks: Mutex<Option<StacksReply>>,
+    stacks: Mutex<HashMap<StacksQuery, StacksReply>>,
 }
 
 impl LiveProbe {
     pub fn new(probe: Probe, native: bool) -> LiveProbe {
-        LiveProbe { probe, native, meta: Mutex::new(None), stacks: Mutex::new(None) }
+        LiveProbe { probe, native, meta: Mutex::new(None), stacks: Mutex::new(HashMap::new()) }
     }
 
     fn meta(&self) -> Result<ProcessMeta, String> {
@@ -38,27 +41,49 @@ impl LiveProbe {
         Ok(cached.clone().expect("set above"))
     }
 
-    fn stacks(&self) -> Result<StacksReply, String> {
+    fn stacks(&self, query: &StacksQuery) -> Result<StacksReply, String> {
+        // An outside read cannot leave anything out: it reads everything once.
+        let query = if self.native { StacksQuery::default() } else { query.clone() };
         let mut cached = self.stacks.lock().unwrap_or_else(|e| e.into_inner());
-        if cached.is_none() {
+        if !cached.contains_key(&query) {
             let stacks = if self.native {
                 crate::outside::read_stacks(self.probe.pid, false, true).map(|(s, _)| s)
             } else {
-                self.probe.stacks(false, PROBE_TIMEOUT)
+                self.probe.stacks_query(&query, PROBE_TIMEOUT)
             };
-            *cached = Some(stacks.map_err(|e| format!("{e:#}"))?);
+            cached.insert(query.clone(), stacks.map_err(|e| format!("{e:#}"))?);
         }
-        Ok(cached.clone().expect("set above"))
+        Ok(cached[&query].clone())
     }
 }
 
+/// What of a scan the probe's stacks request can leave out.
+fn stacks_query(table: &TableDef, scan: &Scan) -> StacksQuery {
+    let mut query = StacksQuery::default();
+    if scan.reads_identity_only() {
+        query.count_only = true;
+        return query;
+    }
+    query.thread_name = scan.literal("thread_name", CmpOp::Eq).and_then(|v| v.as_str()).map(str::to_string);
+    query.thread_id = scan.literal("thread_id", CmpOp::Eq).and_then(serde_json::Value::as_i64);
+    if table.name == "backtrace" {
+        // depth < N keeps the N innermost frames; depth <= N and depth = N one more.
+        let below = scan.literal("depth", CmpOp::Lt).and_then(serde_json::Value::as_i64);
+        let up_to = [CmpOp::LtEq, CmpOp::Eq].iter().find_map(|&op| scan.literal("depth", op)).and_then(serde_json::Value::as_i64).map(|d| d + 1);
+        query.max_depth = below.into_iter().chain(up_to).min().map(|d| d.max(0));
+        if let Some(columns) = &scan.columns {
+            query.fields = Some(["file", "qualname"].into_iter().filter(|f| columns.contains(f)).collect());
+        }
+    }
+    query
+}
 
 impl RowSource for LiveProbe {
     fn rows(&self, table: &TableDef) -> Result<Rows, String> {
         let meta = self.meta()?;
         match (table.schema, table.name) {
-            ("python", "backtrace") => Ok(tables::backtrace_rows(&meta, &self.stacks()?)),
-            ("python", "threads") => Ok(tables::threads_rows(&meta, &self.stacks()?)),
+            ("python", "backtrace") => Ok(tables::backtrace_rows(&meta, &self.stacks(&StacksQuery::default())?)),
+            ("python", "threads") => Ok(tables::threads_rows(&meta, &self.stacks(&StacksQuery::default())?)),
             ("process", "info") => Ok(tables::info_rows(&meta, rankscope_core::host::now_seconds())),
             ("process", "env") => {
                 let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
@@ -81,6 +106,19 @@ impl RowSource for LiveProbe {
             }
             _ => Err(format!("no rows for {}", table.qualified_name())),
         }
+    }
+
+    fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
+        if table.schema != "python" || !matches!(table.name, "backtrace" | "threads") || self.native {
+            return self.rows(table).map(Fetched::Rows);
+        }
+        let meta = self.meta()?;
+        let stacks = self.stacks(&stacks_query(table, scan))?;
+        if let Some(counts) = stacks.counts {
+            let count = if table.name == "backtrace" { counts.frames } else { counts.threads };
+            return Ok(Fetched::Counts(vec![(tables::identity(&meta, stacks.taken_at), count as usize)]));
+        }
+        Ok(Fetched::Rows(if table.name == "backtrace" { tables::backtrace_rows(&meta, &stacks) } else { tables::threads_rows(&meta, &stacks) }))
     }
 }
 
@@ -169,7 +207,7 @@ pub fn run(probe: Probe, sql: &str, native: bool, format: QueryFormat) -> Result
         // Said before any SQL runs, whatever tables the query names.
         crate::outside::require_native()?;
     }
-    execute(Arc::new(LiveProbe { probe, native, meta: Mutex::new(None), stacks: Mutex::new(None) }), sql, format)
+    execute(Arc::new(LiveProbe::new(probe, native)), sql, format)
 }
 
 pub fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Result<u8> {
