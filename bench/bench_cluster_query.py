@@ -16,7 +16,7 @@ as whole commands, alternating, R runs each:
 Target (from the issue): a cluster query counting 1 M rows over 8 probes
 <= 300 ms.
 
-    .venv/bin/python bench/bench_cluster_query.py [--ranks 8] [--threads 25] [--depth 4990] [--runs 5]
+    .venv/bin/python bench/bench_cluster_query.py [--ranks 8] [--threads 25] [--depth 5000] [--runs 5]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--threads", type=int, default=25)
-    ap.add_argument("--depth", type=int, default=4990)
+    ap.add_argument("--depth", type=int, default=5000)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     rankscope = tool("rankscope")

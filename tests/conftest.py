@@ -86,12 +86,21 @@ def line_of(source: str, marker: str) -> int:
 class Target:
     """A running Python program, killed when the test ends."""
 
-    def __init__(self, python: str, source: str, workdir: str, env: dict[str, str], args: list[str] | None = None, runner: list[str] | None = None):
+    def __init__(
+        self,
+        python: str,
+        source: str,
+        workdir: str,
+        env: dict[str, str],
+        args: list[str] | None = None,
+        runner: list[str] | None = None,
+        wrapper: list[str] | None = None,
+    ):
         self.source = textwrap.dedent(source)
         self.script = Path(workdir) / "target.py"
         self.script.write_text(self.source)
         self.proc = subprocess.Popen(
-            [python, "-u", *(runner or []), str(self.script), *(args or [])],
+            [*(wrapper or []), python, "-u", *(runner or []), str(self.script), *(args or [])],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
@@ -135,10 +144,13 @@ class Target:
 @pytest.fixture
 def spawn(endpoint_dir):
     """spawn(python, source, env=None, probe=True, runner=None) -> a READY target.
-    `runner` goes between the interpreter and the script (["-m", "coverage", "run"])."""
+    `runner` goes between the interpreter and the script (["-m", "coverage", "run"]);
+    `wrapper` before the interpreter (a command that execs what follows)."""
     started: list[Target] = []
 
-    def _spawn(python: str, source: str, env: dict[str, str] | None = None, probe: bool = True, wait: bool = True, args=None, runner=None) -> Target:
+    def _spawn(
+        python: str, source: str, env: dict[str, str] | None = None, probe: bool = True, wait: bool = True, args=None, runner=None, wrapper=None
+    ) -> Target:
         workdir = tempfile.mkdtemp(prefix="rs-target-", dir="/tmp")
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
         full_env["RANKSCOPE_DIR"] = endpoint_dir
@@ -147,7 +159,7 @@ def spawn(endpoint_dir):
         if probe:
             full_env["RANKSCOPE"] = "1"
         full_env.update(env or {})
-        target = Target(python, source, workdir, full_env, args, runner)
+        target = Target(python, source, workdir, full_env, args, runner, wrapper)
         started.append(target)
         if wait:
             target.wait_for_line("READY")

@@ -45,7 +45,7 @@ def start(listen: str | None = None) -> dict:
 
     _install_crash_recorder()
     info = native.start(sys.version.split()[0], listen)
-    _register_in_job(info["socket"])
+    _register_in_job(info["socket"], info.get("token_file"))
     if not _atexit_registered:
         import atexit
 
@@ -66,12 +66,12 @@ def _install_crash_recorder() -> None:
         sys.stderr.write(f"rankscope: crash recording not enabled: {exc}\n")
 
 
-def _register_in_job(socket_path: str) -> None:
+def _register_in_job(socket_path: str, token_file: str | None) -> None:
     # A rank of a job enters the job's registry; nothing here may stop the probe.
     try:
         from rankscope._probe import registry
 
-        registry.register(socket_path)
+        registry.register(socket_path, token_file)
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"rankscope: not registered in the job: {exc}\n")
 

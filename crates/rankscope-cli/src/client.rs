@@ -1,6 +1,8 @@
-//! Talking to one probe over its unix socket.
+//! Talking to one probe: over its unix socket on this machine, or over TCP
+//! with its token for a rank on another machine.
 
-use std::io;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -18,7 +20,44 @@ const MAX_REPLY_BYTES: usize = 256 * 1024 * 1024;
 
 pub struct Probe {
     pub pid: u32,
-    socket: PathBuf,
+    endpoint: Endpoint,
+}
+
+enum Endpoint {
+    Unix(PathBuf),
+    /// `host:port` and the bearer token the probe wrote for its clients.
+    Tcp { addr: String, token: String },
+}
+
+/// A connected stream of either kind.
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.flush(),
+            Stream::Tcp(s) => s.flush(),
+        }
+    }
 }
 
 /// A one-word description of a PID for error messages: its command line.
@@ -68,11 +107,22 @@ impl Probe {
             )
             .into());
         }
-        Ok(Probe { pid, socket })
+        Ok(Probe { pid, endpoint: Endpoint::Unix(socket) })
     }
 
-    fn connect(&self, timeout: Duration) -> Result<UnixStream> {
-        let stream = UnixStream::connect(&self.socket).map_err(|e| {
+    /// The probe of a process on another machine, at `addr` (`host:port`,
+    /// or `tcp://host:port`), with its token.
+    pub fn remote(pid: u32, addr: &str, token: &str) -> Probe {
+        let addr = addr.strip_prefix("tcp://").unwrap_or(addr).to_string();
+        Probe { pid, endpoint: Endpoint::Tcp { addr, token: token.to_string() } }
+    }
+
+    fn connect(&self, timeout: Duration) -> Result<Stream> {
+        let socket = match &self.endpoint {
+            Endpoint::Unix(socket) => socket,
+            Endpoint::Tcp { addr, .. } => return self.connect_tcp(addr, timeout),
+        };
+        let stream = UnixStream::connect(socket).map_err(|e| {
             let stale = matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound);
             if stale {
                 Hinted::new(
@@ -82,22 +132,50 @@ impl Probe {
                 )
             } else if e.kind() == io::ErrorKind::PermissionDenied {
                 Hinted::new(
-                    format!("permission denied on {}", self.socket.display()),
+                    format!("permission denied on {}", socket.display()),
                     "run rankscope as the user that owns the target process",
                 )
             } else {
-                Hinted::new(format!("cannot connect to {}: {e}", self.socket.display()), "`rankscope list` shows live probes")
+                Hinted::new(format!("cannot connect to {}: {e}", socket.display()), "`rankscope list` shows live probes")
             }
         })?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-        Ok(stream)
+        Ok(Stream::Unix(stream))
+    }
+
+    fn connect_tcp(&self, addr: &str, timeout: Duration) -> Result<Stream> {
+        use std::net::ToSocketAddrs;
+        let unreachable = |why: String| {
+            Hinted::new(
+                format!("cannot reach the probe of PID {} at {addr}: {why}", self.pid),
+                "is the rank alive, and its address routable from here? it listens where RANKSCOPE_LISTEN told it to",
+            )
+        };
+        let target = addr
+            .to_socket_addrs()
+            .map_err(|e| unreachable(e.to_string()))?
+            .next()
+            .ok_or_else(|| unreachable("the name has no address".into()))?;
+        let stream = TcpStream::connect_timeout(&target, timeout.min(Duration::from_secs(5))).map_err(|e| unreachable(e.to_string()))?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+        let _ = stream.set_nodelay(true);
+        Ok(Stream::Tcp(stream))
     }
 
     /// One request, one answer; `timeout` bounds the wait for the answer.
     fn request<T: DeserializeOwned>(&self, method: &str, path: &str, body: &[u8], timeout: Duration) -> Result<T> {
         let mut stream = self.connect(timeout)?;
-        http::write_request(&mut stream, method, path, &[], body)?;
+        let bearer;
+        let headers: &[(&str, &str)] = match &self.endpoint {
+            Endpoint::Tcp { token, .. } => {
+                bearer = format!("Bearer {token}");
+                &[("Authorization", &bearer)]
+            }
+            Endpoint::Unix(_) => &[],
+        };
+        http::write_request(&mut stream, method, path, headers, body)?;
         let response = http::read_response(&mut stream, MAX_REPLY_BYTES).map_err(|e| match e {
             http::HttpError::Io(io) if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                 Hinted::new(
@@ -143,6 +221,11 @@ impl Probe {
 
     pub fn stacks_query(&self, query: &StacksQuery, timeout: Duration) -> Result<StacksReply> {
         self.request("GET", &query.path(), b"", timeout)
+    }
+
+    /// The registry entries of the job this probe's process belongs to.
+    pub fn job(&self, timeout: Duration) -> Result<Vec<serde_json::Value>> {
+        self.request("GET", "/v1/job", b"", timeout)
     }
 
     pub fn env(&self, timeout: Duration) -> Result<EnvReply> {

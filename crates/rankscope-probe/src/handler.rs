@@ -41,11 +41,12 @@ impl Handler for ProbeHandler {
                 Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only)),
                 Err(e) => Response::error(400, &format!("bad eval request: {e}")),
             },
+            ("GET", "/v1/job") => call_helper("rankscope._probe.registry", "job_entries", ()),
             ("POST", "/v1/breakpoints") => match std::str::from_utf8(&request.body) {
                 Ok(body) => call_helper("rankscope._probe.breakpoints", "handle", (body.to_string(),)),
                 Err(_) => Response::error(400, "a breakpoint request is JSON text"),
             },
-            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/breakpoints") => {
+            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/breakpoints" | "/v1/job") => {
                 Response::error(405, &format!("{} is not allowed on {}", request.method, request.path))
             }
             _ => Response::error(404, &format!("no endpoint {}", request.path)),

@@ -19,13 +19,16 @@ _entry_path: str | None = None
 
 def _write(path: str, entry: dict) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    # 0600: with a TCP endpoint the entry carries its token.
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump(entry, f)
     os.replace(tmp, path)
 
 
-def register(socket_path: str) -> str | None:
-    """Adds this process to its job's registry; None outside a job."""
+def register(socket_path: str, token_file: str | None = None) -> str | None:
+    """Adds this process to its job's registry; None outside a job. With a
+    TCP endpoint the entry names it and carries its token, so that the CLI
+    on another machine that shares the run directory can reach this rank."""
     global _entry_path
     from rankscope._probe import crashes
 
@@ -36,7 +39,11 @@ def register(socket_path: str) -> str | None:
     directory = os.path.join(crashes.run_dir(), "ranks")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     path = os.path.join(directory, f"rank{meta['rank']}-pid{meta['pid']}.json")
-    _write(path, dict(meta, socket=socket_path, state="running"))
+    entry = dict(meta, socket=socket_path, state="running")
+    if meta.get("tcp") and token_file:
+        with open(token_file) as f:
+            entry["token"] = f.read().strip()
+    _write(path, entry)
     _entry_path = path
     return path
 
@@ -56,3 +63,27 @@ def leave() -> None:
         _write(path, entry)
     except (OSError, ValueError):
         pass
+
+
+def job_entries() -> str:
+    """The registry of this process's job (`GET /v1/job`): what a CLI that
+    reached this rank by address needs to reach the others."""
+    from rankscope._probe import crashes
+
+    if _entry_path is None:
+        return "[]"
+    with open(_entry_path) as f:
+        job_id = json.load(f).get("job_id")
+    directory = os.path.join(crashes.run_dir(), "ranks")
+    entries = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                entry = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if entry.get("job_id") == job_id:
+            entries.append(entry)
+    return json.dumps(entries)

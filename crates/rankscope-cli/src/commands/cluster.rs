@@ -30,6 +30,10 @@ struct RankEntry {
     /// "running", "exited" or "crashed", as the rank last wrote it.
     #[serde(default)]
     state: Option<String>,
+    /// With a TCP endpoint (`tcp` in the metadata): the bearer token its
+    /// registry entry (mode 0600) carries, for the CLI on another machine.
+    #[serde(default)]
+    token: Option<String>,
     /// The run directory whose registry holds this entry (None: seen only
     /// through its live probe).
     #[serde(skip)]
@@ -69,9 +73,25 @@ impl Liveness {
     }
 }
 
+impl RankEntry {
+    /// On another machine, with a TCP endpoint and its token.
+    fn reachable_remotely(&self, here: &str) -> bool {
+        self.meta.host != here && self.meta.tcp.is_some() && self.token.is_some()
+    }
+}
+
 fn liveness(entry: &RankEntry, here: &str) -> Liveness {
     if entry.meta.host != here {
-        return Liveness::Remote;
+        if !entry.reachable_remotely(here) {
+            return Liveness::Remote;
+        }
+        // Its PID means nothing here: trust what it last wrote, then ask it.
+        return match entry.state.as_deref() {
+            Some("exited") => Liveness::Exited,
+            Some("crashed") => Liveness::Crashed,
+            _ if entry.meta.protocol != rankscope_core::PROTOCOL_VERSION => Liveness::OtherVersion,
+            _ => Liveness::Running,
+        };
     }
     if paths::pid_alive(entry.meta.pid) {
         // The registry says what the rank speaks: no request is sent in
@@ -103,8 +123,36 @@ fn read_entries(dir: &std::path::Path, out: &mut Vec<RankEntry>) {
     }
 }
 
-/// Finds the job: `--job ID`, else the one job with a live rank here.
+/// `--job host:port`: a rank's TCP address rather than a job id.
+fn job_address(job: Option<&str>) -> Option<&str> {
+    let job = job?;
+    let (host, port) = job.rsplit_once(':')?;
+    (!host.is_empty() && port.parse::<u16>().is_ok()).then_some(job)
+}
+
+/// The job as one of its ranks sees it (its run directory's registry),
+/// asked over TCP with the token in RANKSCOPE_TOKEN.
+fn job_at(addr: &str) -> Result<Job> {
+    let token = std::env::var("RANKSCOPE_TOKEN").ok().filter(|t| !t.is_empty()).ok_or_else(|| {
+        Hinted::new(
+            format!("--job {addr} needs that rank's token in RANKSCOPE_TOKEN"),
+            "the rank wrote it (mode 0600) to its registry entry <run dir>/ranks/rank<R>-pid<P>.json and next to its socket",
+        )
+    })?;
+    let probe = Probe::remote(0, addr, &token);
+    let entries: Vec<RankEntry> = probe.job(Duration::from_secs(5))?.into_iter().filter_map(|v| serde_json::from_value(v).ok()).collect();
+    let Some(id) = entries.iter().find_map(|e| e.meta.job_id.clone()) else {
+        return Err(Hinted::new(format!("the probe at {addr} is not in a job's registry"), "start the job's ranks with a run directory (RANKSCOPE_RUN_DIR)").into());
+    };
+    Ok(one_per_rank(id, entries))
+}
+
+/// Finds the job: `--job ID` (or a rank's `host:port`), else the one job
+/// with a live rank here.
 pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
+    if let Some(addr) = job_address(job) {
+        return job_at(addr);
+    }
     let mut entries = Vec::new();
     // Live probes on this machine; what dead ones left behind goes, as in `rankscope list`.
     let endpoint_dir = paths::endpoint_dir();
@@ -157,7 +205,11 @@ pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
             }
         }
     };
-    let (id, mut ranks) = chosen;
+    let (id, ranks) = chosen;
+    Ok(one_per_rank(id, ranks))
+}
+
+fn one_per_rank(id: String, mut ranks: Vec<RankEntry>) -> Job {
     // One entry per rank: the registry and the endpoint directory describe
     // the same process twice; a restarted rank's newest process wins.
     ranks.sort_by(|a, b| {
@@ -173,6 +225,9 @@ pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
                 if entry.run_dir.is_some() {
                     kept.run_dir = entry.run_dir;
                 }
+                if entry.token.is_some() {
+                    kept.token = entry.token;
+                }
             }
             _ => {
                 by_rank.insert(entry.meta.rank, entry);
@@ -182,7 +237,7 @@ pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
     let mut job_run_dirs: Vec<PathBuf> = by_rank.values().filter_map(|e| e.run_dir.clone()).collect();
     job_run_dirs.sort();
     job_run_dirs.dedup();
-    Ok(Job { id, ranks: by_rank.into_values().collect(), run_dirs: job_run_dirs })
+    Job { id, ranks: by_rank.into_values().collect(), run_dirs: job_run_dirs }
 }
 
 fn names(jobs: &BTreeMap<String, Vec<RankEntry>>) -> String {
@@ -259,6 +314,11 @@ fn fan_out<T: Send>(ranks: &[&RankEntry], work: impl Fn(&RankEntry) -> T + Sync)
 }
 
 fn probe_of(entry: &RankEntry) -> Result<Probe> {
+    if entry.reachable_remotely(&rankscope_core::host::hostname()) {
+        if let (Some(tcp), Some(token)) = (&entry.meta.tcp, &entry.token) {
+            return Ok(Probe::remote(entry.meta.pid, tcp, token));
+        }
+    }
     Probe::locate(entry.meta.pid)
 }
 
@@ -271,6 +331,7 @@ pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration) -> Resu
             Ok(_) => "running".to_string(),
             // A rank whose rankscope speaks another protocol answers, but not in our words.
             Err(e) if format!("{e:#}").contains("speaks protocol") => "other-version".to_string(),
+            Err(_) if entry.meta.host != here => "unreachable".to_string(),
             Err(_) => "unresponsive".to_string(),
         },
         other => other.word().to_string(),
@@ -307,6 +368,8 @@ fn stacks_of(entry: &RankEntry, here: &str, deadline: Duration) -> Stacks {
     }
     match probe_of(entry).and_then(|p| p.stacks(false, deadline)) {
         Ok(stacks) => Stacks::FromProbe(stacks),
+        // Another machine's process cannot be read from outside here.
+        Err(e) if entry.meta.host != here => Stacks::Missing(format!("unreachable: {}", crate::commands::first_line(&e))),
         // A probe stuck behind the GIL: read the rank from outside instead.
         Err(_) => match outside::read_stacks(entry.meta.pid, false, false) {
             Ok((stacks, _)) => Stacks::FromOutside(stacks),
