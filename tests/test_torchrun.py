@@ -105,3 +105,38 @@ def test_rankscope_run_gives_every_worker_a_probe(default_python, rankscope_bin,
     finally:
         kill_tree(proc.pid)
         proc.wait()
+
+
+SPAWNED = """
+import os, sys, time
+import torch.distributed as dist
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=rank, world_size=2)
+print("READY", flush=True)
+while True:
+    time.sleep(0.05)  # @after_init
+"""
+
+
+def test_a_rank_given_to_init_process_group_replaces_the_environments(default_python, spawn, cli, tmp_path):
+    """No launcher variables at all (as with mp.spawn): every process starts
+    as rank 0 of nothing, and init_process_group(rank=...) puts it right."""
+    from conftest import require_torch
+
+    require_torch(default_python)
+    run = tmp_path / "run"
+    env = {"STORE": str(tmp_path / "store"), "RANKSCOPE_RUN_DIR": str(run)}
+    targets = [spawn(default_python, SPAWNED, env=env, args=[str(r)], wait=False) for r in (0, 1)]
+    for target in targets:
+        target.wait_for_line("READY", timeout=120)
+    for rank, target in enumerate(targets):
+        meta = json.loads(cli("list", "--format", "json").stdout)
+        [mine] = [m for m in meta if m["pid"] == target.pid]
+        assert mine["rank"] == rank
+    listing = cli("cluster", "list", "--run", run, "--job", "(no job id)")
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split() for line in listing.stdout.splitlines()[2:]]
+    assert [(r[0], r[3]) for r in rows] == [("0", str(targets[0].pid)), ("1", str(targets[1].pid))]
+    ev = cli("cluster", "eval", "--run", run, "--job", "(no job id)", "import torch.distributed as d; d.get_rank()")
+    assert ev.stdout.splitlines()[1::2] == ["0", "1"]

@@ -72,6 +72,9 @@ def _register_in_job(socket_path: str, token_file: str | None) -> None:
         from rankscope._probe import registry
 
         registry.register(socket_path, token_file)
+        from rankscope._probe import torch_rank
+
+        torch_rank.watch()
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"rankscope: not registered in the job: {exc}\n")
 

@@ -12,3 +12,7 @@ def trace_frames(state: list) -> bool:
     """Traces the frames `state[2:]` of one thread: `state[1](frame)` at each
     of their line events, while `state[0]` is True (CPython 3.11 only)."""
     ...
+def set_rank(rank: int, world_size: int) -> str | None:
+    """Replaces the rank and world size in the probe's metadata (what
+    torch.distributed assigned); returns the new metadata JSON."""
+    ...

@@ -9,15 +9,20 @@ use rankscope_core::secrets;
 use rankscope_server::Handler;
 
 /// Its metadata is set right after the server binds (the TCP port is known
-/// only then); requests that arrive before that get a 503.
+/// only then); requests that arrive before that get a 503. It changes once
+/// more if `torch.distributed` assigns the rank.
 #[derive(Default)]
 pub struct ProbeHandler {
-    meta_json: std::sync::OnceLock<String>,
+    meta_json: std::sync::RwLock<Option<String>>,
 }
 
 impl ProbeHandler {
     pub fn set_meta(&self, meta_json: String) {
-        let _ = self.meta_json.set(meta_json);
+        *self.meta_json.write().unwrap_or_else(|e| e.into_inner()) = Some(meta_json);
+    }
+
+    pub fn meta(&self) -> Option<String> {
+        self.meta_json.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -25,8 +30,8 @@ impl Handler for ProbeHandler {
     fn handle(&self, request: &Request) -> Response {
         let route = (request.method.as_str(), request.path.as_str());
         match route {
-            _ if self.meta_json.get().is_none() => Response::error(503, "probe is starting"),
-            ("GET", "/v1/meta") => Response::json(200, self.meta_json.get().cloned().unwrap_or_default()),
+            _ if self.meta().is_none() => Response::error(503, "probe is starting"),
+            ("GET", "/v1/meta") => Response::json(200, self.meta().unwrap_or_default()),
             ("GET", "/v1/env") => env_reply(),
             ("GET", "/v1/stacks") => {
                 let with_locals = request.query_flag("locals");

@@ -20,6 +20,7 @@ use rankscope_server::{Server, ServerConfig, TcpConfig};
 
 struct Running {
     server: Server,
+    handler: Arc<handler::ProbeHandler>,
     dir: std::path::PathBuf,
     pid: u32,
 }
@@ -67,12 +68,33 @@ fn start_server(python_version: &str, listen: Option<&str>) -> PyResult<Running>
     let meta_json = serde_json::to_string(&meta).map_err(|e| err(e.to_string()))?;
     handler.set_meta(meta_json.clone());
     // Written last: its presence tells `rankscope list` the socket is ready.
-    let meta_file = paths::meta_path(&dir, pid);
+    write_meta_file(&dir, pid, &meta_json).map_err(err)?;
+    Ok(Running { server, handler, dir, pid })
+}
+
+fn write_meta_file(dir: &std::path::Path, pid: u32, meta_json: &str) -> Result<(), String> {
+    let meta_file = paths::meta_path(dir, pid);
     let tmp = meta_file.with_extension("json.tmp");
-    std::fs::write(&tmp, &meta_json)
+    std::fs::write(&tmp, meta_json)
         .and_then(|_| std::fs::rename(&tmp, &meta_file))
-        .map_err(|e| err(format!("cannot write {}: {e}", meta_file.display())))?;
-    Ok(Running { server, dir, pid })
+        .map_err(|e| format!("cannot write {}: {e}", meta_file.display()))
+}
+
+/// The rank and world size as `torch.distributed` assigned them, once it is
+/// initialised: they replace what the launcher's environment said.
+/// Returns the new metadata as JSON, or None when the probe is not running.
+#[pyfunction]
+fn set_rank(rank: i64, world_size: i64) -> PyResult<Option<String>> {
+    let running = lock_running();
+    let Some(r) = running.as_ref() else { return Ok(None) };
+    let Some(current) = r.handler.meta() else { return Ok(None) };
+    let mut meta: serde_json::Value = serde_json::from_str(&current).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    meta["rank"] = rank.into();
+    meta["world_size"] = world_size.into();
+    let meta_json = meta.to_string();
+    r.handler.set_meta(meta_json.clone());
+    write_meta_file(&r.dir, r.pid, &meta_json).map_err(PyRuntimeError::new_err)?;
+    Ok(Some(meta_json))
 }
 
 /// Stops the server, removes the socket and metadata. The GIL is released
@@ -80,7 +102,7 @@ fn start_server(python_version: &str, listen: Option<&str>) -> PyResult<Running>
 #[pyfunction]
 fn stop(py: Python<'_>) -> bool {
     let Some(running) = lock_running().take() else { return false };
-    let Running { server, dir, pid } = running;
+    let Running { server, dir, pid, .. } = running;
     py.detach(move || {
         server.stop();
         paths::remove_endpoint_files(&dir, pid);
@@ -126,5 +148,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(arm_deadline, m)?)?;
     m.add_function(wrap_pyfunction!(disarm_deadline, m)?)?;
     m.add_function(wrap_pyfunction!(frame_trace::trace_frames, m)?)?;
+    m.add_function(wrap_pyfunction!(set_rank, m)?)?;
     Ok(())
 }

@@ -51,6 +51,9 @@ def run_dir() -> str:
 
 
 def _rank() -> int:
+    torch_rank = sys.modules.get("rankscope._probe.torch_rank")
+    if torch_rank is not None and torch_rank.assigned() is not None:
+        return torch_rank.assigned()[0]
     try:
         return int(os.environ.get("RANK", "0"))
     except ValueError:

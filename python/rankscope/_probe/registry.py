@@ -15,6 +15,9 @@ import os
 import time
 
 _entry_path: str | None = None
+# Where this probe listens, kept for a process that joins a job later
+# (torch.distributed gives it a world size after start).
+_endpoint: tuple[str, str | None] | None = None
 
 
 def _write(path: str, entry: dict) -> None:
@@ -29,9 +32,10 @@ def register(socket_path: str, token_file: str | None = None) -> str | None:
     """Adds this process to its job's registry; None outside a job. With a
     TCP endpoint the entry names it and carries its token, so that the CLI
     on another machine that shares the run directory can reach this rank."""
-    global _entry_path
+    global _entry_path, _endpoint
     from rankscope._probe import crashes
 
+    _endpoint = (socket_path, token_file)
     with open(socket_path[: -len(".sock")] + ".json") as f:
         meta = json.load(f)
     if not meta.get("job_id") and int(meta.get("world_size") or 1) <= 1:
@@ -46,6 +50,29 @@ def register(socket_path: str, token_file: str | None = None) -> str | None:
     _write(path, entry)
     _entry_path = path
     return path
+
+
+def update(meta_json: str) -> None:
+    """New metadata (torch.distributed assigned the rank): the entry moves
+    to the file of its new rank."""
+    global _entry_path
+    from rankscope._probe import crashes
+
+    meta = json.loads(meta_json)
+    old = _entry_path
+    if old is None:
+        if _endpoint is not None:
+            register(*_endpoint)  # a world size above 1 makes it a rank of a job now
+        return
+    with open(old) as f:
+        entry = json.load(f)
+    entry.update(rank=meta["rank"], world_size=meta["world_size"])
+    directory = os.path.join(crashes.run_dir(), "ranks")
+    path = os.path.join(directory, f"rank{meta['rank']}-pid{meta['pid']}.json")
+    _write(path, entry)
+    _entry_path = path
+    if path != old:
+        os.unlink(old)
 
 
 def leave() -> None:

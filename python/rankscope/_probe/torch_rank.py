@@ -1,0 +1,107 @@
+"""The rank as torch.distributed assigns it.
+
+The launcher's environment (RANK, SLURM_PROCID, ...) says where a process
+stands before any user code runs; a program that passes `rank=` to
+`init_process_group` itself (mp.spawn, a hand-made launcher) only says so
+there. Once `init_process_group` returns, the probe's metadata, its entry in
+the job's registry and its crash records take the rank and world size from
+`torch.distributed`.
+
+Nothing here imports torch: a finder that only watches waits for
+`torch.distributed.distributed_c10d` to be imported by the program, and
+wraps `init_process_group` there before `torch.distributed` re-exports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.machinery
+import sys
+import threading
+
+_C10D = "torch.distributed.distributed_c10d"
+_assigned: tuple[int, int] | None = None
+
+
+def assigned() -> tuple[int, int] | None:
+    """(rank, world size) from torch.distributed, once it is initialised."""
+    return _assigned
+
+
+def _record() -> None:
+    global _assigned
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    _assigned = (dist.get_rank(), dist.get_world_size())
+    from rankscope import _native
+    from rankscope._probe import registry
+
+    meta_json = _native.set_rank(*_assigned)
+    if meta_json is not None:
+        registry.update(meta_json)
+
+
+def _wrap(c10d) -> None:
+    original = c10d.init_process_group
+    if getattr(original, "__rankscope_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            _record()
+        except Exception:  # noqa: BLE001 - the group is up; the probe's bookkeeping must not undo that
+            pass
+        return result
+
+    init_process_group.__rankscope_wrapped__ = True
+    c10d.init_process_group = init_process_group
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and getattr(dist, "init_process_group", None) is original:
+        dist.init_process_group = init_process_group
+
+
+class _WatchC10d:
+    """Wraps init_process_group once the program imports c10d; never in the
+    way of an import (re-entrancy guarded, any failure means "not mine")."""
+
+    _busy = threading.local()
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _C10D or getattr(self._busy, "active", False):
+            return None
+        self._busy.active = True
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return None
+            original = spec.loader.exec_module
+
+            def exec_module(module, _original=original):
+                _original(module)
+                try:
+                    _wrap(module)
+                    sys.meta_path.remove(_finder)
+                except Exception:  # noqa: BLE001
+                    pass
+
+            spec.loader.exec_module = exec_module
+            return spec
+        except Exception:  # noqa: BLE001
+            return None
+        finally:
+            self._busy.active = False
+
+
+_finder = _WatchC10d()
+
+
+def watch() -> None:
+    c10d = sys.modules.get(_C10D)
+    if c10d is not None:
+        _wrap(c10d)
+        _record()  # already initialised before the probe started (inject)
+    elif _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
