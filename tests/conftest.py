@@ -230,12 +230,12 @@ def require_torch(python: str) -> None:
         pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
 
 
-def launch_torchrun(python, script, nproc, endpoint_dir, run_dir, prefix=(), probe=True, env=None, **popen):
+def launch_torchrun(python, script, nproc, endpoint_dir, run_dir, prefix=(), probe=True, env=None, torchrun_args=(), **popen):
     """torchrun (gloo, CPU) on `script`, with the probe on in every worker
     unless `prefix` (e.g. `rankscope run --`) turns it on itself."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
     full_env.update(RANKSCOPE_DIR=str(endpoint_dir), RANKSCOPE_RUN_DIR=str(run_dir), **(env or {}))
     if probe:
         full_env["RANKSCOPE"] = "1"
-    command = [*prefix, python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script)]
+    command = [*prefix, python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *torchrun_args, str(script)]
     return subprocess.Popen(command, env=full_env, cwd=Path(script).parent, **popen)

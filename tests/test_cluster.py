@@ -98,6 +98,19 @@ def test_a_killed_rank_shows_dead_and_the_others_still_answer(job, cli):
     assert "rank 3 (dead)" in q.stderr
 
 
+def test_a_rank_that_leaves_mid_command_gets_a_message_and_the_rest_answer(job, cli):
+    _, run, targets = job(world_size=3)
+    ev = cli("cluster", "eval", "--run", run, "import os; os._exit(0) if RANK_VALUE == 1 else RANK_VALUE")
+    assert ev.returncode == 1
+    lines = ev.stdout.splitlines()
+    assert lines[:2] == [f"== rank 0 (pid {targets[0].pid})", "0"] and lines[-2:] == [f"== rank 2 (pid {targets[2].pid})", "2"]
+    assert lines[2] == f"== rank 1 (pid {targets[1].pid})" and lines[3].startswith("error: ")
+    targets[1].proc.wait(timeout=10)
+    q = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n FROM python.threads GROUP BY rank ORDER BY rank", "--format", "csv")
+    assert q.returncode == 0, q.stderr
+    assert [l.split(",")[0] for l in q.stdout.split()] == ["rank", "0", "2"] and "rank 1 (" in q.stderr
+
+
 def test_a_rank_stuck_with_the_gil_is_read_from_outside(job, cli):
     _, run, _ = job(HOLD_GIL="1")
     started = time.monotonic()
@@ -193,8 +206,11 @@ def test_cluster_bt_finds_the_rank_that_is_not_in_the_collective(default_python,
     require_torch(default_python)
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
+    # The agent looks at its workers every 60 s: long enough to see the job
+    # with one worker killed before torchrun tears the others down.
     proc = launch_torchrun(
-        default_python, script, 4, endpoint_dir, tmp_path / "run", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        default_python, script, 4, endpoint_dir, tmp_path / "run", torchrun_args=("--monitor-interval", "60"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 120
@@ -212,6 +228,20 @@ def test_cluster_bt_finds_the_rank_that_is_not_in_the_collective(default_python,
         assert "train_step (train.py:" in outlier
         [majority] = [l for l in bt.stdout.splitlines() if "ranks 0-1,3 (3)" in l]
         assert "train_step (train.py:" in majority and "next_batch" not in majority
+
+        # Rank 3 killed outright: it shows as dead, and the others still answer.
+        listing = cli("cluster", "list", "--run", tmp_path / "run").stdout
+        [row3] = [l.split() for l in listing.splitlines() if l.split()[:1] == ["3"]]
+        os.kill(int(row3[3]), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while " dead " not in [l for l in cli("cluster", "list", "--run", tmp_path / "run").stdout.splitlines() if l.split()[:1] == ["3"]][0]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        bt = cli("cluster", "bt", "--run", tmp_path / "run")
+        assert bt.returncode == 0, bt.stderr
+        assert "rank 3: no stacks (dead)" in bt.stdout
+        assert any(l.strip().startswith("ranks 0-1 (2): barrier") for l in bt.stdout.splitlines()), bt.stdout
+        assert any(l.strip().startswith("rank  2 (1): next_batch") and "differs" in l for l in bt.stdout.splitlines()), bt.stdout
     finally:
         kill_tree(proc.pid)
         proc.wait()
