@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,6 +73,14 @@ def test_inject_then_bt_eval_and_query_through_the_injected_probe(python, bare_v
     rows = cli(target.pid, "query", "SELECT func, lineno FROM python.backtrace WHERE func = 'leaf'", "--format", "json")
     assert rows.returncode == 0, rows.stderr
     assert [r["lineno"] for r in json.loads(rows.stdout)] == [line_of(PLAIN, "leaf")] + [line_of(PLAIN, "recurse")] * 3
+
+    # Breakpoints too, into the loop that was running before the inject (3.11: with `bytecode` staged).
+    added = cli(target.pid, "break", "add", f"target.py:{line_of(PLAIN, 'leaf')}", "--max", "1")
+    assert added.returncode == 0, added.stderr
+    deadline = time.monotonic() + 20
+    while not json.loads(cli(target.pid, "snapshots", "--format", "json").stdout):
+        assert time.monotonic() < deadline, "no snapshot from the injected probe's breakpoint"
+        time.sleep(0.05)
     assert target.alive()
 
 

@@ -93,6 +93,13 @@ def on_error():
 def _start_injected() -> None:
     """Run by the bootstrap that ``rankscope inject`` puts in the target."""
     start()
+    if sys.version_info < (3, 12):
+        # Breakpoints on 3.11 need `bytecode`; the staging directory that
+        # may hold it leaves sys.path once this returns, so import it now.
+        try:
+            import bytecode  # noqa: F401
+        except ImportError:
+            pass
 
 
 def stop() -> bool:

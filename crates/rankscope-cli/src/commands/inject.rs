@@ -73,21 +73,31 @@ fn package_dir() -> Result<PathBuf> {
     .into())
 }
 
-/// A private directory whose only entry is `rankscope`, a link to `package`.
-/// Private, since the target will run the code found there.
+/// A private directory whose entries are `rankscope`, a link to `package`,
+/// and the package's one dependency (`bytecode`, for breakpoints on 3.11)
+/// when it sits beside it. Private, since the target will run the code found
+/// there.
 fn stage(package: &Path) -> Result<PathBuf> {
     let dir = paths::endpoint_dir();
     paths::ensure_private_dir(&dir)?;
     let stage = dir.join(format!("inject-{:016x}", fnv1a(package.as_os_str().as_encoded_bytes())));
     std::fs::create_dir_all(&stage)?;
-    let link = stage.join("rankscope");
-    if std::fs::read_link(&link).ok().as_deref() != Some(package) {
-        let tmp = stage.join(format!(".rankscope.{}", std::process::id()));
-        let _ = std::fs::remove_file(&tmp);
-        std::os::unix::fs::symlink(package, &tmp)?;
-        std::fs::rename(&tmp, &link)?;
+    link_into(&stage, "rankscope", package)?;
+    if let Some(dependency) = package.parent().map(|p| p.join("bytecode")).filter(|d| d.join("__init__.py").is_file()) {
+        link_into(&stage, "bytecode", &dependency)?;
     }
     Ok(stage)
+}
+
+fn link_into(stage: &Path, name: &str, target: &Path) -> Result<()> {
+    let link = stage.join(name);
+    if std::fs::read_link(&link).ok().as_deref() != Some(target) {
+        let tmp = stage.join(format!(".{name}.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(target, &tmp)?;
+        std::fs::rename(&tmp, &link)?;
+    }
+    Ok(())
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
