@@ -307,6 +307,8 @@ def test_quit_and_a_closed_session_resume_the_thread(python, spawn, cli, ranksco
         attach.wait(timeout=10)
     finally:
         attach.kill()
+    # The loop may already be paused again at its next pass: clearing the
+    # breakpoint lets such a thread go too.
     cli(target.pid, "break", "clear")
     # Resumed: no pause left, and the loop goes on (a new breakpoint records).
     wait_for(lambda: cli(target.pid, "eval", "import sys; sys.modules['rankscope._probe.pause'].paused()").stdout.strip() == "[]")

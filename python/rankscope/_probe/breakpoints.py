@@ -248,6 +248,8 @@ class Breakpoint:
         self.pause_timeout = pause_timeout or pause_module.DEFAULT_TIMEOUT_S
         self.passes = self.hits = self.errors = 0
         self.enabled, self.note = True, None
+        # Removed by the user: a pause it was about to start does not.
+        self.released = False
 
     def describe(self) -> dict:
         return {
@@ -290,9 +292,11 @@ class Breakpoint:
         snapshots.record(snapshots.take(self.id, self.hits, frame, message))
         if self.max_hits and self.hits >= self.max_hits:
             self.enabled = False
-            remove(self.id)
+            remove(self.id, release_paused=False)
         if self.pause and not pause_module.in_session():
-            self.note = pause_module.pause(frame, self.id, self.pause_timeout, on_resume=_after_session)
+            self.note = pause_module.pause(
+                frame, self.id, self.pause_timeout, on_resume=_after_session, wanted=lambda: not self.released
+            )
 
 
 def _after_session() -> None:
@@ -566,7 +570,9 @@ def watch(spec: str, name: str, tensor: bool = False) -> dict:
     return handler.describe()
 
 
-def remove(bp_id: int) -> dict:
+def remove(bp_id: int, release_paused: bool = True) -> dict:
+    """Removes a breakpoint; threads it holds paused with nobody attached go
+    on (not when it removes itself at --max: that hit still pauses)."""
     with _lock:
         pending = _pending.pop(bp_id, None)
         if pending is not None:
@@ -577,6 +583,11 @@ def remove(bp_id: int) -> dict:
         if handler is None:
             raise UserError(f"no breakpoint {bp_id}; `rankscope PID break list` shows them")
         _disarm(handler)
+        if release_paused:
+            handler.released = True
+    if release_paused:
+        pause_module.release(bp_id)
+    snapshots.flush()
     return handler.describe()
 
 

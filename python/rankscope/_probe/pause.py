@@ -31,6 +31,8 @@ _lock = threading.Lock()
 _paused: dict[int, dict] = {}
 # threads in a session: a breakpoint they hit again only records
 _in_session: set[int] = set()
+# session id -> the listening socket of a thread nobody has attached to yet
+_waiting: dict[int, socket.socket] = {}
 
 
 def paused() -> list[dict]:
@@ -152,7 +154,7 @@ def _debugger_class():
     return PausePdb
 
 
-def pause(frame, bp_id: int, timeout: float, on_resume=None) -> str:
+def pause(frame, bp_id: int, timeout: float, on_resume=None, wanted=lambda: True) -> str:
     """Holds this thread for a debugger; returns how the pause ended.
     `on_resume` is called in this thread once the session is over (the
     3.11 line hooks re-trace running frames then: pdb's tracing replaced theirs)."""
@@ -183,18 +185,51 @@ def pause(frame, bp_id: int, timeout: float, on_resume=None) -> str:
     }
     with _lock:
         _paused[session] = info
+        _waiting[session] = server
         _in_session.add(me)
     conn = None
     try:
-        conn = private_socket.accept_one(server, path, timeout)
+        # The breakpoint may have been removed since this hit began: then
+        # release() ran before this session existed and cannot end it.
+        if wanted():
+            conn = private_socket.accept_one(server, path, timeout)
+        else:
+            server.close()
+            os.unlink(path)
+            _waiting.pop(session, None)
     finally:
         with _lock:
             _paused.pop(session, None)
+            released = _waiting.pop(session, None) is None
             if conn is None:
                 _in_session.discard(me)
+    if released:
+        if conn is not None:
+            conn.close()
+        with _lock:
+            _in_session.discard(me)
+        return "resumed: the breakpoint was removed"
     if conn is None:
         return f"resumed after {timeout:g} s with no debugger"
     return _serve(conn, frame, info, timeout, on_resume)
+
+
+def release(bp_id: int) -> None:
+    """Resumes the threads that a removed breakpoint holds and that nobody
+    has attached to yet (an attached session ends with its client)."""
+    with _lock:
+        sessions = [(s, info["socket"]) for s, info in _paused.items() if info["bp_id"] == bp_id and s in _waiting]
+        for session, _ in sessions:
+            _waiting.pop(session, None)
+    for _, path in sessions:
+        # A connection is what wakes a waiting accept() for sure; the
+        # session sees it is no longer waited for, and lets it go.
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                wake.settimeout(1.0)
+                wake.connect(path)
+        except OSError:
+            pass
 
 
 def _serve(conn: socket.socket, frame, info: dict, timeout: float, on_resume) -> str:

@@ -175,3 +175,8 @@ def record(snap: dict) -> None:
 
 def listing() -> list[dict]:
     return list(_table)
+
+
+def flush() -> None:
+    """Writes what a burst left buffered (a breakpoint is done: nothing may wait for the next hit)."""
+    _spill.flush()
