@@ -82,9 +82,14 @@ pub fn run(python: Option<PathBuf>) -> Result<u8> {
             vec![&pid_s, "query", "SELECT thread_name, depth, func, file, lineno FROM python.backtrace WHERE depth < 3 ORDER BY thread_name, depth"],
         ),
         ("Secrets in the environment stay hidden", vec![&pid_s, "query", "SELECT name, value FROM process.env WHERE name LIKE 'DEMO%' ORDER BY name"]),
+        ("A breakpoint that records and goes on: the next 3 calls of forward()", vec![&pid_s, "break", "add", "demo.py:forward", "--max", "3"]),
+        ("What it recorded (the program never stopped)", vec![&pid_s, "snapshots"]),
     ];
     println!("rankscope demo: a sample training loop runs as PID {pid} with the probe on.\n");
     for (title, args) in steps {
+        if args.get(1) == Some(&"snapshots") {
+            wait_for_hits(&me, &pid_s, 3);
+        }
         println!("# {title}");
         let shown: Vec<String> = args.iter().map(|a| if a.contains(' ') { format!("\"{a}\"") } else { a.to_string() }).collect();
         println!("$ rankscope {}", shown.join(" "));
@@ -96,7 +101,25 @@ pub fn run(python: Option<PathBuf>) -> Result<u8> {
     }
     println!("That was the sample; the demo stops it now. On your own program:");
     println!("    RANKSCOPE=1 python train.py      # or: rankscope run -- python train.py");
-    println!("    rankscope list                   # then: rankscope PID bt | eval | repl | query");
+    println!("    rankscope list                   # then: rankscope PID bt | eval | repl | query | break | watch");
     drop(sample);
     Ok(0)
+}
+
+/// The sample calls forward() every 50 ms: give the breakpoint its hits
+/// (at most 5 s) before showing them.
+fn wait_for_hits(me: &std::path::Path, pid: &str, hits: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        let out = Command::new(me).args([pid, "snapshots", "--format", "json"]).output();
+        let recorded = out
+            .ok()
+            .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
+            .and_then(|v| v.as_array().map(Vec::len))
+            .unwrap_or(0);
+        if recorded >= hits {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
