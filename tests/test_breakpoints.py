@@ -185,6 +185,13 @@ def test_snapshots_are_tables(loop, cli):
     steps = cli(loop.pid, "query", "SELECT hit, repr FROM python.snapshot_locals WHERE bp_id = 1 AND name = 'step' ORDER BY hit", "--format", "csv")
     values = [int(line.split(",")[1]) for line in steps.stdout.split()[1:]]
     assert len(values) == 3 and values == sorted(values)
+    # The issue's own query: the hit frame's locals as a map column.
+    by_key = cli(loop.pid, "query", "SELECT hit, locals['step'] AS step, locals['loss'] AS loss FROM python.snapshots WHERE bp_id = 1 ORDER BY hit", "--format", "json")
+    assert by_key.returncode == 0, by_key.stderr
+    mapped = json.loads(by_key.stdout)
+    assert [int(r["step"]) for r in mapped] == values and all(float(r["loss"]) > 0 for r in mapped)
+    whole = cli(loop.pid, "query", "SELECT * FROM python.snapshots", "--format", "csv")
+    assert whole.returncode == 0 and "step: " in whole.stdout, whole.stderr
 
 
 LATER = """

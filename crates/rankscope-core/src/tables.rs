@@ -17,6 +17,8 @@ pub enum ColumnType {
     Utf8,
     /// Microseconds since the Unix epoch, UTC.
     Timestamp,
+    /// Text keys to text values (a JSON object in a row): `locals['loss']`.
+    MapUtf8,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -145,6 +147,7 @@ pub const SNAPSHOTS: TableDef = TableDef {
         col("file", Utf8),
         col("lineno", Int64),
         col("log", Utf8),
+        col("locals", MapUtf8),
     ],
 };
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use datafusion::arrow::array::{
-    ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, StringBuilder, TimestampMicrosecondBuilder,
+    Array, ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, MapBuilder, StringBuilder, TimestampMicrosecondBuilder,
 };
 use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use datafusion::arrow::record_batch::RecordBatch;
@@ -18,6 +18,8 @@ fn data_type(ty: ColumnType) -> DataType {
         ColumnType::Bool => DataType::Boolean,
         ColumnType::Utf8 => DataType::Utf8,
         ColumnType::Timestamp => DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+        // Whatever the builder makes, so that schema and arrays agree.
+        ColumnType::MapUtf8 => MapBuilder::new(None, StringBuilder::new(), StringBuilder::new()).finish().data_type().clone(),
     }
 }
 
@@ -47,6 +49,28 @@ fn column(ty: ColumnType, rows: &Rows, index: usize) -> ArrayRef {
         ColumnType::Bool => {
             let mut b = BooleanBuilder::with_capacity(rows.len());
             cells.for_each(|v| b.append_option(v.as_bool()));
+            Arc::new(b.finish())
+        }
+        ColumnType::MapUtf8 => {
+            let mut b = MapBuilder::new(None, StringBuilder::new(), StringBuilder::new());
+            for cell in cells {
+                match cell {
+                    Value::Object(entries) => {
+                        for (key, value) in entries {
+                            b.keys().append_value(key);
+                            match value {
+                                Value::Null => b.values().append_null(),
+                                Value::String(s) => b.values().append_value(s),
+                                other => b.values().append_value(other.to_string()),
+                            }
+                        }
+                        let _ = b.append(true);
+                    }
+                    _ => {
+                        let _ = b.append(false);
+                    }
+                }
+            }
             Arc::new(b.finish())
         }
         ColumnType::Utf8 => {

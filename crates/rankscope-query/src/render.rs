@@ -24,12 +24,14 @@ pub fn render(schema: &SchemaRef, batches: &[RecordBatch], format: OutputFormat)
         OutputFormat::Csv => {
             let mut out = Vec::new();
             {
+                // CSV has no nested values: a map column goes as its display text.
+                let flat_schema = flat(schema);
                 let mut writer = arrow::csv::WriterBuilder::new().with_header(true).build(&mut out);
                 if batches.is_empty() || batches.iter().all(|b| b.num_rows() == 0) {
-                    writer.write(&RecordBatch::new_empty(schema.clone())).map_err(err)?;
+                    writer.write(&RecordBatch::new_empty(flat_schema)).map_err(err)?;
                 } else {
                     for batch in batches {
-                        writer.write(batch).map_err(err)?;
+                        writer.write(&flatten(&flat_schema, batch).map_err(err)?).map_err(err)?;
                     }
                 }
             }
@@ -55,4 +57,33 @@ pub fn render(schema: &SchemaRef, batches: &[RecordBatch], format: OutputFormat)
             Ok(text)
         }
     }
+}
+
+fn flat(schema: &SchemaRef) -> SchemaRef {
+    use datafusion::arrow::datatypes::{DataType, Field, Schema};
+    let fields: Vec<Field> = schema
+        .fields()
+        .iter()
+        .map(|f| if matches!(f.data_type(), DataType::Map(..)) { Field::new(f.name(), DataType::Utf8, true) } else { f.as_ref().clone() })
+        .collect();
+    std::sync::Arc::new(Schema::new(fields))
+}
+
+fn flatten(flat_schema: &SchemaRef, batch: &RecordBatch) -> Result<RecordBatch, datafusion::arrow::error::ArrowError> {
+    use datafusion::arrow::array::{Array, ArrayRef, StringArray};
+    use datafusion::arrow::datatypes::DataType;
+    use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
+    let columns = batch
+        .columns()
+        .iter()
+        .map(|column| -> Result<ArrayRef, datafusion::arrow::error::ArrowError> {
+            if !matches!(column.data_type(), DataType::Map(..)) {
+                return Ok(column.clone());
+            }
+            let formatter = ArrayFormatter::try_new(column.as_ref(), &FormatOptions::default())?;
+            let text: StringArray = (0..column.len()).map(|i| column.is_valid(i).then(|| formatter.value(i).to_string())).collect();
+            Ok(std::sync::Arc::new(text))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    RecordBatch::try_new(flat_schema.clone(), columns)
 }

@@ -147,6 +147,17 @@ fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::V
                 frame["file"].clone(),
                 frame["lineno"].clone(),
                 snap["log"].clone(),
+                serde_json::Value::Object(
+                    frame["locals"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|local| {
+                            let [name, repr, _] = super::breakpoints::snapshot_local(local);
+                            Some((name.as_str()?.to_string(), repr))
+                        })
+                        .collect(),
+                ),
             ]);
             rows.push(row);
         } else {
