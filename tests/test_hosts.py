@@ -109,7 +109,7 @@ def test_one_job_across_two_hosts_from_one_cli(two_hosts, default_python, spawn,
     registered = json.loads(entry.read_text())
     assert oct(entry.stat().st_mode & 0o777) == "0o600"
     address = registered["tcp"].removeprefix("tcp://")
-    by_address = cli_on("host-a", "cluster", "--job", address, "bt", env={"RANKSCOPE_TOKEN": registered["token"], "RANKSCOPE_RUN_DIR": str(tmp_path / "elsewhere")})
+    by_address = cli_on("host-a", "--job", address, "cluster", "bt", env={"RANKSCOPE_TOKEN": registered["token"], "RANKSCOPE_RUN_DIR": str(tmp_path / "elsewhere")})
     assert by_address.returncode == 0, by_address.stderr
     assert f"job {job_id}: 2 ranks answered" in by_address.stdout
     no_token = cli_on("host-a", "cluster", "--job", address, "bt")

@@ -92,14 +92,15 @@ def on_error():
 
 def _start_injected() -> None:
     """Run by the bootstrap that ``rankscope inject`` puts in the target."""
+    global _staged_from
+    # The staging directory leaves sys.path when this returns; breakpoints
+    # on 3.11 may need the `bytecode` staged beside rankscope later.
+    _staged_from = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     start()
-    if sys.version_info < (3, 12):
-        # Breakpoints on 3.11 need `bytecode`; the staging directory that
-        # may hold it leaves sys.path once this returns, so import it now.
-        try:
-            import bytecode  # noqa: F401
-        except ImportError:
-            pass
+
+
+# Where `rankscope inject` staged this package (None when installed normally).
+_staged_from: str | None = None
 
 
 def stop() -> bool:

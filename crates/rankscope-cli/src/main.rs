@@ -310,10 +310,20 @@ fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: 
     }
 }
 
-/// `rankscope 123 bt` -> `rankscope pid 123 bt`.
+/// `rankscope 123 bt` -> `rankscope pid 123 bt`, and
+/// `rankscope --job HOST:PORT cluster bt` -> `rankscope cluster --job HOST:PORT bt`.
 fn rewrite_pid_form(mut args: Vec<String>) -> Vec<String> {
     if args.len() > 1 && !args[1].is_empty() && args[1].bytes().all(|b| b.is_ascii_digit()) {
         args.insert(1, "pid".to_string());
+    }
+    let job_args = match args.get(1).map(String::as_str) {
+        Some("--job") if args.get(3).map(String::as_str) == Some("cluster") => 2,
+        Some(flag) if flag.starts_with("--job=") && args.get(2).map(String::as_str) == Some("cluster") => 1,
+        _ => 0,
+    };
+    if job_args > 0 {
+        let job: Vec<String> = args.drain(1..1 + job_args).collect();
+        args.splice(2..2, job);
     }
     args
 }
@@ -356,6 +366,8 @@ mod tests {
     fn a_leading_pid_becomes_the_pid_subcommand() {
         assert_eq!(rewrite_pid_form(args("rankscope 42 bt")), args("rankscope pid 42 bt"));
         assert_eq!(rewrite_pid_form(args("rankscope list")), args("rankscope list"));
+        assert_eq!(rewrite_pid_form(args("rankscope --job n7:4000 cluster bt")), args("rankscope cluster --job n7:4000 bt"));
+        assert_eq!(rewrite_pid_form(args("rankscope --job=n7:4000 cluster bt")), args("rankscope cluster --job=n7:4000 bt"));
     }
 
     #[test]

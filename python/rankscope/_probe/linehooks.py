@@ -92,13 +92,35 @@ class Monitoring:
         """pdb's tracing does not touch sys.monitoring: nothing to redo."""
 
 
+def _import_bytecode() -> None:
+    try:
+        import bytecode  # noqa: F401
+        return
+    except ImportError:
+        import rankscope
+
+        staged = getattr(rankscope, "_staged_from", None)
+        if not staged:
+            raise
+    # An injected probe: `bytecode` was staged beside rankscope, in a
+    # directory that is on sys.path only for this import.
+    sys.path.insert(0, staged)
+    try:
+        import bytecode  # noqa: F401
+    finally:
+        try:
+            sys.path.remove(staged)
+        except ValueError:
+            pass
+
+
 class Instrumented:
     """CPython 3.11: hooked copies of code objects, plus a per-thread trace
     for frames that were already running."""
 
     def __init__(self, dispatch):
         try:
-            import bytecode  # noqa: F401
+            _import_bytecode()
         except ImportError:
             raise HookError(
                 "breakpoints on CPython 3.11 need the `bytecode` package in the target's environment: pip install bytecode"
