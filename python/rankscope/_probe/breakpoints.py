@@ -19,6 +19,7 @@ seen; functions are).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.machinery
 import itertools
@@ -115,7 +116,7 @@ class _Pending:
     """A breakpoint in a file not imported yet: armed when a module whose
     file matches finishes executing (functions exist then)."""
 
-    def __init__(self, spec: str, path: str, options: dict):
+    def __init__(self, spec: str, path: str, options: "Options"):
         self.id = next(_ids)
         self.spec, self.path, self.options = spec, path, options
         self.note = None
@@ -127,12 +128,7 @@ class _Pending:
             "kind": "breakpoint",
             "file": file,
             "line": int(line) if line.isdigit() else line,
-            "condition": self.options.get("condition"),
-            "log": self.options.get("log"),
-            "max": self.options.get("max_hits"),
-            "every": self.options.get("every"),
-            "hit_from": self.options.get("from_hit"),
-            "pause": self.options.get("pause"),
+            **self.options.describe(),
             "passes": 0,
             "hits": 0,
             "errors": 0,
@@ -195,7 +191,7 @@ def _arm_pending(filename: str) -> None:
         for pending in [p for p in _pending.values() if _matches(filename, p.path)]:
             try:
                 file, line, codes, note = _resolve(pending.spec)
-                bp = Breakpoint(file, line, codes, **_breakpoint_options(pending.options))
+                bp = Breakpoint(file, line, codes, pending.options)
                 bp.id = pending.id
                 _arm(bp)
             except Exception as err:  # noqa: BLE001 - reported in break list, never raised into the import
@@ -207,11 +203,48 @@ def _arm_pending(filename: str) -> None:
             sys.meta_path.remove(_finder)
 
 
-_OPTIONS = ("condition", "log", "max_hits", "every", "from_hit", "pause", "pause_timeout")
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What `break add` says about a breakpoint, checked once: kept as is
+    while it is pending, and by the breakpoint once armed."""
 
+    condition: str | None = None
+    log: str | None = None
+    max_hits: int | None = None
+    every: int | None = None
+    from_hit: int | None = None
+    pause: bool | None = None
+    pause_timeout: float | None = None
 
-def _breakpoint_options(options: dict) -> dict:
-    return {k: options.get(k) for k in _OPTIONS}
+    # wire name -> field, as the CLI sends them and `break list` shows them
+    REQUEST_KEYS = {"condition": "condition", "log": "log", "max": "max_hits", "every": "every", "hit": "from_hit", "pause": "pause", "pause_timeout": "pause_timeout"}
+
+    @classmethod
+    def from_request(cls, request: dict) -> "Options":
+        return cls(**{field: request.get(key) for key, field in cls.REQUEST_KEYS.items()})
+
+    def describe(self) -> dict:
+        return {
+            "condition": self.condition,
+            "log": self.log,
+            "max": self.max_hits,
+            "every": self.every,
+            "hit_from": self.from_hit,
+            "pause": bool(self.pause) or None,
+        }
+
+    def check(self) -> None:
+        """Bad input is reported now, pending or not, and changes nothing."""
+        if any(n is not None and n < 1 for n in (self.max_hits, self.every, self.from_hit, self.pause_timeout)):
+            raise UserError("--max, --every, --hit and --pause-timeout take a number of at least 1")
+        if self.pause and self.log is not None:
+            raise UserError("a logpoint never stops: give --log or --pause, not both")
+        for source, what in ((self.condition, "condition"), (None if self.log is None else "f" + repr(self.log), "log template")):
+            if source:
+                try:
+                    compile(source, f"<breakpoint {what}>", "eval")
+                except SyntaxError as err:
+                    raise UserError(f"the {what} does not compile: {err.msg}") from None
 
 
 def _count_error(handler, err: Exception) -> None:
@@ -224,28 +257,16 @@ def _count_error(handler, err: Exception) -> None:
 
 
 class Breakpoint:
-    def __init__(
-        self,
-        file: str,
-        line: int,
-        codes: list,
-        condition: str | None = None,
-        log: str | None = None,
-        max_hits: int | None = None,
-        every: int | None = None,
-        from_hit: int | None = None,
-        pause: bool | None = None,
-        pause_timeout: float | None = None,
-    ):
+    def __init__(self, file: str, line: int, codes: list, options: Options):
         self.id = next(_ids)
         self.file, self.line, self.codes = file, line, codes
         self.lines = (line,)
-        self.condition_source, self.log_source = condition, log
-        self.condition = compile(condition, "<breakpoint condition>", "eval") if condition else None
-        self.log = compile("f" + repr(log), "<logpoint>", "eval") if log is not None else None
-        self.max_hits, self.every, self.from_hit = max_hits, every, from_hit
-        self.pause = bool(pause)
-        self.pause_timeout = pause_timeout or pause_module.DEFAULT_TIMEOUT_S
+        self.options = options
+        self.condition = compile(options.condition, "<breakpoint condition>", "eval") if options.condition else None
+        self.log = compile("f" + repr(options.log), "<logpoint>", "eval") if options.log is not None else None
+        self.max_hits, self.every, self.from_hit = options.max_hits, options.every, options.from_hit
+        self.pause = bool(options.pause)
+        self.pause_timeout = options.pause_timeout or pause_module.DEFAULT_TIMEOUT_S
         self.passes = self.hits = self.errors = 0
         self.enabled, self.note = True, None
         # Removed by the user: a pause it was about to start does not.
@@ -257,12 +278,7 @@ class Breakpoint:
             "kind": "breakpoint",
             "file": self.file,
             "line": self.line,
-            "condition": self.condition_source,
-            "log": self.log_source,
-            "max": self.max_hits,
-            "every": self.every,
-            "hit_from": self.from_hit,
-            "pause": self.pause or None,
+            **self.options.describe(),
             "passes": self.passes,
             "hits": self.hits,
             "errors": self.errors,
@@ -499,32 +515,14 @@ def _function(file: str, name: str, codes: list) -> types.CodeType:
     return matches[0]
 
 
-def _check_counts(*numbers) -> None:
-    if any(n is not None and n < 1 for n in numbers):
-        raise UserError("--max, --every, --hit and --pause-timeout take a number of at least 1")
+def add(spec: str, condition: str | None = None, **more) -> dict:
+    """A breakpoint at FILE:LINE or FILE:FUNCTION; `more` are the other
+    fields of Options (log, max_hits, every, from_hit, pause, pause_timeout)."""
+    return add_with(spec, Options(condition=condition, **more))
 
 
-def add(
-    spec: str,
-    condition: str | None = None,
-    log: str | None = None,
-    max_hits: int | None = None,
-    every: int | None = None,
-    from_hit: int | None = None,
-    pause: bool | None = None,
-    pause_timeout: float | None = None,
-) -> dict:
-    _check_counts(max_hits, every, from_hit, pause_timeout)
-    if pause and log is not None:
-        raise UserError("a logpoint never stops: give --log or --pause, not both")
-    options = dict(zip(_OPTIONS, (condition, log, max_hits, every, from_hit, pause, pause_timeout)))
-    try:
-        # Compiled now, so that a syntax error is reported now, pending or not.
-        for source, mode_name in ((condition, "condition"), (None if log is None else "f" + repr(log), "log template")):
-            if source:
-                compile(source, f"<breakpoint {mode_name}>", "eval")
-    except SyntaxError as err:
-        raise UserError(f"the {'condition' if 'condition' in (err.filename or '') else 'log template'} does not compile: {err.msg}") from None
+def add_with(spec: str, options: Options) -> dict:
+    options.check()
     _line_hooks()  # a Python that cannot hook lines says so before anything is pending
     with _lock:
         try:
@@ -540,7 +538,7 @@ def add(
             if _finder not in sys.meta_path:
                 sys.meta_path.insert(0, _finder)
             return pending.describe()
-        bp = Breakpoint(file, line, codes, **_breakpoint_options(options))
+        bp = Breakpoint(file, line, codes, options)
         running_note = _arm(bp)
         bp.note = "; ".join(n for n in (note, running_note) if n) or None
     return bp.describe()
@@ -610,16 +608,7 @@ def handle(request_text: str) -> str:
         request = json.loads(request_text)
         op = request.get("op")
         if op == "add":
-            result = add(
-                request["spec"],
-                request.get("condition"),
-                request.get("log"),
-                request.get("max"),
-                request.get("every"),
-                request.get("hit"),
-                request.get("pause"),
-                request.get("pause_timeout"),
-            )
+            result = add_with(request["spec"], Options.from_request(request))
         elif op == "watch":
             result = watch(request["spec"], request["name"], bool(request.get("tensor")))
         elif op == "list":

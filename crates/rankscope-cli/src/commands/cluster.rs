@@ -462,19 +462,44 @@ pub fn crashes(job: Option<&str>, run: Option<PathBuf>) -> Result<u8> {
 }
 
 pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: &str, timeout: f64) -> Result<u8> {
+    let request = EvalRequest { code: code.to_string(), timeout_s: timeout, check_only: false };
+    each_rank(job, run, ranks, |probe| probe.eval(&request), |reply| crate::commands::print_eval(&reply))
+}
+
+/// `cluster break ...`: the same breakpoint request to every rank (or
+/// `--ranks`), each answer under its rank.
+pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: &crate::BreakAction) -> Result<u8> {
+    let request = super::breakpoints::request_of(action)?;
+    each_rank(job, run, ranks, |probe| probe.breakpoints(&request), |reply| {
+        let (lines, notes) = super::breakpoints::render(action, &reply);
+        for line in notes.iter().chain(&lines) {
+            println!("{line}");
+        }
+        0
+    })
+}
+
+/// Asks every selected running rank in parallel and prints each answer (or
+/// why there is none) under its rank; exits 1 if any rank failed.
+fn each_rank<T: Send>(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+    ask: impl Fn(&Probe) -> Result<T> + Sync,
+    show: impl Fn(T) -> u8,
+) -> Result<u8> {
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
-    let request = EvalRequest { code: code.to_string(), timeout_s: timeout, check_only: false };
     let results = fan_out(&selected, |entry| match liveness(entry, &here) {
-        Liveness::Running => probe_of(entry).and_then(|p| p.eval(&request)).map_err(|e| format!("{e:#}")),
+        Liveness::Running => probe_of(entry).and_then(|p| ask(&p)).map_err(|e| format!("{e:#}")),
         other => Err(other.word().to_string()),
     });
     let mut code = 0;
     for (entry, result) in selected.iter().zip(results) {
         println!("== rank {} (pid {})", entry.meta.rank, entry.meta.pid);
         match result {
-            Ok(reply) => code = code.max(crate::commands::print_eval(&reply)),
+            Ok(reply) => code = code.max(show(reply)),
             Err(why) => {
                 println!("error: {why}");
                 code = 1;
@@ -562,34 +587,4 @@ mod tests {
         assert_eq!(compress(&[2]), "2");
         assert_eq!(compress(&[]), "");
     }
-}
-
-/// `cluster break ...`: the same breakpoint request to every rank (or
-/// `--ranks`), each answer under its rank.
-pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: &crate::BreakAction) -> Result<u8> {
-    let job = find_job(job, run)?;
-    let selected = job.selected(ranks)?;
-    let here = rankscope_core::host::hostname();
-    let request = super::breakpoints::request_of(action)?;
-    let results = fan_out(&selected, |entry| match liveness(entry, &here) {
-        Liveness::Running => probe_of(entry).and_then(|p| p.breakpoints(&request)).map_err(|e| format!("{e:#}")),
-        other => Err(other.word().to_string()),
-    });
-    let mut code = 0;
-    for (entry, result) in selected.iter().zip(results) {
-        println!("== rank {} (pid {})", entry.meta.rank, entry.meta.pid);
-        match result {
-            Ok(reply) => {
-                let (lines, notes) = super::breakpoints::render(action, &reply);
-                for line in notes.iter().chain(&lines) {
-                    println!("{line}");
-                }
-            }
-            Err(why) => {
-                println!("error: {why}");
-                code = 1;
-            }
-        }
-    }
-    Ok(code)
 }
