@@ -239,3 +239,21 @@ def launch_torchrun(python, script, nproc, endpoint_dir, run_dir, prefix=(), pro
         full_env["RANKSCOPE"] = "1"
     command = [*prefix, python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *torchrun_args, str(script)]
     return subprocess.Popen(command, env=full_env, cwd=Path(script).parent, **popen)
+
+
+@pytest.fixture(scope="session")
+def bare_venvs(tmp_path_factory):
+    """python (a venv with rankscope) -> a venv of the same interpreter without it."""
+    made: dict[str, str] = {}
+
+    def _bare(python: str) -> str:
+        if python not in made:
+            base = subprocess.run(
+                [python, "-c", "import sys; print(sys._base_executable)"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            venv = tmp_path_factory.mktemp("bare-venv")
+            subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+            made[python] = str(venv / "bin" / "python")
+        return made[python]
+
+    return _bare

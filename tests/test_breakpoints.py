@@ -233,6 +233,9 @@ def test_snapshots_outlive_the_process(python, spawn, cli, tmp_path):
     target = spawn(python, LOOP, env={"RANKSCOPE_RUN_DIR": str(run)})
     assert cli(target.pid, "break", "add", f"target.py:{line_of(LOOP, 'body')}", "--max", "2").returncode == 0
     wait_for(lambda: len(snapshots(cli, target.pid)) == 2)
+    # A burst of hits reaches the disk together within 20 ms of the last one.
+    spill = run / "snapshots" / f"pid{target.pid}.jsonl"
+    wait_for(lambda: spill.exists() and len(spill.read_text().splitlines()) == 2)
     target.kill()  # SIGKILL: nothing runs at exit
     result = cli("query", "SELECT pid, rank, hit, func FROM python.snapshots ORDER BY hit", "--run", run, "--format", "json")
     assert result.returncode == 0, result.stderr

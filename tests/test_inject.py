@@ -5,7 +5,6 @@ import ctypes
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -28,24 +27,6 @@ def leaf(depth):
 
 leaf(3)
 """
-
-
-@pytest.fixture(scope="session")
-def bare_venvs(tmp_path_factory):
-    """python (a venv with rankscope) -> a venv of the same interpreter without it."""
-    made: dict[str, str] = {}
-
-    def _bare(python: str) -> str:
-        if python not in made:
-            base = subprocess.run(
-                [python, "-c", "import sys; print(sys._base_executable)"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            venv = tmp_path_factory.mktemp("bare-venv")
-            subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
-            made[python] = str(venv / "bin" / "python")
-        return made[python]
-
-    return _bare
 
 
 def test_inject_then_bt_eval_and_query_through_the_injected_probe(python, bare_venvs, spawn, cli):

@@ -4,21 +4,20 @@ Importing this package does nothing but define functions; the probe's server
 starts only when asked (``start()``, ``RANKSCOPE=1``, or ``rankscope run``).
 """
 
-from __future__ import annotations
-
 import os
 import sys
 
 __all__ = ["start", "stop", "endpoint", "on_error", "__version__"]
 
 _atexit_registered = False
+_publish_later = False
 
 
 def _load_native():
     # Imported on first use so that `import rankscope` stays cheap.
-    import importlib
+    from rankscope import _native
 
-    return importlib.import_module("rankscope._native")
+    return _native
 
 
 def __getattr__(name: str):
@@ -34,49 +33,61 @@ def start(listen: str | None = None) -> dict:
     ``:PORT`` binds loopback only, ``HOST:PORT`` binds that host. TCP clients
     must send the token written (mode 0600) next to the unix socket.
     Starting twice returns the running probe's endpoint.
+
+    The program sees the same world afterwards, from any thread: nothing is
+    imported into it but rankscope's own modules (``threading`` included:
+    importing it on a thread other than the main one would make that thread
+    threading's main thread), and no hook it can read is replaced
+    (docs/architecture.md lists what is checked).
     """
     global _atexit_registered
     native = _load_native()
     if listen is None:
         listen = os.environ.get("RANKSCOPE_LISTEN") or None
-    # threading must be imported on the main thread before any probe thread
-    # touches it, or it would take a probe thread for the main one.
-    import threading  # noqa: F401
-
-    _install_crash_recorder()
+    _install_crash_recorder(native)
+    # Also enters the job's registry when this process is a rank of one.
     info = native.start(sys.version.split()[0], listen)
-    _register_in_job(info["socket"], info.get("token_file"))
+    _watch_torch_rank()
     if not _atexit_registered:
-        import atexit
+        from rankscope._probe.unseen import builtin
 
-        atexit.register(stop)
+        builtin("atexit").register(stop)
         os.register_at_fork(after_in_child=native.forget_after_fork)
         _atexit_registered = True
+    _forget_own_paths()
+    if not _publish_later:
+        native.publish()
     return dict(info)
 
 
-def _install_crash_recorder() -> None:
+def _forget_own_paths() -> None:
+    # Importing rankscope's subpackages cached finders for its own folders
+    # in sys.path_importer_cache; the program's cache stays as it was.
+    own = os.path.dirname(os.path.abspath(__file__))
+    for path in [p for p in sys.path_importer_cache if isinstance(p, str) and (p == own or p.startswith(own + os.sep))]:
+        sys.path_importer_cache.pop(path, None)
+
+
+def _install_crash_recorder(native) -> None:
     # Uncaught exceptions (with locals) and native crashes go to the run
     # directory; a failure here must not stop the probe or the program.
     try:
-        from rankscope._probe import crashes
+        native.enable_crash_hook()
+        from rankscope._probe import native_log
 
-        crashes.install()
+        native_log.enable()
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"rankscope: crash recording not enabled: {exc}\n")
 
 
-def _register_in_job(socket_path: str, token_file: str | None) -> None:
-    # A rank of a job enters the job's registry; nothing here may stop the probe.
+def _watch_torch_rank() -> None:
+    # torch.distributed may assign the rank later; nothing here may stop the probe.
     try:
-        from rankscope._probe import registry
-
-        registry.register(socket_path, token_file)
         from rankscope._probe import torch_rank
 
         torch_rank.watch()
     except Exception as exc:  # noqa: BLE001
-        sys.stderr.write(f"rankscope: not registered in the job: {exc}\n")
+        sys.stderr.write(f"rankscope: rank from torch.distributed not followed: {exc}\n")
 
 
 def on_error():
@@ -96,7 +107,14 @@ def _start_injected() -> None:
     # The staging directory leaves sys.path when this returns; breakpoints
     # on 3.11 may need the `bytecode` staged beside rankscope later.
     _staged_from = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    start()
+    global _publish_later
+    # The bootstrap publishes once it has taken its directory off sys.path:
+    # the waiting CLI (and the user after it) must not see the world before.
+    _publish_later = True
+    try:
+        start()
+    finally:
+        _publish_later = False
 
 
 # Where `rankscope inject` staged this package (None when installed normally).
@@ -108,9 +126,7 @@ def stop() -> bool:
     native = sys.modules.get("rankscope._native")
     if native is None:
         return False
-    registry = sys.modules.get("rankscope._probe.registry")
-    if registry is not None:
-        registry.leave()
+    # Also marks this rank's registry entry exited (or crashed).
     return bool(native.stop())
 
 

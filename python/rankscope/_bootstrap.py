@@ -17,5 +17,12 @@ def start_from_env() -> None:
         import rankscope
 
         rankscope.start()
+        # The program has not run yet: wrapping threading's hook and watching
+        # for torch.distributed now is part of the world it starts in (a
+        # later start() leaves both alone).
+        from rankscope._probe import crashes, torch_rank
+
+        crashes.install_thread_hook()
+        torch_rank.watch_imports()
     except Exception as exc:  # noqa: BLE001 - the target must run on regardless
         sys.stderr.write(f"rankscope: probe not started: {exc}\n")

@@ -46,7 +46,7 @@ impl Handler for ProbeHandler {
                 Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only)),
                 Err(e) => Response::error(400, &format!("bad eval request: {e}")),
             },
-            ("GET", "/v1/job") => call_helper("rankscope._probe.registry", "job_entries", ()),
+            ("GET", "/v1/job") => Response::json(200, crate::registry::job_entries()),
             ("POST", "/v1/breakpoints") => match std::str::from_utf8(&request.body) {
                 Ok(body) => call_helper("rankscope._probe.breakpoints", "handle", (body.to_string(),)),
                 Err(_) => Response::error(400, "a breakpoint request is JSON text"),
@@ -83,8 +83,14 @@ where
     A: for<'py> pyo3::call::PyCallArgs<'py>,
 {
     let outcome = Python::try_attach(|py| -> PyResult<String> {
-        let module = py.import(module)?;
-        module.call_method1(function, args)?.extract::<String>()
+        let had_threading = threading_imported(py);
+        let result = py.import(module).and_then(|m| m.call_method1(function, args)?.extract::<String>());
+        if !had_threading && threading_imported(py) {
+            // This probe thread imported threading first (user code in an
+            // eval, or a helper): it must not stay threading's main thread.
+            py.import("rankscope._probe.mainthread")?.call_method0("repair")?;
+        }
+        result
     });
     match outcome {
         None => Response::error(503, "the interpreter is shutting down"),
@@ -94,6 +100,10 @@ where
             Response::error(500, &format!("probe helper failed: {message}"))
         }
     }
+}
+
+fn threading_imported(py: Python<'_>) -> bool {
+    py.import("sys").and_then(|sys| sys.getattr("modules")?.contains("threading")).unwrap_or(false)
 }
 
 fn traceback_of(py: Python<'_>, err: &PyErr) -> String {

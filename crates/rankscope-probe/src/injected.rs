@@ -69,6 +69,7 @@ extern "C" fn run_pending(_: *mut c_void) -> c_int {
 
 const BOOTSTRAP: &CStr = c"
 import sys
+had_threading = 'threading' in sys.modules
 sys.path.insert(0, package_dir)
 try:
     import rankscope
@@ -78,9 +79,17 @@ finally:
         sys.path.remove(package_dir)
     except ValueError:
         pass
+    sys.path_importer_cache.pop(package_dir, None)
+    if not had_threading and 'threading' in sys.modules:
+        from rankscope._probe import mainthread
+        mainthread.repair()
+rankscope._native.publish()
 ";
 
-/// Imports and starts the probe. A failure goes to `<pid>.inject-error` in
+/// Imports and starts the probe, leaving `sys.path` (and its importer
+/// cache) as they were. Starting imports nothing outside rankscope, so
+/// `threading` never gets a probe thread for its main thread from here; the
+/// repair is for a probe that someday does. A failure goes to `<pid>.inject-error` in
 /// the endpoint directory, where the waiting CLI reads it; the target never
 /// sees an exception from here.
 fn bootstrap(py: Python<'_>, package_dir: &str) {

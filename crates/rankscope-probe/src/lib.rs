@@ -4,11 +4,13 @@
 //! Python state lives in plain Python (`rankscope._probe`), called from here
 //! with the GIL held only for the duration of that call.
 
+mod crash_hook;
 mod deadline;
 mod frame_trace;
 mod handler;
 mod injected;
 mod meta;
+mod registry;
 
 use std::sync::{Arc, Mutex};
 
@@ -67,8 +69,12 @@ fn start_server(python_version: &str, listen: Option<&str>) -> PyResult<Running>
     let meta = meta::collect(python_version, tcp_url);
     let meta_json = serde_json::to_string(&meta).map_err(|e| err(e.to_string()))?;
     handler.set_meta(meta_json.clone());
-    // Written last: its presence tells `rankscope list` the socket is ready.
-    write_meta_file(&dir, pid, &meta_json).map_err(err)?;
+    let token_file = server.tcp_addr().map(|_| paths::token_path(&dir, pid).display().to_string());
+    let socket = server.socket_path().display().to_string();
+    if let Err(e) = registry::register(&meta_json, &socket, token_file.as_deref()) {
+        // The probe answers anyway; only `cluster` commands miss this rank.
+        eprintln!("rankscope: not registered in the job: {e}");
+    }
     Ok(Running { server, handler, dir, pid })
 }
 
@@ -78,6 +84,18 @@ fn write_meta_file(dir: &std::path::Path, pid: u32, meta_json: &str) -> Result<(
     std::fs::write(&tmp, meta_json)
         .and_then(|_| std::fs::rename(&tmp, &meta_file))
         .map_err(|e| format!("cannot write {}: {e}", meta_file.display()))
+}
+
+/// Writes the metadata file next to the socket. Its presence tells
+/// `rankscope list` and a waiting `inject` that the probe is ready, so it
+/// comes last, once start-up (the inject's bootstrap included) has left the
+/// program's world as it was.
+#[pyfunction]
+fn publish() -> PyResult<()> {
+    let running = lock_running();
+    let Some(r) = running.as_ref() else { return Err(PyRuntimeError::new_err("the probe is not running")) };
+    let meta_json = r.handler.meta().unwrap_or_default();
+    write_meta_file(&r.dir, r.pid, &meta_json).map_err(PyRuntimeError::new_err)
 }
 
 /// The rank and world size as `torch.distributed` assigned them, once it is
@@ -94,6 +112,7 @@ fn set_rank(rank: i64, world_size: i64) -> PyResult<Option<String>> {
     let meta_json = meta.to_string();
     r.handler.set_meta(meta_json.clone());
     write_meta_file(&r.dir, r.pid, &meta_json).map_err(PyRuntimeError::new_err)?;
+    registry::update(&meta_json).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
     Ok(Some(meta_json))
 }
 
@@ -104,6 +123,7 @@ fn stop(py: Python<'_>) -> bool {
     let Some(running) = lock_running().take() else { return false };
     let Running { server, dir, pid, .. } = running;
     py.detach(move || {
+        registry::leave();
         server.stop();
         paths::remove_endpoint_files(&dir, pid);
     });
@@ -125,7 +145,27 @@ fn forget_after_fork() {
             std::mem::forget(r.server);
         }
     }
+    registry::forget_after_fork();
     deadline::forget_after_fork();
+}
+
+/// The crash recorder wrote a record: the registry entry ends as "crashed".
+#[pyfunction]
+fn mark_crashed() {
+    registry::mark_crashed();
+}
+
+/// Where this process's crash records, logs and registry entry go.
+#[pyfunction]
+fn run_dir() -> String {
+    rankscope_core::crash::run_dir().display().to_string()
+}
+
+/// Milliseconds since the Unix epoch, for file names (the probe does not
+/// import `time` into a program that has not).
+#[pyfunction]
+fn wall_ms() -> u64 {
+    (rankscope_core::host::now_seconds() * 1000.0) as u64
 }
 
 #[pyfunction]
@@ -149,5 +189,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(disarm_deadline, m)?)?;
     m.add_function(wrap_pyfunction!(frame_trace::trace_frames, m)?)?;
     m.add_function(wrap_pyfunction!(set_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(mark_crashed, m)?)?;
+    m.add_function(wrap_pyfunction!(publish, m)?)?;
+    m.add_function(wrap_pyfunction!(run_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(wall_ms, m)?)?;
+    m.add_function(wrap_pyfunction!(crash_hook::enable_crash_hook, m)?)?;
     Ok(())
 }

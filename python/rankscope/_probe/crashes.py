@@ -1,11 +1,13 @@
 """Crash records: uncaught exceptions written to disk with their locals.
 
-``install()`` wraps ``sys.excepthook`` and ``threading.excepthook``. The
-wrapper writes one self-contained JSON file into the run directory (tmp file,
-fsync, rename, fsync of the directory) *before* it calls the previous hook, so
-a hook that kills the process afterwards still leaves the record. Then the
-previous hook runs: the traceback on stderr and the exit code stay what they
-were. Nothing that goes wrong in here reaches the program: at most one line on
+An uncaught exception of the main thread arrives through the audit event
+``sys.excepthook`` (``on_uncaught``); those of other threads through a
+wrapped ``threading.excepthook`` when the probe started with the interpreter
+(``install_thread_hook``). One self-contained JSON file goes into the run
+directory (tmp file, fsync, rename, fsync of the directory) *before* the
+program's hook runs, so a hook that kills the process afterwards still
+leaves the record. Then the program's hook runs: the traceback on stderr and
+the exit code stay what they were. Nothing that goes wrong in here reaches the program: at most one line on
 stderr. ``KeyboardInterrupt`` is recorded too (a Ctrl-C'd hang is often what
 one wants to look at); ``SystemExit`` never reaches these hooks.
 
@@ -15,7 +17,6 @@ directory (``run_dir()``) must stay the same as this one.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import linecache
 import os
@@ -35,19 +36,15 @@ _MARK = "__rankscope_recorded__"
 
 _installed = False
 _crashed = False
-_previous_excepthook = None
 _previous_threading_excepthook = None
-# faulthandler writes to this file object's descriptor: it must stay open.
-_native_log = None
 
 
 def run_dir() -> str:
-    """RANKSCOPE_RUN_DIR, else ~/.local/state/rankscope/runs/<job>."""
-    explicit = os.environ.get("RANKSCOPE_RUN_DIR")
-    if explicit:
-        return explicit
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
-    return os.path.join(os.path.expanduser("~"), ".local", "state", "rankscope", "runs", job)
+    """RANKSCOPE_RUN_DIR, else ~/.local/state/rankscope/runs/<job>: the
+    probe's and the CLI's idea of it come from the same Rust function."""
+    from rankscope import _native
+
+    return _native.run_dir()
 
 
 def _rank() -> int:
@@ -211,6 +208,9 @@ def record(exc: BaseException, source: str, thread_name: str | None = None) -> s
         rec = build_record(exc, source, thread_name)
         global _crashed
         _crashed = True
+        from rankscope import _native
+
+        _native.mark_crashed()
         name = f"crash-{int(rec['time'] * 1000)}-rank{rec['rank']}-pid{rec['pid']}.json"
         data = json.dumps(rec, ensure_ascii=False, default=str).encode("utf-8", "backslashreplace")
         return _write_atomically(run_dir(), name, data)
@@ -227,14 +227,6 @@ def crashed() -> bool:
     return _crashed
 
 
-def _excepthook(exc_type, exc, tb):
-    if exc is not None:
-        record(exc, "excepthook")
-        post_mortem(exc)
-    previous = _previous_excepthook or sys.__excepthook__
-    previous(exc_type, exc, tb)
-
-
 def _threading_excepthook(args):
     if args.exc_value is not None and not issubclass(args.exc_type, SystemExit):
         name = args.thread.name if args.thread is not None else None
@@ -243,70 +235,26 @@ def _threading_excepthook(args):
     previous(args)
 
 
-def _close_native_log() -> None:
-    """At a clean exit: an empty native log means no native crash; drop it."""
-    global _native_log
-    log = _native_log
-    if log is None:
-        return
-    try:
-        if faulthandler.is_enabled():
-            faulthandler.disable()
-        _native_log = None
-        path = log.name
-        log.close()
-        if os.path.getsize(path) == 0:
-            os.unlink(path)
-    except Exception:  # noqa: BLE001
-        pass
+def on_uncaught(args) -> None:
+    """The audit event ``sys.excepthook``, raised by CPython just before it
+    calls the program's hook: ``(hook, type, value, traceback)``. The hook
+    itself is never replaced (``crash_hook.rs`` says why)."""
+    exc = args[2]
+    if isinstance(exc, BaseException) and not isinstance(exc, SystemExit):
+        if record(exc, "excepthook") is not None:
+            post_mortem(exc)
 
 
-def _enable_faulthandler() -> None:
-    global _native_log
-    if faulthandler.is_enabled():
-        return  # the user's own setup wins
-    directory = run_dir()
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    path = os.path.join(directory, f"native-{os.getpid()}.log")
-    if os.path.exists(path) and os.path.getsize(path) > 0:
-        # An earlier process with this PID crashed here: keep its log.
-        path = os.path.join(directory, f"native-{os.getpid()}-{int(time.time() * 1000)}.log")
-    log = open(path, "w")  # noqa: SIM115 - kept open on purpose
-    faulthandler.enable(file=log, all_threads=True)
-    _native_log = log
-    import atexit
-
-    atexit.register(_close_native_log)
-
-
-def _after_fork_in_child() -> None:
-    # The parent's native log belongs to the parent; the child gets its own.
-    global _native_log
-    if _native_log is None:
-        return
-    _native_log = None
-    try:
-        faulthandler.disable()
-        _enable_faulthandler()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def install() -> None:
-    """Wraps the exception hooks and turns on faulthandler (once)."""
-    global _installed, _previous_excepthook, _previous_threading_excepthook
+def install_thread_hook() -> None:
+    """Wraps ``threading.excepthook``, for a probe started with the
+    interpreter (``RANKSCOPE=1``), before the program has run: a probe
+    started later leaves the program's hooks as they are."""
+    global _installed, _previous_threading_excepthook
     if _installed:
         return
     _installed = True
-    _previous_excepthook = sys.excepthook
-    sys.excepthook = _excepthook
     _previous_threading_excepthook = threading.excepthook
     threading.excepthook = _threading_excepthook
-    try:
-        _enable_faulthandler()
-        os.register_at_fork(after_in_child=_after_fork_in_child)
-    except Exception as err:  # noqa: BLE001
-        sys.stderr.write(f"rankscope: native crash log not enabled: {err}\n")
 
 
 def post_mortem(exc: BaseException) -> None:

@@ -14,7 +14,6 @@ import itertools
 import json
 import linecache
 import sys
-import threading
 import traceback
 
 from rankscope import _native
@@ -49,7 +48,9 @@ class _Router:
 
 
 _captures: dict[int, tuple[io.StringIO, io.StringIO]] = {}
-_capture_lock = threading.Lock()
+# _thread, not threading: a probe thread must not be the first to import
+# threading (see mainthread.py).
+_capture_lock = _thread.allocate_lock()
 _saved_streams: tuple | None = None
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 import types
 
+from rankscope._probe import mainthread
 from rankscope._probe.saferepr import Budget, safe_repr, type_name
 
 MAX_LOCALS_PER_FRAME = 64
@@ -87,7 +88,7 @@ def collect(
     me = _thread.get_ident()
     current = sys._current_frames()
     known = {t.ident: t for t in threading.enumerate()} if threading else {}
-    main_ident = threading.main_thread().ident if threading else None
+    main_ident = threading.main_thread().ident if threading else mainthread.main_ident()
     wanted_fields = frozenset(fields.split(",")) if fields else None
     budget = Budget()
     threads = []
@@ -98,7 +99,8 @@ def collect(
         if thread_id is not None and ident != thread_id:
             continue
         thread = known.get(ident)
-        name = thread.name if thread is not None else ""
+        # A program that never imported threading still has a main thread.
+        name = thread.name if thread is not None else ("MainThread" if ident == main_ident else "")
         if thread_name is not None and name != thread_name:
             continue
         if count_only:

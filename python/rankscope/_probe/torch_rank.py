@@ -12,12 +12,8 @@ Nothing here imports torch: a finder that only watches waits for
 wraps `init_process_group` there before `torch.distributed` re-exports it.
 """
 
-from __future__ import annotations
-
-import functools
-import importlib.machinery
+import _thread
 import sys
-import threading
 
 _C10D = "torch.distributed.distributed_c10d"
 _assigned: tuple[int, int] | None = None
@@ -35,14 +31,14 @@ def _record() -> None:
         return
     _assigned = (dist.get_rank(), dist.get_world_size())
     from rankscope import _native
-    from rankscope._probe import registry
 
-    meta_json = _native.set_rank(*_assigned)
-    if meta_json is not None:
-        registry.update(meta_json)
+    # Also moves the registry entry to the file of its rank.
+    _native.set_rank(*_assigned)
 
 
 def _wrap(c10d) -> None:
+    import functools  # torch imported it already
+
     original = c10d.init_process_group
     if getattr(original, "__rankscope_wrapped__", False):
         return
@@ -67,14 +63,15 @@ class _WatchC10d:
     """Wraps init_process_group once the program imports c10d; never in the
     way of an import (re-entrancy guarded, any failure means "not mine")."""
 
-    _busy = threading.local()
+    _busy = _thread._local()
 
     def find_spec(self, name, path=None, target=None):
         if name != _C10D or getattr(self._busy, "active", False):
             return None
         self._busy.active = True
         try:
-            spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+            # importlib.machinery's PathFinder, without importing importlib.
+            spec = sys.modules["_frozen_importlib_external"].PathFinder.find_spec(name, path, target)
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return None
             original = spec.loader.exec_module
@@ -99,9 +96,15 @@ _finder = _WatchC10d()
 
 
 def watch() -> None:
+    """At start: follow torch.distributed if the program imported it."""
     c10d = sys.modules.get(_C10D)
     if c10d is not None:
         _wrap(c10d)
         _record()  # already initialised before the probe started (inject)
-    elif _finder not in sys.meta_path:
+
+
+def watch_imports() -> None:
+    """With the interpreter (RANKSCOPE=1): also catch the program's import
+    of c10d later. A probe started later leaves sys.meta_path alone."""
+    if _C10D not in sys.modules and _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)

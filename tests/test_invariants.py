@@ -1,0 +1,247 @@
+"""A probe must not change the program it is in.
+
+GIVEN a program that records what it can see of its world (the invariants
+below), WHEN a probe gets in (`rankscope inject`, with the main thread asleep
+in C or running bytecode; or `rankscope.start()` from a thread that is not
+the main one, then `stop()`), THEN the program sees the same world again:
+only rankscope's own modules are new. And a non-daemon thread that the
+program starts afterwards still finishes before the interpreter exits (the
+data-loss case of the field report).
+
+What is compared (docs/architecture.md, "What a probe leaves alone"):
+threading's main thread (the object, its ident, its name, current_thread()
+on the main thread) and every thread threading knows; the keys of
+sys.modules other than rankscope's; sys.path, its importer cache and
+sys.meta_path; every signal's Python handler, and the caught and ignored
+signal masks of the process except the fatal signals faulthandler takes for
+the native crash log and glibc's own; sys.excepthook, displayhook, breakpointhook,
+unraisablehook, threading.excepthook; sys.stdin/stdout/stderr;
+sys.gettrace() and getprofile(); sys.monitoring's tool ids; os.environ; the
+cwd; the umask; the recursion limit and the switch interval.
+"""
+
+import ast
+import os
+import tempfile
+
+import pytest
+
+TARGET = r"""
+import _signal
+import _thread
+import os
+import sys
+import time
+
+MODE, PRE, WORKDIR = sys.argv[1], sys.argv[2], sys.argv[3]
+if PRE == "threading":
+    import threading  # the program's own, before any probe
+
+# faulthandler (the native crash log) catches these; glibc keeps the
+# signals between 31 and SIGRTMIN for itself (thread cancellation, setxid).
+FATAL = {_signal.SIGSEGV, _signal.SIGFPE, _signal.SIGABRT, _signal.SIGBUS, _signal.SIGILL}
+GLIBC = set(range(32, _signal.SIGRTMIN))
+
+
+def signal_masks():
+    masks = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("SigCgt", "SigIgn"):
+                bits = int(value, 16)
+                masks[key] = sorted(n for n in range(1, 65) if bits >> (n - 1) & 1 and n not in FATAL | GLIBC)
+    return masks
+
+
+def snapshot():
+    threading = sys.modules.get("threading")
+    monitoring = getattr(sys, "monitoring", None)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    world = {
+        "modules": sorted(m for m in sys.modules if m != "rankscope" and not m.startswith("rankscope.")),
+        "path": list(sys.path),
+        "path_importer_cache": sorted(sys.path_importer_cache),
+        "meta_path": [repr(f) for f in sys.meta_path],
+        "signals": {int(s): repr(_signal.getsignal(s)) for s in _signal.valid_signals()},
+        "signal_masks": signal_masks(),
+        "hooks": [id(h) for h in (sys.excepthook, sys.displayhook, sys.breakpointhook, sys.unraisablehook)],
+        "streams": [id(s) for s in (sys.stdin, sys.stdout, sys.stderr)],
+        "trace": [repr(sys.gettrace()), repr(sys.getprofile())],
+        "monitoring": [monitoring.get_tool(i) for i in range(6)] if monitoring else None,
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+        "umask": umask,
+        "limits": [sys.getrecursionlimit(), sys.getswitchinterval()],
+    }
+    if threading is not None:
+        main = threading.main_thread()
+        world["main_thread"] = [id(main), main.ident, main.native_id, main.name, main.is_alive()]
+        world["current_is_main"] = threading.current_thread() is main
+        world["threads"] = sorted((t.ident, t.name, t.daemon) for t in threading.enumerate())
+        world["threading_excepthook"] = id(threading.excepthook)
+    return world
+
+
+def wait(name):
+    path = os.path.join(WORKDIR, name)
+    if MODE == "busy":
+        # Bytecode all the way: the inject's pending call runs between two of them.
+        n = 0
+        while True:
+            n += 1
+            if n % 20000 == 0 and os.path.exists(path):
+                return
+    else:
+        # Asleep in C: open() of a FIFO blocks until the test opens it to write.
+        fd = os.open(path, os.O_RDONLY)
+        os.read(fd, 16)
+        os.close(fd)
+
+
+def start_from_another_thread():
+    done = _thread.allocate_lock()
+    done.acquire()
+    failure = []
+
+    def run():
+        try:
+            rankscope.start()
+        except BaseException as exc:
+            failure.append(repr(exc))
+        finally:
+            done.release()
+
+    _thread.start_new_thread(run, ())
+    done.acquire()
+    assert not failure, failure
+
+
+if MODE == "start":
+    # The program's own import statement (it caches a finder for the
+    # script's folder); what is checked is what start() then does.
+    import rankscope
+before = snapshot()
+print("READY", flush=True)
+if MODE == "start":
+    start_from_another_thread()
+    print("STARTED", repr(snapshot()), flush=True)
+    wait("stopped")
+    rankscope.stop()
+else:
+    wait("injected")
+print("AFTER", repr(snapshot()), flush=True)
+print("BEFORE", repr(before), flush=True)
+wait("checked")
+
+# The program goes on as the field report's did: a non-daemon worker, then
+# main() returns. The interpreter must wait for the worker.
+import threading
+main = threading.main_thread()
+print("MAIN", repr([main.ident == _thread.get_ident(), threading.current_thread() is main, main.name, main.native_id == os.getpid()]), flush=True)
+
+def worker():
+    time.sleep(0.5)
+    print("WORKER DONE", flush=True)
+
+threading.Thread(target=worker).start()
+"""
+
+
+def _line(target, prefix: str):
+    line = target.wait_for_line(prefix + " ")
+    return ast.literal_eval(line[len(prefix) + 1 :])
+
+
+def _compare(before: dict, after: dict, label: str) -> None:
+    differs = {key: (before.get(key), after.get(key)) for key in before.keys() | after.keys() if before.get(key) != after.get(key)}
+    assert not differs, f"{label}: the program's world changed: {differs}"
+
+
+def _finish(target):
+    """The program exits by itself, and only after its non-daemon worker printed."""
+    out, err = target.proc.communicate(timeout=30)
+    out = "".join(target.output) + out.decode()
+    assert target.proc.returncode == 0, err.decode()
+    main = _line_from(out, "MAIN")
+    assert main == [True, True, "MainThread", True], f"threading's main thread is wrong after the probe: {main}"
+    assert "WORKER DONE" in out, f"the non-daemon worker was cut off at exit (data loss):\n{out}\n{err.decode()}"
+
+
+def _line_from(text: str, prefix: str):
+    for line in text.splitlines():
+        if line.startswith(prefix + " "):
+            return ast.literal_eval(line[len(prefix) + 1 :])
+    raise AssertionError(f"no {prefix} line in {text!r}")
+
+
+def _spawn_target(spawn, python, mode, pre, env=None):
+    # The FIFOs must exist before the program reaches them: the workdir is
+    # made here and handed over.
+    workdir = tempfile.mkdtemp(prefix="rs-inv-", dir="/tmp")
+    if mode != "busy":
+        for name in ("injected", "stopped", "checked"):
+            os.mkfifo(os.path.join(workdir, name))
+    target = spawn(python, TARGET, probe=False, args=[mode, pre, workdir], env=env)
+    target.workdir = workdir
+    return target
+
+
+def _release_in(target, name: str, mode: str) -> None:
+    path = os.path.join(target.workdir, name)
+    if mode == "busy":
+        open(path, "w").close()
+    else:
+        with open(path, "w") as fifo:
+            fifo.write("go\n")
+
+
+@pytest.mark.parametrize("pre", ["bare", "threading"])
+@pytest.mark.parametrize("mode", ["sleep", "busy"])
+def test_inject_leaves_the_programs_world_as_it_was(python, bare_venvs, spawn, cli, mode, pre):
+    """GIVEN a program that never heard of rankscope (its venv lacks it),
+    WHEN it is injected while its main thread sleeps in C or runs bytecode,
+    THEN it sees the same world, bt and python.threads name its real main
+    thread, and a non-daemon worker it starts afterwards finishes before exit."""
+    target = _spawn_target(spawn, bare_venvs(python), mode, pre)
+
+    result = cli("inject", target.pid)
+    assert result.returncode == 0, result.stderr
+
+    _release_in(target, "injected", mode)
+    after = _line(target, "AFTER")
+    before = _line(target, "BEFORE")
+    _compare(before, after, f"inject ({mode}, {pre})")
+    if pre == "bare":
+        assert "threading" not in after["modules"], "the probe imported threading into a program that had not"
+
+    # The probe answers, and knows which thread is the main one.
+    bt = cli(target.pid, "bt")
+    assert bt.returncode == 0, bt.stderr
+    assert "read from outside" not in bt.stderr
+    assert "MainThread" in bt.stdout, bt.stdout
+    threads = cli(target.pid, "query", "SELECT thread_name, is_main FROM python.threads WHERE is_main", "--format", "csv")
+    assert threads.returncode == 0, threads.stderr
+    assert "MainThread,true" in threads.stdout, threads.stdout
+
+    _release_in(target, "checked", mode)
+    _finish(target)
+
+
+def test_start_from_another_thread_then_stop_leaves_the_world_as_it_was(python, spawn):
+    """GIVEN a program that imported neither rankscope nor threading,
+    WHEN it calls rankscope.start() from a thread made with _thread, and
+    later stop() on its main thread, THEN it sees the same world after
+    each, and its non-daemon worker still finishes before exit."""
+    target = _spawn_target(spawn, python, "start", "bare")
+
+    started = _line(target, "STARTED")
+    _release_in(target, "stopped", "start")
+    after = _line(target, "AFTER")
+    before = _line(target, "BEFORE")
+    _compare(before, started, "start() from a non-main thread")
+    _compare(before, after, "stop()")
+
+    _release_in(target, "checked", "start")
+    _finish(target)
