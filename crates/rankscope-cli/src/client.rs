@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Result;
 use rankscope_core::http;
 use rankscope_core::paths;
-use rankscope_core::protocol::{EnvReply, EvalReply, EvalRequest, ProcessMeta, StacksQuery, StacksReply};
+use rankscope_core::protocol::{EnvReply, EvalInterrupt, EvalInterruptReply, EvalReply, EvalRequest, ProcessMeta, StacksQuery, StacksReply};
 use serde::de::DeserializeOwned;
 
 use crate::hint::Hinted;
@@ -18,11 +18,13 @@ use crate::hint::Hinted;
 /// Replies can be large (every frame's locals of many threads).
 const MAX_REPLY_BYTES: usize = 256 * 1024 * 1024;
 
+#[derive(Clone)]
 pub struct Probe {
     pub pid: u32,
     endpoint: Endpoint,
 }
 
+#[derive(Clone)]
 enum Endpoint {
     Unix(PathBuf),
     /// `host:port` and the bearer token the probe wrote for its clients.
@@ -60,8 +62,9 @@ impl Write for Stream {
     }
 }
 
-/// A one-word description of a PID for error messages: its command line.
-fn describe(pid: u32) -> String {
+/// A process's first words of its command line; `None` when it has none
+/// (a kernel thread) or is gone.
+pub fn command_line(pid: u32) -> Option<String> {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let words: Vec<String> = raw
         .split(|&b| b == 0)
@@ -69,10 +72,14 @@ fn describe(pid: u32) -> String {
         .take(4)
         .map(|w| String::from_utf8_lossy(w).into_owned())
         .collect();
-    if words.is_empty() {
-        format!("process {pid}")
-    } else {
-        format!("process {pid} ({})", words.join(" "))
+    (!words.is_empty()).then(|| words.join(" "))
+}
+
+/// A one-word description of a PID for error messages: its command line.
+pub fn describe(pid: u32) -> String {
+    match command_line(pid) {
+        Some(words) => format!("process {pid} ({words})"),
+        None => format!("process {pid}"),
     }
 }
 
@@ -249,5 +256,13 @@ impl Probe {
         let body = serde_json::to_vec(request)?;
         let wait = Duration::from_secs_f64(request.timeout_s + 2.0);
         self.request("POST", "/v1/eval", &body, wait)
+    }
+
+    /// Raises `KeyboardInterrupt` in the eval sent with this id, if it still
+    /// runs; false when it had already ended.
+    pub fn interrupt_eval(&self, id: &str, timeout: Duration) -> Result<bool> {
+        let body = serde_json::to_vec(&EvalInterrupt { id: id.to_string() })?;
+        let reply: EvalInterruptReply = self.request("POST", "/v1/eval/interrupt", &body, timeout)?;
+        Ok(reply.interrupted)
     }
 }

@@ -107,8 +107,9 @@ enum Command {
         #[arg(long)]
         run: Option<PathBuf>,
     },
-    /// Start the probe inside a running Python process that was started without it
+    /// Start the probe inside a running Python process that was started without it; on a launcher (torchrun), in each of its ranks
     Inject {
+        /// A Python process, or a launcher whose descendants carry RANK
         pid: u32,
         /// Seconds to wait for the probe to answer
         #[arg(long, default_value_t = 5.0)]
@@ -249,9 +250,9 @@ pub enum Action {
     },
     /// An interactive Python session inside the target
     Repl {
-        /// Interrupt each input after this many seconds
-        #[arg(long, default_value_t = 10.0)]
-        timeout: f64,
+        /// Interrupt each input after this many seconds [default: none; Ctrl-C interrupts]
+        #[arg(long)]
+        timeout: Option<f64>,
     },
     /// Breakpoints that record a snapshot (or a log line) and go on, or pause one thread
     Break {

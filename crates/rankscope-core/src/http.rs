@@ -113,13 +113,24 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
+/// One `read`, retried when a signal interrupted it: a socket with a read
+/// timeout returns EINTR even under `SA_RESTART` (the REPL catches SIGINT).
+fn read_some(stream: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        match stream.read(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
 /// Reads bytes until the blank line that ends a message head. Returns the
 /// head length and everything read so far (which may include body bytes).
 fn read_head(stream: &mut impl Read) -> Result<(usize, Vec<u8>), HttpError> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
     loop {
-        let n = stream.read(&mut chunk)?;
+        let n = read_some(stream, &mut chunk)?;
         if n == 0 {
             return Err(HttpError::Truncated);
         }
@@ -154,7 +165,7 @@ fn read_body(
     already.resize(length, 0);
     let mut filled = start;
     while filled < length {
-        let n = stream.read(&mut already[filled..])?;
+        let n = read_some(stream, &mut already[filled..])?;
         if n == 0 {
             return Err(HttpError::Truncated);
         }
@@ -253,6 +264,34 @@ pub fn read_response(stream: &mut impl Read, body_limit: usize) -> Result<Respon
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hands out a few bytes at a time, with an EINTR before each read.
+    struct Interrupting<'a> {
+        data: &'a [u8],
+        interrupt_next: bool,
+    }
+
+    impl Read for Interrupting<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.interrupt_next = !self.interrupt_next;
+            if !self.interrupt_next {
+                return Err(io::Error::from(io::ErrorKind::Interrupted));
+            }
+            let n = buf.len().min(self.data.len()).min(7);
+            buf[..n].copy_from_slice(&self.data[..n]);
+            self.data = &self.data[n..];
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_read_interrupted_by_a_signal_is_retried() {
+        let mut wire = Vec::new();
+        write_response(&mut wire, &Response::json(200, b"{\"interrupted\": true}".to_vec())).unwrap();
+        let mut stream = Interrupting { data: &wire, interrupt_next: true };
+        let response = read_response(&mut stream, 1024).unwrap();
+        assert_eq!((response.status, response.body.as_slice()), (200, b"{\"interrupted\": true}".as_slice()));
+    }
 
     #[test]
     fn request_round_trip_keeps_path_query_and_body() {

@@ -4,6 +4,7 @@
 //! - `GET  /v1/meta`             -> [`ProcessMeta`]
 //! - `GET  /v1/stacks[?locals]`  -> [`StacksReply`]
 //! - `POST /v1/eval`             [`EvalRequest`] -> [`EvalReply`]
+//! - `POST /v1/eval/interrupt`   [`EvalInterrupt`] -> [`EvalInterruptReply`]
 //! - `GET  /v1/env`              -> [`EnvReply`] (secret values masked by the probe)
 
 use serde::{Deserialize, Serialize};
@@ -158,6 +159,22 @@ pub struct EvalRequest {
     /// statement (what a REPL needs for multi-line input), and runs nothing.
     #[serde(default)]
     pub check_only: bool,
+    /// Names this eval for `POST /v1/eval/interrupt` (the REPL's Ctrl-C);
+    /// chosen by the client, unique enough among the evals running at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+}
+
+/// Raise `KeyboardInterrupt` in the thread that runs the eval named `id`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EvalInterrupt {
+    pub id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EvalInterruptReply {
+    /// False when no eval of that id runs (it has just ended, or never began).
+    pub interrupted: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -7,6 +7,13 @@
 //! in C (a `sleep`) is only interrupted when it returns to bytecode, which is
 //! why the CLI keeps its own deadline too.
 //!
+//! An armed eval may carry the client's id for it; [`interrupt`] (the REPL's
+//! Ctrl-C) raises `KeyboardInterrupt` in that eval's thread by the same road,
+//! so the same disarm withdraws it. Nothing wakes a C call sooner: outside
+//! the main thread CPython retries `sleep`, lock waits and `select` on EINTR
+//! without looking at async exceptions (measured on 3.11-3.13, with and
+//! without a signal sent to the thread), so no signal is sent.
+//!
 //! Lock order is always GIL, then `STATE`: `arm` and `disarm` are called from
 //! Python with the GIL held, and the watchdog drops `STATE` before it attaches.
 
@@ -21,6 +28,7 @@ struct Entry {
     deadline: Instant,
     exception: Py<PyAny>,
     fired: bool,
+    eval_id: Option<String>,
 }
 
 #[derive(Default)]
@@ -36,7 +44,7 @@ fn state() -> &'static (Mutex<State>, Condvar) {
 }
 
 /// Arms a deadline for the calling thread; returns a token for [`disarm`].
-pub fn arm(seconds: f64, exception: Py<PyAny>) -> u64 {
+pub fn arm(seconds: f64, exception: Py<PyAny>, eval_id: Option<String>) -> u64 {
     // SAFETY: plain query of the calling thread's id.
     let thread_ident = unsafe { pyo3::ffi::PyThread_get_thread_ident() };
     let (lock, wake) = state();
@@ -44,7 +52,7 @@ pub fn arm(seconds: f64, exception: Py<PyAny>) -> u64 {
     st.next_token += 1;
     let token = st.next_token;
     let deadline = Instant::now() + Duration::from_secs_f64(seconds.clamp(0.0, 86_400.0));
-    st.entries.insert(token, Entry { thread_ident, deadline, exception, fired: false });
+    st.entries.insert(token, Entry { thread_ident, deadline, exception, fired: false, eval_id });
     if !st.watchdog_started {
         let spawned = std::thread::Builder::new().name("rankscope-deadline".into()).spawn(watchdog);
         st.watchdog_started = spawned.is_ok();
@@ -68,6 +76,22 @@ pub fn disarm(token: u64) -> bool {
         }
         None => false,
     }
+}
+
+/// Raises `exception` now in the thread of the armed eval named `eval_id`;
+/// false when none is armed (it ended) or it was already interrupted.
+/// Called with the GIL held, as `SetAsyncExc` requires.
+pub fn interrupt(_py: Python<'_>, eval_id: &str, exception: &Bound<'_, PyAny>) -> bool {
+    let (lock, _) = state();
+    let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(entry) = st.entries.values_mut().find(|e| e.eval_id.as_deref() == Some(eval_id)) else { return false };
+    if entry.fired {
+        return false;
+    }
+    entry.fired = true;
+    // SAFETY: GIL held (the `_py` token); `exception` outlives the call.
+    unsafe { pyo3::ffi::PyThreadState_SetAsyncExc(entry.thread_ident as _, exception.as_ptr()) };
+    true
 }
 
 /// After fork the watchdog thread does not exist in the child.

@@ -4,7 +4,7 @@
 
 use pyo3::prelude::*;
 use rankscope_core::http::{Request, Response};
-use rankscope_core::protocol::{EnvReply, EnvVar, EvalRequest};
+use rankscope_core::protocol::{EnvReply, EnvVar, EvalInterrupt, EvalInterruptReply, EvalRequest};
 use rankscope_core::secrets;
 use rankscope_server::Handler;
 
@@ -43,15 +43,19 @@ impl Handler for ProbeHandler {
                 call_helper("rankscope._probe.stacks", "collect", (with_locals, count_only, max_depth, thread_name, thread_id, fields))
             }
             ("POST", "/v1/eval") => match serde_json::from_slice::<EvalRequest>(&request.body) {
-                Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only)),
+                Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only, eval.id)),
                 Err(e) => Response::error(400, &format!("bad eval request: {e}")),
+            },
+            ("POST", "/v1/eval/interrupt") => match serde_json::from_slice::<EvalInterrupt>(&request.body) {
+                Ok(which) => interrupt_eval(&which.id),
+                Err(e) => Response::error(400, &format!("bad interrupt request: {e}")),
             },
             ("GET", "/v1/job") => Response::json(200, crate::registry::job_entries()),
             ("POST", "/v1/breakpoints") => match std::str::from_utf8(&request.body) {
                 Ok(body) => call_helper("rankscope._probe.breakpoints", "handle", (body.to_string(),)),
                 Err(_) => Response::error(400, "a breakpoint request is JSON text"),
             },
-            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/breakpoints" | "/v1/job") => {
+            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt" | "/v1/breakpoints" | "/v1/job") => {
                 Response::error(405, &format!("{} is not allowed on {}", request.method, request.path))
             }
             _ => Response::error(404, &format!("no endpoint {}", request.path)),
@@ -72,6 +76,22 @@ fn env_reply() -> Response {
     match serde_json::to_vec(&EnvReply { vars }) {
         Ok(body) => Response::json(200, body),
         Err(e) => Response::error(500, &e.to_string()),
+    }
+}
+
+/// The REPL's Ctrl-C: `KeyboardInterrupt` in the eval's own thread only (it
+/// is a probe thread), never in the program's.
+fn interrupt_eval(eval_id: &str) -> Response {
+    let interrupted = Python::try_attach(|py| {
+        let exception = py.get_type::<pyo3::exceptions::PyKeyboardInterrupt>();
+        crate::deadline::interrupt(py, eval_id, exception.as_any())
+    });
+    match interrupted {
+        None => Response::error(503, "the interpreter is shutting down"),
+        Some(interrupted) => match serde_json::to_vec(&EvalInterruptReply { interrupted }) {
+            Ok(body) => Response::json(200, body),
+            Err(e) => Response::error(500, &e.to_string()),
+        },
     }
 }
 

@@ -169,8 +169,9 @@ fn wall_ms() -> u64 {
 }
 
 #[pyfunction]
-fn arm_deadline(seconds: f64, exception: Py<PyAny>) -> u64 {
-    deadline::arm(seconds, exception)
+#[pyo3(signature = (seconds, exception, eval_id=None))]
+fn arm_deadline(seconds: f64, exception: Py<PyAny>, eval_id: Option<String>) -> u64 {
+    deadline::arm(seconds, exception, eval_id)
 }
 
 #[pyfunction]

@@ -117,7 +117,7 @@ def _check(code: str) -> str:
     return json.dumps({"stdout": "", "stderr": "", "value": None, "error": None, "incomplete": incomplete})
 
 
-def run(code: str, timeout_s: float, check_only: bool = False) -> str:
+def run(code: str, timeout_s: float, check_only: bool = False, eval_id: str | None = None) -> str:
     if check_only:
         return _check(code)
     main = sys.modules.get("__main__")
@@ -128,7 +128,8 @@ def run(code: str, timeout_s: float, check_only: bool = False) -> str:
     token = None
     try:
         try:
-            token = _native.arm_deadline(timeout_s, EvalTimeout)
+            # eval_id lets POST /v1/eval/interrupt raise KeyboardInterrupt here.
+            token = _native.arm_deadline(timeout_s, EvalTimeout, eval_id)
             try:
                 has_value, value = _execute(code, filename, namespace)
                 if has_value and value is not None:

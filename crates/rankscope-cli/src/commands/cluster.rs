@@ -462,7 +462,7 @@ pub fn crashes(job: Option<&str>, run: Option<PathBuf>) -> Result<u8> {
 }
 
 pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: &str, timeout: f64) -> Result<u8> {
-    let request = EvalRequest { code: code.to_string(), timeout_s: timeout, check_only: false };
+    let request = EvalRequest { code: code.to_string(), timeout_s: timeout, check_only: false, id: None };
     each_rank(job, run, ranks, |probe| probe.eval(&request), |reply| crate::commands::print_eval(&reply))
 }
 

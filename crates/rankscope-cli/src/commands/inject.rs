@@ -1,5 +1,5 @@
 //! `rankscope inject PID`: start the probe inside a Python process that was
-//! started without it.
+//! started without it, or in every rank of a job given its launcher.
 //!
 //! The target's environment need not have rankscope: the package installed
 //! with this CLI is offered to it through a private directory holding only
@@ -7,14 +7,19 @@
 //! for the import and taken off again. Before 3.14 the probe library is
 //! loaded with ptrace (crate `rankscope-inject`); from 3.14 on, CPython's own
 //! `sys.remote_exec` runs the same bootstrap.
+//!
+//! A launcher (torchrun, or any parent without a rank whose descendants carry
+//! one in their environment) is not injected itself: its ranks are, each as
+//! one process would be, at once.
 
+use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use rankscope_core::paths;
-use rankscope_inject::InjectError;
+use rankscope_inject::{InjectError, PythonInfo};
 
 use crate::client::Probe;
 use crate::hint::Hinted;
@@ -22,31 +27,216 @@ use crate::hint::Hinted;
 pub fn run(pid: u32, timeout: f64) -> Result<u8> {
     let started = Instant::now();
     let timeout = Duration::from_secs_f64(timeout.max(0.1));
-    if let Some(probe) = Probe::find(pid)? {
-        if probe.meta(Duration::from_secs(1)).is_ok() {
-            println!("process {pid} already has a rankscope probe; nothing to do");
-            return Ok(0);
+    if !paths::pid_alive(pid) {
+        return Err(explain(pid, InjectError::NoProcess(pid)));
+    }
+    if rank_in_environment(pid).is_none() {
+        let tree = Tree::read();
+        if let Some(job) = job_below(pid, &tree) {
+            return inject_job(pid, job, started, timeout);
         }
     }
-    let python = rankscope_inject::python_in(pid).map_err(|e| explain(pid, e))?;
-    let package = package_dir()?;
-    let stage = stage(&package)?;
-    let library = native_library(&stage.join("rankscope"))?;
-    let dir = paths::endpoint_dir();
-    let _ = std::fs::remove_file(paths::inject_error_path(&dir, pid));
-
-    if python.minor() >= (3, 14) {
-        remote_exec(pid, &stage)?;
-    } else {
-        rankscope_inject::load_probe(pid, &library, &stage, timeout).map_err(|e| explain(pid, e))?;
+    if already_probed(pid) {
+        println!("process {pid} already has a rankscope probe; nothing to do");
+        return Ok(0);
     }
-    wait_until_ready(pid, &dir, started + timeout)?;
+    let python = rankscope_inject::python_in(pid).map_err(|e| explain(pid, e))?;
+    let stage = Stage::prepare()?;
+    stage.inject(pid, &python, started + timeout, timeout)?;
     println!(
         "probe started in process {pid} (Python {}) in {} ms; try `rankscope {pid} bt`",
         python.version,
         started.elapsed().as_millis()
     );
     Ok(0)
+}
+
+fn already_probed(pid: u32) -> bool {
+    matches!(Probe::find(pid), Ok(Some(probe)) if probe.meta(Duration::from_secs(1)).is_ok())
+}
+
+/// What the CLI offers a target: the staging directory and the probe library in it.
+struct Stage {
+    dir: PathBuf,
+    library: PathBuf,
+    endpoints: PathBuf,
+}
+
+impl Stage {
+    fn prepare() -> Result<Stage> {
+        let package = package_dir()?;
+        let dir = stage(&package)?;
+        let library = native_library(&dir.join("rankscope"))?;
+        Ok(Stage { dir, library, endpoints: paths::endpoint_dir() })
+    }
+
+    /// Loads the probe into `pid` and waits until it answers (its metadata
+    /// file is written last). Safe to run for several processes at once.
+    fn inject(&self, pid: u32, python: &PythonInfo, deadline: Instant, timeout: Duration) -> Result<()> {
+        let _ = std::fs::remove_file(paths::inject_error_path(&self.endpoints, pid));
+        if python.minor() >= (3, 14) {
+            remote_exec(pid, &self.dir)?;
+        } else {
+            rankscope_inject::load_probe(pid, &self.library, &self.dir, timeout).map_err(|e| explain(pid, e))?;
+        }
+        wait_until_ready(pid, &self.endpoints, deadline)
+    }
+}
+
+/// The launcher variables that give a process its global rank. SLURM's are
+/// left out: `srun torchrun` gives the launcher itself SLURM_PROCID.
+const RANK_VARIABLES: [&str; 3] = ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
+
+/// The rank in a process's initial environment (`/proc/PID/environ`), if it
+/// carries one; `None` too when that file cannot be read.
+fn rank_in_environment(pid: u32) -> Option<i64> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let vars: BTreeMap<&[u8], &[u8]> = raw
+        .split(|&b| b == 0)
+        .filter_map(|entry| {
+            let eq = entry.iter().position(|&b| b == b'=')?;
+            Some((&entry[..eq], &entry[eq + 1..]))
+        })
+        .collect();
+    RANK_VARIABLES
+        .iter()
+        .find_map(|name| std::str::from_utf8(vars.get(name.as_bytes())?).ok()?.trim().parse().ok())
+}
+
+/// Parent to children, read once from `/proc/*/stat`.
+struct Tree {
+    children: BTreeMap<u32, Vec<u32>>,
+}
+
+impl Tree {
+    fn read() -> Tree {
+        let mut children: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            // The command name may hold spaces and parentheses: fields follow the last ')'.
+            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            if let Some(ppid) = ppid {
+                children.entry(ppid).or_default().push(pid);
+            }
+        }
+        Tree { children }
+    }
+
+    fn children(&self, pid: u32) -> &[u32] {
+        self.children.get(&pid).map(Vec::as_slice).unwrap_or_default()
+    }
+}
+
+/// A descendant of a launcher: a rank to inject, or why it is not one.
+struct Member {
+    pid: u32,
+    rank: Option<i64>,
+    found: Result<PythonInfo, Outcome>,
+}
+
+/// Every descendant of `launcher`, or `None` when none carries a rank (then
+/// `launcher` is injected as one process). A rank's own descendants
+/// (DataLoader workers, compile workers) inherit its environment; they are
+/// listed but are not ranks.
+fn job_below(launcher: u32, tree: &Tree) -> Option<Vec<Member>> {
+    let mut members = Vec::new();
+    // (pid, the rank process above it, if any)
+    let mut stack: Vec<(u32, Option<(u32, i64)>)> = tree.children(launcher).iter().rev().map(|&c| (c, None)).collect();
+    let mut any_rank = false;
+    while let Some((pid, above)) = stack.pop() {
+        let rank = rank_in_environment(pid);
+        any_rank |= rank.is_some();
+        let mut below = above;
+        let found = match (above, rank) {
+            (Some((owner, owner_rank)), _) => {
+                Err(Outcome::Skipped(format!("a child of rank {owner_rank} (pid {owner}), not a rank itself")))
+            }
+            (None, None) => Err(Outcome::Skipped("no rank in its environment".into())),
+            (None, Some(rank)) => match rankscope_inject::python_in(pid) {
+                Ok(python) => {
+                    below = Some((pid, rank));
+                    Ok(python)
+                }
+                Err(InjectError::NotPython(_)) => Err(Outcome::Skipped("not CPython".into())),
+                Err(err) => Err(Outcome::Failed(err.to_string())),
+            },
+        };
+        members.push(Member { pid, rank, found });
+        stack.extend(tree.children(pid).iter().rev().map(|&c| (c, below)));
+    }
+    any_rank.then_some(members)
+}
+
+fn inject_job(launcher: u32, members: Vec<Member>, started: Instant, timeout: Duration) -> Result<u8> {
+    println!("{} runs a job; injecting its ranks", crate::client::describe(launcher));
+    let stage = Stage::prepare()?;
+    let deadline = started + timeout;
+    // One thread per rank: each inject waits for its own probe to start (and
+    // ptrace ties a tracee to the thread that seized it).
+    let mut outcomes: Vec<(u32, Option<i64>, Outcome)> = std::thread::scope(|scope| {
+        let running: Vec<_> = members
+            .into_iter()
+            .map(|Member { pid, rank, found }| {
+                let outcome = match found {
+                    Ok(_) if already_probed(pid) => Err(Outcome::AlreadyProbed),
+                    Ok(python) => {
+                        let stage = &stage;
+                        Ok(scope.spawn(move || match stage.inject(pid, &python, deadline, timeout) {
+                            Ok(()) => Outcome::Injected { version: python.version.clone(), after: started.elapsed() },
+                            Err(err) => Outcome::Failed(super::first_line(&err)),
+                        }))
+                    }
+                    Err(done) => Err(done),
+                };
+                (pid, rank, outcome)
+            })
+            .collect();
+        running
+            .into_iter()
+            .map(|(pid, rank, outcome)| {
+                let outcome = match outcome {
+                    Ok(handle) => handle.join().unwrap_or_else(|_| Outcome::Failed("the inject thread panicked".into())),
+                    Err(done) => done,
+                };
+                (pid, rank, outcome)
+            })
+            .collect()
+    });
+    outcomes.sort_by_key(|(pid, rank, outcome)| (!matches!(outcome, Outcome::Injected { .. }), *rank, *pid));
+    let (mut injected, mut failed) = (0, 0);
+    for (pid, rank, outcome) in &outcomes {
+        let rank = rank.map(|r| format!("rank {r}")).unwrap_or_else(|| "-".into());
+        let what = match outcome {
+            Outcome::Injected { version, after } => {
+                injected += 1;
+                format!("injected (Python {version}, {} ms)", after.as_millis())
+            }
+            Outcome::AlreadyProbed => "skipped: already probed".into(),
+            Outcome::Skipped(why) => format!("skipped: {why}: {}", crate::client::command_line(*pid).unwrap_or_default()),
+            Outcome::Failed(why) => {
+                failed += 1;
+                format!("failed: {why}")
+            }
+        };
+        println!("  {rank:<8} pid {pid:<8} {what}");
+    }
+    println!("injected {injected} of {}; try `rankscope cluster list` or `rankscope cluster bt`", outcomes.len());
+    if failed > 0 {
+        return Err(Hinted::new(
+            format!("{failed} rank(s) of the job could not be injected (see above)"),
+            "`rankscope inject PID` on one of them says more; the other processes are unchanged",
+        )
+        .into());
+    }
+    Ok(0)
+}
+
+enum Outcome {
+    Injected { version: String, after: Duration },
+    AlreadyProbed,
+    Skipped(String),
+    Failed(String),
 }
 
 /// The installed `rankscope` package: `RANKSCOPE_PACKAGE_DIR`, else the
@@ -174,7 +364,7 @@ fn wait_until_ready(pid: u32, dir: &Path, deadline: Instant) -> Result<()> {
 fn explain(_pid: u32, err: InjectError) -> anyhow::Error {
     let hint = match &err {
         InjectError::NoProcess(_) => "`ps` or `rankscope list` show what is running".to_string(),
-        InjectError::NotPython(_) => "inject works on CPython processes; give the PID of the python process itself (not a shell or launcher around it)".into(),
+        InjectError::NotPython(_) => "inject works on CPython processes, and on a launcher (torchrun) whose children carry a rank; give the PID of the python process itself".into(),
         InjectError::TooOld { .. } => "start the program with RANKSCOPE=1 instead, or use a newer Python".into(),
         InjectError::Denied { tracer: Some(t), .. } => format!("detach the debugger or tracer (process {t}) and try again"),
         InjectError::Denied { .. } => crate::outside::permission_hint(),

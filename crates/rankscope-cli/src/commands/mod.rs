@@ -44,11 +44,13 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
                 (Some(code), None) => code,
                 (None, None) => unreachable!("clap requires one of them"),
             };
-            let reply = probe.eval(&EvalRequest { code, timeout_s: timeout, check_only: false })?;
+            let reply = probe.eval(&EvalRequest { code, timeout_s: timeout, check_only: false, id: None })?;
             Ok(print_eval(&reply))
         }
         Action::Repl { timeout } => {
-            seconds(timeout, "--timeout")?;
+            if let Some(timeout) = timeout {
+                seconds(timeout, "--timeout")?;
+            }
             repl::run(&probe, timeout)
         }
         Action::Query { sql, native, format } => query::run(probe, &sql, native, format),
