@@ -151,7 +151,11 @@ def test_cluster_break_sets_breakpoints_per_rank(job, cli):
     listing = cli("cluster", "break", "list", "--run", run)
     # Rank 3's went at --max; ranks 0 and 2 never had one; rank 1's condition never held.
     assert listing.stdout.count("No breakpoints.") == 3
-    assert f"== rank 1 (pid {targets[1].pid})\n  1  {targets[1].script}:{peers}  passes" in listing.stdout
+    rank1 = listing.stdout.split(f"== rank 1 (pid {targets[1].pid})\n", 1)[1].splitlines()
+    assert rank1[0].split() == ["ID", "WHERE", "PASSES", "HITS", "DETAILS"]
+    assert rank1[1].split()[:2] == ["1", f"{targets[1].script}:{peers}"] and "if RANK_VALUE == 3" in rank1[1]
+    [as_json] = [r for r in json.loads(cli("cluster", "break", "list", "--run", run, "--format", "json").stdout) if r["rank"] == 1]
+    assert as_json["pid"] == targets[1].pid and [bp["id"] for bp in as_json["breakpoints"]] == [1]
     bad = cli("cluster", "break", "add", "target.py:peers_nowhere", "--run", run, "--ranks", "0")
     assert bad.returncode == 1 and "no function 'peers_nowhere'" in bad.stdout
 
@@ -273,3 +277,52 @@ def test_cluster_crashes_lists_the_jobs_crashes_by_rank(default_python, spawn, c
     assert crashes.returncode == 0, crashes.stderr
     assert f"job {job_id}: crashes recorded in {run}" in crashes.stdout
     assert "RuntimeError: shape mismatch on rank 1" in crashes.stdout
+
+
+def _crash_and_finish(default_python, spawn, job_id, message, env):
+    """A three-rank job whose rank 1 raises `message`; the other ranks are
+    killed once it has: the job is over."""
+    source = CRASHING_RANK.replace("shape mismatch on rank 1", message)
+    targets = [
+        spawn(default_python, source, env={"RANK": str(r), "WORLD_SIZE": "3", "TORCHELASTIC_RUN_ID": job_id, **env})
+        for r in range(3)
+    ]
+    assert targets[1].proc.wait(timeout=30) == 1
+    for target in targets:
+        target.kill()
+
+
+def test_cluster_crashes_after_the_job_ended_shows_the_last_job(default_python, spawn, cli, tmp_path):
+    # One run directory for both jobs (a fixed RANKSCOPE_RUN_DIR): each job's own records only.
+    run = tmp_path / "run"
+    first, second = f"job-{uuid.uuid4().hex[:8]}", f"job-{uuid.uuid4().hex[:8]}"
+    _crash_and_finish(default_python, spawn, first, "first job broke", {"RANKSCOPE_RUN_DIR": str(run)})
+    _crash_and_finish(default_python, spawn, second, "second job broke", {"RANKSCOPE_RUN_DIR": str(run)})
+    assert "no running job found" in cli("cluster", "list", "--run", run).stderr
+
+    last = cli("cluster", "crashes", "--run", run)
+    assert last.returncode == 0, last.stderr
+    assert f"job {second}: crashes recorded in {run}" in last.stdout
+    assert "second job broke" in last.stdout and "first job broke" not in last.stdout
+    assert f"no job is running here; job {second} ran last" in last.stderr
+    picked = cli("cluster", "crashes", "--run", run, "--job", first)
+    assert picked.returncode == 0, picked.stderr
+    assert "first job broke" in picked.stdout and "second job broke" not in picked.stdout
+    [row] = json.loads(cli("cluster", "crashes", "--run", run, "--format", "json").stdout)
+    assert row["rank"] == 1 and row["message"] == "second job broke"
+
+    # The default run directories (one per job, under HOME): the newest job's.
+    home = tmp_path / "home"
+    home.mkdir()
+    at_home = {"HOME": str(home), "RANKSCOPE_RUN_DIR": ""}
+    third, fourth = f"job-{uuid.uuid4().hex[:8]}", f"job-{uuid.uuid4().hex[:8]}"
+    _crash_and_finish(default_python, spawn, third, "third job broke", at_home)
+    _crash_and_finish(default_python, spawn, fourth, "fourth job broke", at_home)
+    newest = cli("cluster", "crashes", env=at_home)
+    assert newest.returncode == 0, newest.stderr
+    assert f"job {fourth}: crashes recorded in {home}/.local/state/rankscope/runs/{fourth}" in newest.stdout
+    assert "fourth job broke" in newest.stdout and "third job broke" not in newest.stdout
+    older = cli("cluster", "crashes", "--job", third, env=at_home)
+    assert "third job broke" in older.stdout and "fourth job broke" not in older.stdout
+    listing = json.loads(cli("cluster", "list", "--job", third, "--format", "json", env=at_home).stdout)
+    assert [(r["rank"], r["state"]) for r in listing] == [(0, "dead"), (1, "crashed"), (2, "dead")]

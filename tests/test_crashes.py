@@ -487,3 +487,105 @@ def test_an_unwritable_run_dir_costs_one_line_and_nothing_else(python, endpoint_
     assert len(extra) >= 1 and all(line.startswith("rankscope: ") for line in extra), extra
     assert any("crash not recorded: NotADirectoryError" in line for line in extra), extra
     assert probed.stderr.endswith(plain.stderr)
+
+
+LIBRARY_CRASH = """
+import json
+
+def read_config(text):
+    settings = {"strict": True}
+    return json.loads(text)  # @call
+
+print("READY", flush=True)
+read_config("{not json")
+"""
+
+
+def test_the_location_is_the_users_frame_and_the_innermost_is_kept(python, cli, endpoint_dir, tmp_path):
+    _, script = run_target(python, LIBRARY_CRASH, tmp_path, endpoint_dir)
+    [record] = records(tmp_path)
+    innermost = record["exceptions"][-1]["frames"][-1]
+    # Raised in the standard library: the record keeps that frame as it was.
+    assert innermost["file"].endswith("json/decoder.py") and innermost["func"] != "read_config"
+    call = _line(LIBRARY_CRASH, "call")
+
+    listing = cli("crashes", "--run", tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    [row] = [l for l in listing.stdout.splitlines() if "JSONDecodeError" in l]
+    assert row.endswith(f"{script}:{call}"), row
+    assert "decoder.py" not in listing.stdout
+    [entry] = crashes_json(cli, tmp_path)
+    assert entry["location"] == f"{script}:{call}"
+    assert entry["innermost"] == f"{innermost['file']}:{innermost['lineno']}"
+
+    shown = cli("crashes", "show", "1", "--run", tmp_path).stdout
+    assert f'File "{innermost["file"]}", line {innermost["lineno"]}' in shown
+    assert shown.index("in read_config") < shown.index("decoder.py")
+
+    sql = "SELECT func, file, lineno, user_func, user_file, user_lineno FROM python.crashes"
+    result = cli("query", sql, "--run", tmp_path, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [
+        {
+            "func": innermost["func"],
+            "file": innermost["file"],
+            "lineno": innermost["lineno"],
+            "user_func": "read_config",
+            "user_file": str(script),
+            "user_lineno": call,
+        }
+    ]
+
+
+LAUNCHER = """
+import sys
+print("READY", flush=True)
+raise SystemError("the launcher's own exit") if len(sys.argv) > 1 else KeyError("user")
+"""
+
+
+def test_a_launchers_record_is_marked_and_left_out_by_default(python, cli, endpoint_dir, tmp_path):
+    """A process whose command line is torchrun's is a launcher, whatever its
+    environment says (RANK included): its record is marked, and left out of
+    `crashes` and python.crashes unless --all asks. Records of older probes
+    (no `launcher` field) are told by their missing rank and their argv."""
+    workdir = tempfile.mkdtemp(prefix="rs-target-", dir="/tmp")
+    run_target(python, LAUNCHER, tmp_path, endpoint_dir, workdir=workdir)  # the user's crash
+    launcher = Path(workdir) / "torchrun"
+    launcher.write_text(textwrap.dedent(LAUNCHER))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env.update(RANKSCOPE="1", RANKSCOPE_DIR=endpoint_dir, RANKSCOPE_RUN_DIR=str(tmp_path), RANK="0")
+    done = subprocess.run([python, str(launcher), "--nproc-per-node", "2"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "SystemError: the launcher's own exit" in done.stderr
+    user, marked = records(tmp_path)
+    assert user["launcher"] is False and user["rank"] == 0
+    assert marked["launcher"] is True and marked["rank"] is None
+
+    def check(rows_default, rows_all, table, table_all):
+        assert [r["type"] for r in rows_default] == ["KeyError"]
+        assert [(r["id"], r["type"], r["launcher"]) for r in rows_all] == [(1, "KeyError", False), (2, "SystemError", True)]
+        assert "KeyError" in table.stdout and "SystemError" not in table.stdout
+        assert "1 record of the job launcher (torchrun's own exit) left out; --all shows them" in table.stderr
+        [row] = [l for l in table_all.stdout.splitlines() if "SystemError" in l]
+        assert row.split()[:1] == ["2"] and " launcher " in row
+        sql = "SELECT id, launcher, exc_type FROM python.crashes ORDER BY id"
+        default = json.loads(cli("query", sql, "--run", tmp_path, "--format", "json").stdout)
+        assert default == [{"id": 1, "launcher": False, "exc_type": "KeyError"}]
+        everything = json.loads(cli("query", sql, "--run", tmp_path, "--all", "--format", "json").stdout)
+        assert everything == default + [{"id": 2, "launcher": True, "exc_type": "SystemError"}]
+
+    def listings():
+        rows_default = crashes_json(cli, tmp_path)
+        rows_all = json.loads(cli("crashes", "--all", "--format", "json", "--run", tmp_path).stdout)
+        return rows_default, rows_all, cli("crashes", "--run", tmp_path), cli("crashes", "--all", "--run", tmp_path)
+
+    check(*listings())
+    shown = cli("crashes", "show", "2", "--run", tmp_path).stdout
+    assert "Crash 2 of 2: the job launcher (torchrun's own process, not a rank)" in shown
+
+    # What an older probe wrote: no field, no rank, the launcher's argv.
+    [path] = [p for p in sorted(tmp_path.glob("crash-*.json")) if json.loads(p.read_text())["launcher"]]
+    old = json.loads(path.read_text())
+    del old["launcher"]
+    path.write_text(json.dumps(old))
+    check(*listings())

@@ -3,6 +3,7 @@ crashing. Skipped when torch is not installed."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,12 +58,71 @@ def test_the_crashing_rank_is_recorded_with_its_rank(torchrun, cli, tmp_path):
     rows = json.loads(result.stdout)
     [row] = [r for r in rows if r["rank"] == 1]
     assert row["exc_type"] == "RuntimeError" and "size of tensor" in row["message"] and row["func"] == "<module>"
-    # torchrun's own process records the echo of it, without a rank.
-    [launcher] = [r for r in rows if r["rank"] is None]
-    assert launcher["exc_type"].endswith("ChildFailedError")
+    # torchrun's own process records the echo of it, without a rank: that
+    # record is the launcher's, left out unless asked for.
+    # (rank 0 may record its barrier failing once rank 1 is gone: a rank's crash all the same)
+    assert None not in [r["rank"] for r in rows]
+    everything = json.loads(cli("query", sql.replace("func", "func, launcher"), "--all", "--run", tmp_path / "run", "--format", "json").stdout)
+    [launcher] = [r for r in everything if r["rank"] is None]
+    assert launcher["exc_type"].endswith("ChildFailedError") and launcher["launcher"] is True
+    listing = cli("crashes", "--run", tmp_path / "run")
+    assert "RuntimeError" in listing.stdout and "ChildFailedError" not in listing.stdout
+    assert "1 record of the job launcher" in listing.stderr
+    [marked] = [l for l in cli("crashes", "--all", "--run", tmp_path / "run").stdout.splitlines() if "ChildFailedError" in l]
+    assert " launcher " in marked
+    # The job is over: `cluster crashes` shows it all the same.
+    ended = cli("cluster", "crashes", "--run", tmp_path / "run")
+    assert ended.returncode == 0, ended.stderr
+    assert "RuntimeError" in ended.stdout and "ChildFailedError" not in ended.stdout
     shown = cli("crashes", "show", str(row["id"]), "--run", tmp_path / "run").stdout
     assert "step = 41" in shown
     assert "weights = Tensor(shape=[4], dtype=torch.float32, device=cpu, min=1, max=1, mean=1, nan=0, inf=0)" in shown
+
+
+WAIT = """
+import time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_launcher_stopped_with_sigterm_leaves_no_crash(default_python, endpoint_dir, cli, tmp_path):
+    """SIGTERM to torchrun is how a job is ended: torch raises its
+    SignalException in the launcher, which is no crash of the user's program."""
+    require_torch(default_python)
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT)
+    run = tmp_path / "run"
+    proc = launch_torchrun(default_python, script, 2, endpoint_dir, run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            listing = cli("cluster", "list", "--run", run, "--format", "json")
+            if listing.returncode == 0 and [r["state"] for r in json.loads(listing.stdout)] == ["running", "running"]:
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, listing.stdout + listing.stderr
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+        assert "SignalException" in proc.stderr.read()
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+    [row] = json.loads(cli("crashes", "--all", "--run", run, "--format", "json").stdout)
+    assert row["type"].endswith("SignalException") and row["launcher"] is True and row["rank"] is None
+    assert json.loads(cli("crashes", "--run", run, "--format", "json").stdout) == []
+    listing = cli("crashes", "--run", run)
+    assert listing.returncode == 0, listing.stderr
+    assert "No crashes recorded." in listing.stdout and "SignalException" not in listing.stdout
+    assert "1 record of the job launcher (torchrun's own exit) left out; --all shows them" in listing.stderr
+    ended = cli("cluster", "crashes", "--run", run)
+    assert ended.returncode == 0, ended.stderr
+    assert "No crashes recorded." in ended.stdout
+    assert "SignalException" in cli("cluster", "crashes", "--all", "--run", run).stdout
+    assert cli("query", "SELECT count(*) AS n FROM python.crashes", "--run", run, "--format", "json").stdout.strip() == '[{"n":0}]'
 
 
 def test_a_held_rank_is_debugged_by_rank_number(torchrun, cli, tmp_path):

@@ -8,6 +8,7 @@ mod commands;
 mod hint;
 mod outside;
 mod stacks_text;
+mod term;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -78,6 +79,9 @@ enum Command {
         /// The run directory [default: RANKSCOPE_RUN_DIR, else every job under ~/.local/state/rankscope/runs]
         #[arg(long)]
         run: Option<PathBuf>,
+        /// python.crashes keeps the job launcher's records too (launcher = true)
+        #[arg(long)]
+        all: bool,
         #[arg(long, value_enum, default_value = "table")]
         format: QueryFormat,
     },
@@ -120,6 +124,9 @@ enum Command {
         /// The run directory [default: RANKSCOPE_RUN_DIR, else every job under ~/.local/state/rankscope/runs]
         #[arg(long, global = true)]
         run: Option<PathBuf>,
+        /// Also the job launcher's records (torchrun's own exit: SIGTERM, a failed worker), marked `launcher`
+        #[arg(long)]
+        all: bool,
         #[arg(long, value_enum, default_value = "table", global = true)]
         format: ListFormat,
         #[command(subcommand)]
@@ -161,7 +168,10 @@ pub enum BreakAction {
         pause_timeout: Option<f64>,
     },
     /// The breakpoints set, with their pass and hit counts
-    List,
+    List {
+        #[arg(long, value_enum, default_value = "table")]
+        format: ListFormat,
+    },
     /// Remove one breakpoint
     Rm { id: u64 },
     /// Remove every breakpoint; the code runs as before
@@ -171,7 +181,10 @@ pub enum BreakAction {
 #[derive(Subcommand)]
 enum ClusterAction {
     /// The job's ranks: rank, local rank, host, pid, state, uptime
-    List,
+    List {
+        #[arg(long, value_enum, default_value = "table")]
+        format: ListFormat,
+    },
     /// Every rank's main-thread stack, identical stacks grouped, outliers marked
     Bt {
         /// Only these ranks (e.g. 0,2,4-7)
@@ -190,8 +203,14 @@ enum ClusterAction {
         #[arg(long = "eval-timeout", default_value_t = 10.0)]
         eval_timeout: f64,
     },
-    /// Crashes recorded by the job's ranks (the job's run directory)
-    Crashes,
+    /// Crashes recorded by the job's ranks [default job: the running one, else the one that ran last]
+    Crashes {
+        /// Also the job launcher's records (torchrun's own exit), marked `launcher`
+        #[arg(long)]
+        all: bool,
+        #[arg(long, value_enum, default_value = "table")]
+        format: ListFormat,
+    },
     /// Breakpoints on every rank (or --ranks) at once: add, list, rm, clear
     Break {
         /// Only these ranks (e.g. 2 or 0,4-7)
@@ -302,10 +321,10 @@ fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: 
     let deadline = std::time::Duration::from_secs_f64(timeout);
     let job = job.as_deref();
     match action {
-        ClusterAction::List => cluster::list(job, run, deadline),
+        ClusterAction::List { format } => cluster::list(job, run, deadline, format),
         ClusterAction::Bt { ranks, ignore_lines } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, deadline),
         ClusterAction::Eval { code, ranks, eval_timeout } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout),
-        ClusterAction::Crashes => cluster::crashes(job, run),
+        ClusterAction::Crashes { all, format } => cluster::crashes(job, run, all, format),
         ClusterAction::Break { ranks, action } => cluster::breakpoints(job, run, ranks.as_deref(), &action),
         ClusterAction::Query { sql, ranks, format } => cluster::query(job, run, ranks.as_deref(), &sql, format),
     }
@@ -338,13 +357,13 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::List { format } => commands::list::run(format),
         Command::Run { listen, command } => commands::run::run(listen, command),
-        Command::Query { sql, run, format } => commands::query::run_offline(run, &sql, format),
+        Command::Query { sql, run, all, format } => commands::query::run_offline(run, all, &sql, format),
         Command::Cluster { job, run, timeout, action } => run_cluster(job, run, timeout, action),
         Command::Debug { rank, pid, run } => commands::debug::run(rank, pid, run),
         Command::Inject { pid, timeout } => commands::inject::run(pid, timeout),
         Command::Demo { python } => commands::demo::run(python),
-        Command::Crashes { run, format, action } => match action {
-            None => commands::crashes::list(run, format),
+        Command::Crashes { run, all, format, action } => match action {
+            None => commands::crashes::list(run, format, &commands::crashes::Select { all, keep: None }),
             Some(CrashesAction::Show { id }) => commands::crashes::show(id, run, format),
         },
         Command::Pid { pid, action } => commands::on_pid(pid, action),

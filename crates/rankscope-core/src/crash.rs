@@ -64,6 +64,50 @@ pub struct CrashRecord {
     pub python_version: String,
     /// In the order Python prints them: the exception that went uncaught is last.
     pub exceptions: Vec<CrashException>,
+    /// Written by a job's launcher (torchrun's own process), not by the
+    /// user's program. Absent in records of older probes: see
+    /// [`CrashRecord::is_launcher`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launcher: Option<bool>,
+}
+
+/// Launchers' own processes: torchrun's console script, and the modules
+/// `python -m` runs for it (argv[0] is then the module's file).
+const LAUNCHER_SCRIPTS: [&str; 3] = ["torchrun", "torch/distributed/run.py", "torch/distributed/launch.py"];
+
+/// Whether `argv` is a job launcher's command line (torchrun and kin).
+pub fn launcher_argv(argv: &[String]) -> bool {
+    let Some(first) = argv.first() else { return false };
+    LAUNCHER_SCRIPTS
+        .iter()
+        .any(|script| first == script || first.ends_with(&format!("/{script}")))
+}
+
+/// Whether a frame's file is the user's own code: not an installed package
+/// (site-packages, dist-packages), not the standard library (`lib/pythonX.Y/`),
+/// not one of rankscope's own files, not a frozen module. Decided from the
+/// path alone, so records of any age, read on any machine, answer the same.
+pub fn is_user_file(file: &str) -> bool {
+    if file.starts_with("<frozen ") {
+        return false;
+    }
+    if file.contains("/site-packages/") || file.contains("/dist-packages/") {
+        return false;
+    }
+    if file.contains("/rankscope/_probe/") || file.ends_with("/rankscope/__init__.py") {
+        return false;
+    }
+    // The standard library: <prefix>/lib/pythonX.Y/<module>, on every POSIX layout.
+    let mut rest = file;
+    while let Some(at) = rest.find("/lib/python3.") {
+        let tail = &rest[at + "/lib/python3.".len()..];
+        let digits = tail.chars().take_while(char::is_ascii_digit).count();
+        if digits > 0 && tail[digits..].starts_with('/') {
+            return false;
+        }
+        rest = tail;
+    }
+    true
 }
 
 impl CrashRecord {
@@ -75,6 +119,21 @@ impl CrashRecord {
     /// Where the uncaught exception was raised: its innermost frame.
     pub fn location(&self) -> Option<&CrashFrame> {
         self.last_exception().and_then(|e| e.frames.last())
+    }
+
+    /// Where the user's eye looks: the innermost frame of the uncaught
+    /// exception that is in the user's own code ([`is_user_file`]), else the
+    /// innermost frame.
+    pub fn user_location(&self) -> Option<&CrashFrame> {
+        let frames = &self.last_exception()?.frames;
+        frames.iter().rev().find(|f| is_user_file(&f.file)).or_else(|| frames.last())
+    }
+
+    /// Written by a job's launcher, not by a rank of the user's program.
+    /// Records from probes older than the `launcher` field: no rank (those
+    /// probes wrote none only for the launcher) and a launcher's argv.
+    pub fn is_launcher(&self) -> bool {
+        self.launcher.unwrap_or_else(|| self.rank.is_none() && launcher_argv(&self.argv))
     }
 }
 
@@ -186,6 +245,54 @@ mod tests {
         assert_eq!(record.last_exception().unwrap().type_name, "ValueError");
         assert_eq!(record.location().unwrap().lineno, 9);
         assert_eq!(record.exceptions[0].frames[0].locals[0].repr, "[1, 2]");
+    }
+
+    #[test]
+    fn the_users_frame_is_the_innermost_outside_libraries() {
+        for library in [
+            "/usr/lib/python3.11/json/decoder.py",
+            "/home/u/.pyenv/versions/3.12.1/lib/python3.12/threading.py",
+            "/venv/lib/python3.11/site-packages/torch/cuda/__init__.py",
+            "/usr/lib/python3/dist-packages/numpy/core/fromnumeric.py",
+            "<frozen importlib._bootstrap>",
+            "/venv/lib/python3.11/site-packages/rankscope/_probe/torch_rank.py",
+            "/src/rankscope/python/rankscope/_probe/torch_rank.py",
+        ] {
+            assert!(!is_user_file(library), "{library}");
+        }
+        for user in ["/home/u/train.py", "/home/u/lib/python3x/mine.py", "/srv/lib/python3.11x/a.py", "t.py", "<stdin>"] {
+            assert!(is_user_file(user), "{user}");
+        }
+        let mut record: CrashRecord = serde_json::from_str(RECORD).unwrap();
+        record.exceptions[1].frames.push(CrashFrame {
+            func: "decode".into(),
+            qualname: "JSONDecoder.decode".into(),
+            file: "/usr/lib/python3.11/json/decoder.py".into(),
+            lineno: 337,
+            source: None,
+            locals: Vec::new(),
+        });
+        assert_eq!(record.location().unwrap().lineno, 337);
+        assert_eq!(record.user_location().unwrap().lineno, 9);
+    }
+
+    #[test]
+    fn launcher_records_are_told_by_their_field_else_by_rank_and_argv() {
+        let mut record: CrashRecord = serde_json::from_str(RECORD).unwrap();
+        assert!(!record.is_launcher());
+        record.rank = None;
+        record.argv = vec!["/venv/bin/torchrun".into(), "--nproc-per-node".into(), "2".into(), "train.py".into()];
+        assert!(record.is_launcher());
+        record.argv[0] = "/venv/lib/python3.11/site-packages/torch/distributed/run.py".into();
+        assert!(record.is_launcher());
+        record.launcher = Some(false);
+        assert!(!record.is_launcher());
+        record.launcher = None;
+        record.rank = Some(0);
+        assert!(!record.is_launcher(), "a rank is never the launcher");
+        record.rank = None;
+        record.argv = vec!["train.py".into()];
+        assert!(!record.is_launcher());
     }
 
     #[test]

@@ -118,10 +118,13 @@ pub const PROCESS_ENV: TableDef = TableDef {
 pub const CRASHES: TableDef = TableDef {
     schema: "python",
     name: "crashes",
-    description: "one row per crash recorded in the run directory (ts is when it happened); id is the one `rankscope crashes` shows",
+    description: "one row per crash recorded in the run directory (ts is when it happened); id is the one `rankscope crashes` shows; \
+        func/file/lineno: the innermost frame, user_*: the innermost in the user's own code; \
+        the job launcher's records (launcher = true) only with `rankscope query --all`",
     columns: &[
         col("id", Int64),
         col("kind", Utf8),
+        col("launcher", Bool),
         col("thread", Utf8),
         col("exc_type", Utf8),
         col("message", Utf8),
@@ -129,6 +132,9 @@ pub const CRASHES: TableDef = TableDef {
         col("file", Utf8),
         col("lineno", Int64),
         col("source_line", Utf8),
+        col("user_func", Utf8),
+        col("user_file", Utf8),
+        col("user_lineno", Int64),
         col("job", Utf8),
         col("path", Utf8),
     ],

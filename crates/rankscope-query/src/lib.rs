@@ -7,6 +7,7 @@
 
 mod arrow_rows;
 mod render;
+pub mod table;
 
 use std::fmt;
 use std::sync::Arc;
@@ -324,7 +325,7 @@ mod tests {
 
     fn query(sql: &str) -> Result<String, QueryError> {
         let (schema, batches) = run_sql(Arc::new(Fixed), sql)?;
-        render(&schema, &batches, OutputFormat::Csv)
+        render(&schema, &batches, OutputFormat::Csv, None)
     }
 
     #[test]
@@ -399,11 +400,11 @@ mod tests {
     fn a_count_reads_no_rows_and_filters_reach_the_source() {
         let source = Arc::new(Counting { seen: std::sync::Mutex::new(Vec::new()) });
         let (schema, batches) = run_sql(source.clone(), "SELECT rank, count(*) AS n FROM python.backtrace GROUP BY rank ORDER BY rank").unwrap();
-        assert_eq!(render(&schema, &batches, OutputFormat::Csv).unwrap(), "rank,n\n0,600000\n1,400000\n");
+        assert_eq!(render(&schema, &batches, OutputFormat::Csv, None).unwrap(), "rank,n\n0,600000\n1,400000\n");
         let (schema, batches) = run_sql(source.clone(), "SELECT count(*) AS n FROM python.backtrace").unwrap();
-        assert_eq!(render(&schema, &batches, OutputFormat::Csv).unwrap(), "n\n1000000\n");
+        assert_eq!(render(&schema, &batches, OutputFormat::Csv, None).unwrap(), "n\n1000000\n");
         let (schema, batches) = run_sql(source.clone(), "SELECT func FROM python.backtrace WHERE depth < 2 AND 'MainThread' = thread_name").unwrap();
-        assert_eq!(render(&schema, &batches, OutputFormat::Csv).unwrap(), "func\nf0\nf1\n");
+        assert_eq!(render(&schema, &batches, OutputFormat::Csv, None).unwrap(), "func\nf0\nf1\n");
         let seen = source.seen.lock().unwrap();
         assert_eq!(seen[0].columns, Some(vec!["rank"]));
         assert!(seen[1].columns.as_ref().is_some_and(Vec::is_empty));

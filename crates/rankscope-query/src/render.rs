@@ -3,6 +3,7 @@
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::arrow::record_batch::RecordBatch;
 
+use crate::table::{Align, Style, Table};
 use crate::QueryError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,13 +15,12 @@ pub enum OutputFormat {
     Json,
 }
 
-pub fn render(schema: &SchemaRef, batches: &[RecordBatch], format: OutputFormat) -> Result<String, QueryError> {
+/// The result as text; `width` (the terminal's) fits a table to it, cutting
+/// long cells with `…` (CSV and JSON are never cut).
+pub fn render(schema: &SchemaRef, batches: &[RecordBatch], format: OutputFormat, width: Option<usize>) -> Result<String, QueryError> {
     let err = |e: datafusion::arrow::error::ArrowError| QueryError::Render(e.to_string());
     match format {
-        OutputFormat::Table => {
-            let table = arrow::util::pretty::pretty_format_batches_with_schema(schema.clone(), batches).map_err(err)?;
-            Ok(format!("{table}\n"))
-        }
+        OutputFormat::Table => Ok(table(schema, batches).map_err(err)?.render(width)),
         OutputFormat::Csv => {
             let mut out = Vec::new();
             {
@@ -57,6 +57,19 @@ pub fn render(schema: &SchemaRef, batches: &[RecordBatch], format: OutputFormat)
             Ok(text)
         }
     }
+}
+
+fn table(schema: &SchemaRef, batches: &[RecordBatch]) -> Result<Table, datafusion::arrow::error::ArrowError> {
+    use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
+    let mut table = schema.fields().iter().fold(Table::new(Style::Boxed), |t, f| t.column(f.name().as_str(), Align::Left));
+    let options = FormatOptions::default().with_display_error(true);
+    for batch in batches {
+        let formatters = batch.columns().iter().map(|c| ArrayFormatter::try_new(c.as_ref(), &options)).collect::<Result<Vec<_>, _>>()?;
+        for row in 0..batch.num_rows() {
+            table.row(formatters.iter().map(|f| f.value(row).to_string()).collect());
+        }
+    }
+    Ok(table)
 }
 
 fn flat(schema: &SchemaRef) -> SchemaRef {

@@ -57,16 +57,23 @@ def _rank() -> int:
         return 0
 
 
+# A job launcher's own process: torchrun's console script, or the modules
+# `python -m` runs for it (argv[0] is then the module's file).
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+_LAUNCHER_SCRIPTS = (os.path.join("torch", "distributed", "run.py"), os.path.join("torch", "distributed", "launch.py"))
+
+
 def _is_launcher() -> bool:
-    """torchrun's own process (the elastic agent): it has no rank, and its
-    crash is the echo of a worker's."""
+    """torchrun's own process (the elastic agent) or torch.distributed.launch:
+    no rank, and its exit (a SIGTERM that ends the job, the echo of a worker's
+    failure) is no crash of the user's program. Its command line decides: a
+    worker never runs the launcher's module, and a RANK exported into the
+    launcher's environment (multi-node scripts do) does not make it a rank."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(spec, "name", None) in _LAUNCHER_MODULES:
+        return True
     argv0 = sys.argv[0] if sys.argv else ""
-    name = os.path.basename(argv0)
-    return "RANK" not in os.environ and (name == "torchrun" or argv0.endswith(os.path.join("torch", "distributed", "run.py")))
-
-
-def _record_rank() -> int | None:
-    return None if _is_launcher() else _rank()
+    return os.path.basename(argv0) == "torchrun" or argv0.endswith(_LAUNCHER_SCRIPTS)
 
 
 def _frames(tb, budget: Budget) -> tuple[list[dict], int]:
@@ -157,12 +164,14 @@ def build_record(exc: BaseException, source: str, thread_name: str | None = None
     now = time.time()
     if thread_name is None:
         thread_name = threading.current_thread().name
+    launcher = _is_launcher()
     return {
         "version": RECORD_VERSION,
         "source": source,
         "time": now,
         "host": socket.gethostname(),
-        "rank": _record_rank(),
+        "rank": None if launcher else _rank(),
+        "launcher": launcher,
         "pid": os.getpid(),
         "thread": thread_name,
         "argv": [str(a) for a in sys.argv],

@@ -1,8 +1,6 @@
 //! `rankscope PID break ...` and `rankscope PID snapshots`: breakpoints that
 //! record and go on, kept by the probe (`rankscope._probe.breakpoints`).
 
-use std::fmt::Write as _;
-
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -11,7 +9,9 @@ use serde_json::{json, Value};
 
 use crate::client::Probe;
 use crate::hint::Hinted;
-use crate::{BreakAction, BtFormat};
+use rankscope_query::table::{Align, Style, Table};
+
+use crate::{BreakAction, BtFormat, ListFormat};
 
 /// The probe request for a `break` action (the same for one process and
 /// for every rank of a job).
@@ -26,7 +26,7 @@ pub fn request_of(action: &BreakAction) -> Result<Value> {
                 "pause": pause, "pause_timeout": pause_timeout,
             })
         }
-        BreakAction::List => json!({"op": "list"}),
+        BreakAction::List { .. } => json!({"op": "list"}),
         BreakAction::Rm { id } => json!({"op": "rm", "id": id}),
         BreakAction::Clear => json!({"op": "clear"}),
     })
@@ -39,12 +39,22 @@ pub fn render(action: &BreakAction, reply: &Value) -> (Vec<String>, Vec<String>)
         BreakAction::Add { .. } => {
             vec![format!("breakpoint {} at {}:{}", reply["id"], reply["file"].as_str().unwrap_or("?"), reply["line"])]
         }
-        BreakAction::List => {
+        BreakAction::List { format: ListFormat::Json } => vec![serde_json::to_string_pretty(reply).unwrap_or_default()],
+        BreakAction::List { format: ListFormat::Table } => {
             let bps = reply.as_array().cloned().unwrap_or_default();
             if bps.is_empty() {
                 vec!["No breakpoints.".to_string()]
             } else {
-                bps.iter().map(describe).collect()
+                let mut table = Table::new(Style::Plain)
+                    .whole_column("ID", Align::Right)
+                    .column("WHERE", Align::Left)
+                    .whole_column("PASSES", Align::Right)
+                    .whole_column("HITS", Align::Right)
+                    .column("DETAILS", Align::Left);
+                for bp in &bps {
+                    table.row(describe(bp));
+                }
+                table.render(crate::term::width()).lines().map(str::to_string).collect()
             }
         }
         BreakAction::Rm { .. } => vec![format!("removed breakpoint {} ({} hits)", reply["id"], reply["hits"])],
@@ -65,29 +75,36 @@ pub fn run(probe: &Probe, action: BreakAction) -> Result<u8> {
     Ok(0)
 }
 
-fn describe(bp: &Value) -> String {
+/// A breakpoint's row: id, where, passes, hits, and the rest of its settings.
+fn describe(bp: &Value) -> Vec<String> {
     let place = match &bp["line"] {
         Value::String(function) => function.clone(),
         other => other.to_string(),
     };
     let kind = if bp["kind"] == "watch" { "watch " } else { "" };
-    let mut line = format!("{:>3}  {kind}{}:{place}  passes {} hits {}", bp["id"].to_string(), bp["file"].as_str().unwrap_or("?"), bp["passes"], bp["hits"]);
+    let mut details = Vec::new();
     for (key, label) in [("watch", "var"), ("tensor", "tensor"), ("condition", "if"), ("log", "log"), ("every", "every"), ("hit_from", "hit"), ("max", "max"), ("pause", "pause")] {
         if !bp[key].is_null() {
             let value = bp[key].as_str().map(str::to_string).unwrap_or_else(|| bp[key].to_string());
-            let _ = write!(line, "  {label} {value}");
+            details.push(format!("{label} {value}"));
         }
     }
     if bp["enabled"] == Value::Bool(false) {
-        line.push_str("  [disabled]");
+        details.push("[disabled]".to_string());
     }
     for thread in bp["paused"].as_array().into_iter().flatten() {
-        let _ = write!(line, "  [paused: thread {}]", thread.as_str().unwrap_or("?"));
+        details.push(format!("[paused: thread {}]", thread.as_str().unwrap_or("?")));
     }
     if let Some(note) = bp["note"].as_str() {
-        let _ = write!(line, "  ({note})");
+        details.push(format!("({note})"));
     }
-    line
+    vec![
+        bp["id"].to_string(),
+        format!("{kind}{}:{place}", bp["file"].as_str().unwrap_or("?")),
+        bp["passes"].to_string(),
+        bp["hits"].to_string(),
+        details.join("  "),
+    ]
 }
 
 pub fn watch(probe: &Probe, spec: &str, name: &str, tensor: bool) -> Result<u8> {

@@ -15,6 +15,7 @@ use anyhow::Result;
 use rankscope_core::protocol::{EvalRequest, ProcessMeta, StacksReply};
 use rankscope_core::tables::{Rows, TableDef};
 use rankscope_core::{crash, paths};
+use rankscope_query::table::{Align, Style, Table};
 use rankscope_query::{Fetched, RowSource, Scan};
 use serde::Deserialize;
 
@@ -38,6 +39,10 @@ struct RankEntry {
     /// through its live probe).
     #[serde(skip)]
     run_dir: Option<PathBuf>,
+    /// When its file last changed (seconds since the epoch): a rank rewrites
+    /// it as it exits, so the newest says which job ran last.
+    #[serde(skip)]
+    modified: f64,
 }
 
 pub struct Job {
@@ -45,6 +50,14 @@ pub struct Job {
     ranks: Vec<RankEntry>,
     /// Where the ranks registered: crash records live there too.
     run_dirs: Vec<PathBuf>,
+    /// Every process that registered as one of its ranks (a restarted rank's
+    /// earlier ones too).
+    pids: Vec<u32>,
+    /// From its first rank's start to its registry's last change.
+    span: (f64, f64),
+    /// The processes of other jobs registered in the same run directory (a
+    /// fixed RANKSCOPE_RUN_DIR): their records are not this job's.
+    others_pids: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -115,8 +128,9 @@ fn read_entries(dir: &std::path::Path, out: &mut Vec<RankEntry>) {
         if path.extension().and_then(|e| e.to_str()) != Some("json") {
             continue;
         }
-        if let Some(entry) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<RankEntry>(&b).ok()) {
+        if let Some(mut entry) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<RankEntry>(&b).ok()) {
             if entry.meta.job_id.is_some() || entry.meta.world_size > 1 {
+                entry.modified = super::crashes::mtime(&path);
                 out.push(entry);
             }
         }
@@ -147,9 +161,21 @@ fn job_at(addr: &str) -> Result<Job> {
     Ok(one_per_rank(id, entries))
 }
 
+/// Which job a command without `--job` means when no job runs here.
+#[derive(Clone, Copy, PartialEq)]
+enum NoneRunning {
+    Fail,
+    /// The job whose registry changed last: what ran last (`cluster crashes`).
+    Latest,
+}
+
 /// Finds the job: `--job ID` (or a rank's `host:port`), else the one job
 /// with a live rank here.
 pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
+    find_job_or(job, run, NoneRunning::Fail)
+}
+
+fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunning) -> Result<Job> {
     if let Some(addr) = job_address(job) {
         return job_at(addr);
     }
@@ -186,8 +212,18 @@ pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
                 .filter(|(_, ranks)| ranks.iter().any(|r| liveness(r, &here) == Liveness::Running))
                 .map(|(id, _)| id.clone())
                 .collect();
+            let latest = || {
+                jobs.iter()
+                    .max_by(|a, b| newest(a.1).total_cmp(&newest(b.1)))
+                    .map(|(id, _)| id.clone())
+            };
             match live.as_slice() {
                 [one] => jobs.remove_entry(one).expect("listed above"),
+                [] if none_running == NoneRunning::Latest && !jobs.is_empty() => {
+                    let id = latest().expect("jobs is not empty");
+                    eprintln!("note: no job is running here; job {id} ran last (--job ID picks another)");
+                    jobs.remove_entry(&id).expect("listed above")
+                }
                 [] => {
                     return Err(Hinted::new(
                         "no running job found on this machine",
@@ -206,10 +242,26 @@ pub fn find_job(job: Option<&str>, run: Option<PathBuf>) -> Result<Job> {
         }
     };
     let (id, ranks) = chosen;
-    Ok(one_per_rank(id, ranks))
+    let mut job = one_per_rank(id, ranks);
+    job.others_pids = jobs
+        .values()
+        .flatten()
+        .filter(|e| e.run_dir.as_ref().is_some_and(|d| job.run_dirs.contains(d)))
+        .map(|e| e.meta.pid)
+        .collect();
+    Ok(job)
+}
+
+/// When a job's registry last changed.
+fn newest(ranks: &[RankEntry]) -> f64 {
+    ranks.iter().map(|r| r.modified.max(r.meta.started_at)).fold(0.0, f64::max)
 }
 
 fn one_per_rank(id: String, mut ranks: Vec<RankEntry>) -> Job {
+    let mut pids: Vec<u32> = ranks.iter().map(|r| r.meta.pid).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    let span = (ranks.iter().map(|r| r.meta.started_at).fold(f64::INFINITY, f64::min), newest(&ranks));
     // One entry per rank: the registry and the endpoint directory describe
     // the same process twice; a restarted rank's newest process wins.
     ranks.sort_by(|a, b| {
@@ -237,7 +289,7 @@ fn one_per_rank(id: String, mut ranks: Vec<RankEntry>) -> Job {
     let mut job_run_dirs: Vec<PathBuf> = by_rank.values().filter_map(|e| e.run_dir.clone()).collect();
     job_run_dirs.sort();
     job_run_dirs.dedup();
-    Job { id, ranks: by_rank.into_values().collect(), run_dirs: job_run_dirs }
+    Job { id, ranks: by_rank.into_values().collect(), run_dirs: job_run_dirs, pids, span, others_pids: Vec::new() }
 }
 
 fn names(jobs: &BTreeMap<String, Vec<RankEntry>>) -> String {
@@ -322,7 +374,7 @@ fn probe_of(entry: &RankEntry) -> Result<Probe> {
     Probe::locate(entry.meta.pid)
 }
 
-pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration) -> Result<u8> {
+pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration, format: crate::ListFormat) -> Result<u8> {
     let job = find_job(job, run)?;
     let here = rankscope_core::host::hostname();
     let ranks: Vec<&RankEntry> = job.ranks.iter().collect();
@@ -336,14 +388,38 @@ pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration) -> Resu
         },
         other => other.word().to_string(),
     });
-    println!("job {} ({} ranks)", job.id, job.ranks.len());
-    println!("{:>5} {:>6} {:<16} {:>8}  {:<13} UPTIME", "RANK", "LOCAL", "HOST", "PID", "STATE");
     let now = rankscope_core::host::now_seconds();
-    for (entry, state) in job.ranks.iter().zip(states) {
-        let m = &entry.meta;
-        let uptime = if state == "running" || state == "unresponsive" { format!("{:.0}s", now - m.started_at) } else { "-".into() };
-        println!("{:>5} {:>6} {:<16} {:>8}  {:<13} {}", m.rank, m.local_rank, m.host, m.pid, state, uptime);
+    let uptime = |entry: &RankEntry, state: &str| (state == "running" || state == "unresponsive").then(|| now - entry.meta.started_at);
+    if let crate::ListFormat::Json = format {
+        let rows: Vec<serde_json::Value> = job
+            .ranks
+            .iter()
+            .zip(&states)
+            .map(|(entry, state)| {
+                let m = &entry.meta;
+                serde_json::json!({
+                    "job": job.id, "rank": m.rank, "local_rank": m.local_rank, "host": m.host, "pid": m.pid,
+                    "state": state, "uptime_s": uptime(entry, state.as_str()),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(0);
     }
+    println!("job {} ({} ranks)", job.id, job.ranks.len());
+    let mut table = Table::new(Style::Plain)
+        .whole_column("RANK", Align::Right)
+        .whole_column("LOCAL", Align::Right)
+        .column("HOST", Align::Left)
+        .whole_column("PID", Align::Right)
+        .whole_column("STATE", Align::Left)
+        .whole_column("UPTIME", Align::Left);
+    for (entry, state) in job.ranks.iter().zip(&states) {
+        let m = &entry.meta;
+        let uptime = uptime(entry, state.as_str()).map_or("-".into(), |s| format!("{s:.0}s"));
+        table.row(vec![m.rank.to_string(), m.local_rank.to_string(), m.host.clone(), m.pid.to_string(), state.clone(), uptime]);
+    }
+    crate::term::print(&table);
     Ok(0)
 }
 
@@ -440,14 +516,32 @@ pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_l
     Ok(0)
 }
 
+/// How long after its registry's last change a job's launcher may still
+/// write its record (it outlives its workers by a moment).
+const LAUNCHER_GRACE_S: f64 = 60.0;
+
 /// The crash records of the job's ranks, from the run directory they
-/// registered in.
-pub fn crashes(job: Option<&str>, run: Option<PathBuf>) -> Result<u8> {
-    let job = find_job(job, run)?;
+/// registered in: the running job's, else the one that ran last (crashes
+/// are asked for after a job ends), or `--job`'s.
+pub fn crashes(job: Option<&str>, run: Option<PathBuf>, all: bool, format: crate::ListFormat) -> Result<u8> {
+    let job = find_job_or(job, run, NoneRunning::Latest)?;
     match job.run_dirs.as_slice() {
         [dir] => {
-            println!("job {}: crashes recorded in {}", job.id, dir.display());
-            super::crashes::list(Some(dir.clone()), crate::ListFormat::Table)
+            let mut select = super::crashes::Select { all, keep: None };
+            if !job.others_pids.is_empty() {
+                // Other jobs' records lie here too: this job's are its ranks'
+                // (by PID), and those of no job's rank from while it ran (its launcher's).
+                let (pids, others, (start, end)) = (job.pids.clone(), job.others_pids.clone(), job.span);
+                select.keep = Some(Box::new(move |pid: Option<u32>, time: f64| match pid {
+                    Some(pid) if pids.contains(&pid) => true,
+                    Some(pid) if others.contains(&pid) => false,
+                    _ => time >= start && time <= end + LAUNCHER_GRACE_S,
+                }));
+            }
+            if matches!(format, crate::ListFormat::Table) {
+                println!("job {}: crashes recorded in {}", job.id, dir.display());
+            }
+            super::crashes::list(Some(dir.clone()), format, &select)
         }
         [] => Err(Hinted::new(
             format!("job {} has no registry in a run directory here", job.id),
@@ -467,9 +561,27 @@ pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: 
 }
 
 /// `cluster break ...`: the same breakpoint request to every rank (or
-/// `--ranks`), each answer under its rank.
+/// `--ranks`), each answer under its rank; `break list --format json`: one
+/// JSON array, an object per rank.
 pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: &crate::BreakAction) -> Result<u8> {
     let request = super::breakpoints::request_of(action)?;
+    if let crate::BreakAction::List { format: crate::ListFormat::Json } = action {
+        let job = find_job(job, run)?;
+        let answers = ask_ranks(&job, ranks, |probe| probe.breakpoints(&request))?;
+        let failed = answers.iter().any(|(_, answer)| answer.is_err());
+        let rows: Vec<serde_json::Value> = answers
+            .into_iter()
+            .map(|(entry, answer)| {
+                let (key, value) = match answer {
+                    Ok(reply) => ("breakpoints", reply),
+                    Err(why) => ("error", serde_json::Value::String(why)),
+                };
+                serde_json::json!({"rank": entry.meta.rank, "pid": entry.meta.pid, key: value})
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(u8::from(failed));
+    }
     each_rank(job, run, ranks, |probe| probe.breakpoints(&request), |reply| {
         let (lines, notes) = super::breakpoints::render(action, &reply);
         for line in notes.iter().chain(&lines) {
@@ -477,6 +589,22 @@ pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>,
         }
         0
     })
+}
+
+/// Asks every selected running rank in parallel; answers in rank order,
+/// each with why there is none.
+fn ask_ranks<'j, T: Send>(
+    job: &'j Job,
+    ranks: Option<&str>,
+    ask: impl Fn(&Probe) -> Result<T> + Sync,
+) -> Result<Vec<(&'j RankEntry, Result<T, String>)>> {
+    let selected = job.selected(ranks)?;
+    let here = rankscope_core::host::hostname();
+    let results = fan_out(&selected, |entry| match liveness(entry, &here) {
+        Liveness::Running => probe_of(entry).and_then(|p| ask(&p)).map_err(|e| format!("{e:#}")),
+        other => Err(other.word().to_string()),
+    });
+    Ok(selected.into_iter().zip(results).collect())
 }
 
 /// Asks every selected running rank in parallel and prints each answer (or
@@ -489,14 +617,8 @@ fn each_rank<T: Send>(
     show: impl Fn(T) -> u8,
 ) -> Result<u8> {
     let job = find_job(job, run)?;
-    let selected = job.selected(ranks)?;
-    let here = rankscope_core::host::hostname();
-    let results = fan_out(&selected, |entry| match liveness(entry, &here) {
-        Liveness::Running => probe_of(entry).and_then(|p| ask(&p)).map_err(|e| format!("{e:#}")),
-        other => Err(other.word().to_string()),
-    });
     let mut code = 0;
-    for (entry, result) in selected.iter().zip(results) {
+    for (entry, result) in ask_ranks(&job, ranks, ask)? {
         println!("== rank {} (pid {})", entry.meta.rank, entry.meta.pid);
         match result {
             Ok(reply) => code = code.max(show(reply)),

@@ -14,6 +14,8 @@ use rankscope_core::paths;
 use rankscope_core::tables::Rows;
 use serde_json::{json, Value};
 
+use rankscope_query::table::{Align, Style, Table};
+
 use crate::hint::Hinted;
 use crate::ListFormat;
 
@@ -45,6 +47,20 @@ impl Entry {
         }
     }
 
+    /// Written by a job's launcher (torchrun's exit), not by the user's program.
+    fn launcher(&self) -> bool {
+        matches!(&self.kind, Kind::Exception(r) if r.is_launcher())
+    }
+
+    /// The RANK column: the rank, `launcher`, or `?`.
+    fn rank_cell(&self) -> String {
+        if self.launcher() {
+            "launcher".to_string()
+        } else {
+            opt(self.rank())
+        }
+    }
+
     /// "Type: message" for an exception, "native crash: Fatal Python error: ..." otherwise.
     fn summary(&self) -> String {
         match &self.kind {
@@ -60,11 +76,36 @@ impl Entry {
         }
     }
 
+    /// Where the user looks first: the innermost frame in their own code.
     fn location(&self) -> String {
         match &self.kind {
-            Kind::Exception(r) => r.location().map(|f| format!("{}:{}", f.file, f.lineno)).unwrap_or_default(),
+            Kind::Exception(r) => r.user_location().map(|f| format!("{}:{}", f.file, f.lineno)).unwrap_or_default(),
             Kind::Native { text, .. } => native_location(text).unwrap_or_default(),
         }
+    }
+
+    /// Where it was raised (or crashed): the innermost frame, library or not.
+    fn innermost(&self) -> String {
+        match &self.kind {
+            Kind::Exception(r) => r.location().map(|f| format!("{}:{}", f.file, f.lineno)).unwrap_or_default(),
+            Kind::Native { text, .. } => native_frames(crashing_thread(text)).next().map(|(file, line)| place(file, line)).unwrap_or_default(),
+        }
+    }
+}
+
+/// Which entries a listing shows.
+#[derive(Default)]
+pub struct Select {
+    /// The launcher's records too (`--all`).
+    pub all: bool,
+    /// Only what one job left in a run directory other jobs share: see
+    /// `cluster crashes`. Called with (pid, time) of each entry.
+    pub keep: Option<Box<dyn Fn(Option<u32>, f64) -> bool>>,
+}
+
+impl Select {
+    fn wants(&self, entry: &Entry) -> bool {
+        (self.all || !entry.launcher()) && self.keep.as_ref().is_none_or(|keep| keep(entry.pid(), entry.time))
     }
 }
 
@@ -72,17 +113,47 @@ fn first_line(text: &str) -> &str {
     text.lines().next().unwrap_or_default()
 }
 
-/// The innermost Python frame faulthandler printed for the crashing thread:
-/// `  File "x.py", line 3 in f` -> `x.py:3`.
-fn native_location(text: &str) -> Option<String> {
-    let line = text.lines().find(|l| l.trim_start().starts_with("File \""))?;
-    let rest = line.trim_start().strip_prefix("File \"")?;
-    let (file, rest) = rest.split_once('"')?;
-    let number: String = rest.trim_start_matches(", line ").chars().take_while(char::is_ascii_digit).collect();
-    Some(if number.is_empty() { file.to_string() } else { format!("{file}:{number}") })
+/// The Python frames faulthandler printed, innermost first (the crashing
+/// thread's come first): `  File "x.py", line 3 in f` -> ("x.py", "3").
+fn native_frames(text: &str) -> impl Iterator<Item = (&str, &str)> {
+    text.lines().filter_map(|line| {
+        let rest = line.trim_start().strip_prefix("File \"")?;
+        let (file, rest) = rest.split_once('"')?;
+        let digits = rest.trim_start_matches(", line ");
+        Some((file, &digits[..digits.bytes().take_while(u8::is_ascii_digit).count()]))
+    })
 }
 
-fn mtime(path: &Path) -> f64 {
+/// The block of faulthandler's dump for the thread that crashed ("Current
+/// thread ..."), else the first block with frames.
+fn crashing_thread(text: &str) -> &str {
+    let mut blocks = text.split("\n\n");
+    blocks
+        .clone()
+        .find(|b| b.trim_start().starts_with("Current thread"))
+        .or_else(|| blocks.find(|b| b.contains("File \"")))
+        .unwrap_or(text)
+}
+
+fn place(file: &str, line: &str) -> String {
+    if line.is_empty() {
+        file.to_string()
+    } else {
+        format!("{file}:{line}")
+    }
+}
+
+/// The crashing thread's innermost frame in the user's own code, else its
+/// innermost frame.
+fn native_location(text: &str) -> Option<String> {
+    let mut frames = native_frames(crashing_thread(text)).peekable();
+    let innermost = *frames.peek()?;
+    let (file, line) = frames.find(|(file, _)| crash::is_user_file(file)).unwrap_or(innermost);
+    Some(place(file, line))
+}
+
+/// When `path` last changed, in seconds since the epoch (0 when unknown).
+pub(crate) fn mtime(path: &Path) -> f64 {
     std::fs::metadata(path)
         .and_then(|m| m.modified())
         .ok()
@@ -178,20 +249,27 @@ fn opt<T: ToString>(value: Option<T>) -> String {
     value.map(|v| v.to_string()).unwrap_or_else(|| "?".to_string())
 }
 
-/// `python.crashes`: every record of the run directories `rankscope crashes`
+/// `python.crashes`: the records of the run directories `rankscope crashes`
 /// reads, in its order (so `id` matches), optionally only those of `pid`.
-pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>) -> Result<Rows> {
+/// The launcher's records only with `launcher` (a PID named is read whole).
+pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>, launcher: bool) -> Result<Rows> {
     let (entries, _) = collect(run)?;
     let mut rows = Vec::new();
     for (i, e) in entries.iter().enumerate() {
-        if pid.is_some() && e.pid() != pid {
+        if (pid.is_some() && e.pid() != pid) || (e.launcher() && !launcher && pid.is_none()) {
             continue;
         }
         let micros = json!((e.time * 1e6).round() as i64);
+        let split = |location: &str| match location.rsplit_once(':') {
+            Some((file, line)) if line.parse::<i64>().is_ok() => (json!(file), json!(line.parse::<i64>().ok())),
+            _ if location.is_empty() => (Value::Null, Value::Null),
+            _ => (json!(location), Value::Null),
+        };
         let row = match &e.kind {
             Kind::Exception(r) => {
                 let exc = r.last_exception();
                 let frame = r.location();
+                let user = r.user_location();
                 vec![
                     json!(r.pid),
                     json!(r.rank),
@@ -199,6 +277,7 @@ pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>) -> Result<Rows> {
                     micros,
                     json!(i + 1),
                     json!("exception"),
+                    json!(e.launcher()),
                     json!(r.thread),
                     json!(exc.map(|x| x.type_name.clone())),
                     json!(exc.map(|x| x.message.clone())),
@@ -206,16 +285,16 @@ pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>) -> Result<Rows> {
                     json!(frame.map(|f| f.file.clone())),
                     json!(frame.map(|f| f.lineno)),
                     json!(frame.and_then(|f| f.source.clone())),
+                    json!(user.map(|f| f.func.clone())),
+                    json!(user.map(|f| f.file.clone())),
+                    json!(user.map(|f| f.lineno)),
                     json!(e.job),
                     json!(e.path.display().to_string()),
                 ]
             }
-            Kind::Native { pid, text } => {
-                let location = native_location(text);
-                let (file, lineno) = match location.as_deref().and_then(|l| l.rsplit_once(':')) {
-                    Some((file, line)) => (Some(file.to_string()), line.parse::<i64>().ok()),
-                    None => (location.clone(), None),
-                };
+            Kind::Native { pid, .. } => {
+                let (file, lineno) = split(&e.innermost());
+                let (user_file, user_lineno) = split(&e.location());
                 vec![
                     json!(pid),
                     Value::Null,
@@ -223,13 +302,17 @@ pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>) -> Result<Rows> {
                     micros,
                     json!(i + 1),
                     json!("native"),
+                    json!(false),
                     Value::Null,
                     Value::Null,
                     json!(e.summary()),
                     Value::Null,
-                    json!(file),
-                    json!(lineno),
+                    file,
+                    lineno,
                     Value::Null,
+                    Value::Null,
+                    user_file,
+                    user_lineno,
                     json!(e.job),
                     json!(e.path.display().to_string()),
                 ]
@@ -240,21 +323,25 @@ pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>) -> Result<Rows> {
     Ok(rows)
 }
 
-pub fn list(run: Option<PathBuf>, format: ListFormat) -> Result<u8> {
+pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result<u8> {
     let (entries, several) = collect(run)?;
+    // Ids are positions among every entry, launcher's included, so an id
+    // means the same with and without --all.
+    let shown: Vec<(usize, &Entry)> = entries.iter().enumerate().map(|(i, e)| (i + 1, e)).filter(|(_, e)| select.wants(e)).collect();
+    let hidden = entries.iter().filter(|e| e.launcher() && !select.all && select.keep.as_ref().is_none_or(|k| k(e.pid(), e.time))).count();
     match format {
         ListFormat::Json => {
-            let rows: Vec<_> = entries
+            let rows: Vec<_> = shown
                 .iter()
-                .enumerate()
-                .map(|(i, e)| {
+                .map(|&(id, e)| {
                     let (kind, record) = match &e.kind {
                         Kind::Exception(r) => ("exception", Some(r)),
                         Kind::Native { .. } => ("native", None),
                     };
                     json!({
-                        "id": i + 1,
+                        "id": id,
                         "kind": kind,
+                        "launcher": e.launcher(),
                         "time": e.time,
                         "rank": e.rank(),
                         "pid": e.pid(),
@@ -267,6 +354,7 @@ pub fn list(run: Option<PathBuf>, format: ListFormat) -> Result<u8> {
                             Kind::Native { .. } => Some(e.summary()),
                         },
                         "location": e.location(),
+                        "innermost": e.innermost(),
                         "job": e.job,
                         "path": e.path.display().to_string(),
                     })
@@ -275,26 +363,36 @@ pub fn list(run: Option<PathBuf>, format: ListFormat) -> Result<u8> {
             println!("{}", serde_json::to_string_pretty(&rows)?);
         }
         ListFormat::Table => {
-            if entries.is_empty() {
+            if shown.is_empty() {
                 println!("No crashes recorded.");
-                println!("hint: processes started with RANKSCOPE=1 (or rankscope.start()) record uncaught exceptions here");
-                return Ok(0);
-            }
-            let job_head = if several { format!("{:<14} ", "JOB") } else { String::new() };
-            println!("{:>3}  {:<19} {:>4} {:>8}  {job_head}{:<40} LOCATION", "ID", "TIME", "RANK", "PID", "EXCEPTION");
-            for (i, e) in entries.iter().enumerate() {
-                let job = if several { format!("{:<14} ", e.job) } else { String::new() };
-                println!(
-                    "{:>3}  {:<19} {:>4} {:>8}  {job}{:<40} {}",
-                    i + 1,
-                    local_time(e.time),
-                    opt(e.rank()),
-                    opt(e.pid()),
-                    e.summary(),
-                    e.location()
-                );
+                if hidden == 0 {
+                    println!("hint: processes started with RANKSCOPE=1 (or rankscope.start()) record uncaught exceptions here");
+                }
+            } else {
+                let mut table = Table::new(Style::Plain)
+                    .whole_column("ID", Align::Right)
+                    .whole_column("TIME", Align::Left)
+                    .whole_column("RANK", Align::Right)
+                    .whole_column("PID", Align::Right);
+                if several {
+                    table = table.column("JOB", Align::Left);
+                }
+                table = table.column("EXCEPTION", Align::Left).column("LOCATION", Align::Left);
+                for &(id, e) in &shown {
+                    let mut row = vec![id.to_string(), local_time(e.time), e.rank_cell(), opt(e.pid())];
+                    if several {
+                        row.push(e.job.clone());
+                    }
+                    row.extend([e.summary(), e.location()]);
+                    table.row(row);
+                }
+                crate::term::print(&table);
             }
         }
+    }
+    if hidden > 0 {
+        let records = if hidden == 1 { "1 record".to_string() } else { format!("{hidden} records") };
+        eprintln!("note: {records} of the job launcher (torchrun's own exit) left out; --all shows them");
     }
     Ok(0)
 }
@@ -341,8 +439,13 @@ fn render(id: usize, count: usize, record: &CrashRecord, path: &Path) -> String 
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "Crash {id} of {count}: rank {}, pid {} on {}, thread \"{}\" ({})",
-        record.rank.map(|r| r.to_string()).unwrap_or_else(|| "-".into()), record.pid, record.host, record.thread, record.source
+        "Crash {id} of {count}: {}, pid {} on {}, thread \"{}\" ({})",
+        if record.is_launcher() {
+            "the job launcher (torchrun's own process, not a rank)".to_string()
+        } else {
+            format!("rank {}", record.rank.map(|r| r.to_string()).unwrap_or_else(|| "-".into()))
+        },
+        record.pid, record.host, record.thread, record.source
     );
     let python = if record.python_version.is_empty() { String::new() } else { format!(", Python {}", record.python_version) };
     let _ = writeln!(out, "at {}{python}: {}", local_time(record.time), record.argv.join(" "));

@@ -7,6 +7,8 @@ use rankscope_core::paths;
 use rankscope_core::protocol::ProcessMeta;
 use serde_json::json;
 
+use rankscope_query::table::{Align, Style, Table};
+
 use crate::client::Probe;
 use crate::ListFormat;
 
@@ -103,7 +105,13 @@ pub fn run(format: ListFormat) -> Result<u8> {
                 println!("No probed Python processes on this machine.");
                 println!("hint: start one with `rankscope run -- python your_script.py` or RANKSCOPE=1");
             } else {
-                println!("{:<8} {:>4}  {:<12} {:>8}  {:<8} COMMAND", "PID", "RANK", "STATE", "UPTIME", "PYTHON");
+                let mut table = Table::new(Style::Plain)
+                    .whole_column("PID", Align::Left)
+                    .whole_column("RANK", Align::Right)
+                    .whole_column("STATE", Align::Left)
+                    .whole_column("UPTIME", Align::Right)
+                    .whole_column("PYTHON", Align::Left)
+                    .column("COMMAND", Align::Left);
                 for e in &entries {
                     let (rank, uptime, python, cmd) = match &e.meta {
                         Some(m) => (
@@ -115,8 +123,9 @@ pub fn run(format: ListFormat) -> Result<u8> {
                         None => ("?".into(), "?".into(), "?".into(), String::new()),
                     };
                     let state = if e.responsive { "ready" } else { "unresponsive" };
-                    println!("{:<8} {:>4}  {:<12} {:>8}  {:<8} {}", e.pid, rank, state, uptime, python, cmd);
+                    table.row(vec![e.pid.to_string(), rank, state.to_string(), uptime, python, cmd]);
                 }
+                crate::term::print(&table);
             }
         }
     }

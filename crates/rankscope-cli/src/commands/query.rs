@@ -102,7 +102,7 @@ impl RowSource for LiveProbe {
                 if !dir.is_dir() {
                     return Ok(Vec::new());
                 }
-                super::crashes::table_rows(Some(dir), Some(meta.pid)).map_err(|e| format!("{e:#}"))
+                super::crashes::table_rows(Some(dir), Some(meta.pid), true).map_err(|e| format!("{e:#}"))
             }
             _ => Err(format!("no rows for {}", table.qualified_name())),
         }
@@ -191,12 +191,14 @@ fn spilled_snapshots(run: Option<PathBuf>) -> Vec<serde_json::Value> {
 /// What is left on disk when no process is asked: the run directories.
 struct RunDirs {
     run: Option<PathBuf>,
+    /// python.crashes keeps the job launcher's records (`--all`).
+    all: bool,
 }
 
 impl RowSource for RunDirs {
     fn rows(&self, table: &TableDef) -> Result<Rows, String> {
         match (table.schema, table.name) {
-            ("python", "crashes") => super::crashes::table_rows(self.run.clone(), None).map_err(|e| format!("{e:#}")),
+            ("python", "crashes") => super::crashes::table_rows(self.run.clone(), None, self.all).map_err(|e| format!("{e:#}")),
             ("python", "snapshots") | ("python", "snapshot_locals") => {
                 Ok(snapshot_rows(table.name, None, &spilled_snapshots(self.run.clone())))
             }
@@ -209,8 +211,8 @@ impl RowSource for RunDirs {
 }
 
 /// `rankscope query SQL`: no process, only what the run directories hold.
-pub fn run_offline(run: Option<PathBuf>, sql: &str, format: QueryFormat) -> Result<u8> {
-    execute(Arc::new(RunDirs { run }), sql, format)
+pub fn run_offline(run: Option<PathBuf>, all: bool, sql: &str, format: QueryFormat) -> Result<u8> {
+    execute(Arc::new(RunDirs { run, all }), sql, format)
 }
 
 pub fn run(probe: Probe, sql: &str, native: bool, format: QueryFormat) -> Result<u8> {
@@ -234,7 +236,7 @@ pub fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Re
         QueryFormat::Csv => OutputFormat::Csv,
         QueryFormat::Json => OutputFormat::Json,
     };
-    let text = rankscope_query::render(&schema, &batches, format)?;
+    let text = rankscope_query::render(&schema, &batches, format, crate::term::width())?;
     print!("{text}");
     Ok(0)
 }
