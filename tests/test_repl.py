@@ -205,3 +205,15 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_ctrl_d_leaves(python, spawn, c
     terminal.write(b"\x04")
     assert terminal.proc.wait(timeout=10) == 0
     assert target.alive()
+
+
+def test_a_target_that_holds_the_gil_does_not_hang_the_prompt(default_python, spawn, repl):
+    target = spawn(default_python, "import ctypes\nprint('READY', flush=True)\nctypes.PyDLL(None).sleep(120)\n")
+    terminal = repl(target.pid)  # metadata is served without the GIL
+    started = time.monotonic()
+    terminal.write(b"1 + 1\r")
+    terminal.expect("did not answer")
+    terminal.expect(">>> ")
+    assert time.monotonic() - started < 15
+    terminal.write(b"\x04")
+    assert terminal.proc.wait(timeout=10) == 0

@@ -27,6 +27,7 @@ use crate::client::Probe;
 /// Without `--timeout`, an input runs until it ends or Ctrl-C stops it, as in
 /// Python's own REPL; the probe's watchdog accepts at most a day.
 const NO_TIMEOUT_S: f64 = 86_400.0;
+const CHECK_TIMEOUT_S: f64 = 3.0;
 /// How long an interrupted eval may take to answer before we say that it is
 /// blocked in C.
 const INTERRUPT_GRACE: Duration = Duration::from_millis(700);
@@ -61,7 +62,18 @@ pub fn run(probe: &Probe, timeout_s: Option<f64>) -> Result<u8> {
                     buffer.push('\n');
                 }
                 buffer.push_str(&line);
-                let check = probe.eval(&EvalRequest { code: buffer.clone(), timeout_s, check_only: true, id: None })?;
+                // Only codeop runs for this: a short wait, so that a target whose GIL
+                // is held cannot hang the prompt (Ctrl-C is caught here).
+                let check = EvalRequest { code: buffer.clone(), timeout_s: CHECK_TIMEOUT_S, check_only: true, id: None };
+                let check = match probe.eval(&check) {
+                    Ok(check) => check,
+                    Err(err) if !rankscope_core::paths::pid_alive(probe.pid) => return Err(err),
+                    Err(err) => {
+                        crate::hint::report(&err);
+                        buffer.clear();
+                        continue;
+                    }
+                };
                 if check.incomplete {
                     continue;
                 }
