@@ -12,12 +12,13 @@ mod stacks_text;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 const AFTER_HELP: &str = "\
 Commands on one process (PID first):
-  rankscope PID bt [--locals]        every thread's Python stack, innermost frame first
+  rankscope PID bt [--locals]        every thread's Python stack, innermost frame first (#N: the frame's number)
   rankscope PID eval CODE            run CODE in the target's __main__ and print the result
+  rankscope PID eval --frame N CODE  run CODE in frame N of the main thread (--thread T: another thread)
   rankscope PID repl                 an interactive session in the target
   rankscope PID query SQL            SQL over python.backtrace, python.threads, process.info, process.env
   rankscope PID break add FILE:LINE  a breakpoint that records a snapshot and goes on (--if, --log, --pause, ...)
@@ -132,6 +133,17 @@ enum Command {
     },
 }
 
+/// Where eval and repl run code: `__main__`, or a frame of a thread.
+#[derive(Args, Clone, Default)]
+pub struct FrameArgs {
+    /// Run in a frame of this thread: its name, its id as `bt` prints it (0x...), or its tid [default: the main thread]
+    #[arg(long)]
+    pub thread: Option<String>,
+    /// Run in this frame, with its locals and globals: its number in `bt` (#N; 0 = innermost) [default: 0 with --thread]
+    #[arg(long)]
+    pub frame: Option<u32>,
+}
+
 #[derive(Subcommand)]
 pub enum BreakAction {
     /// Set a breakpoint at FILE:LINE or FILE:FUNCTION (a file name or the end of its path; Class.method)
@@ -179,6 +191,9 @@ enum ClusterAction {
         /// Group stacks by function and file only
         #[arg(long)]
         ignore_lines: bool,
+        /// Also show rankscope's own frames (its wrappers and hooks)
+        #[arg(long)]
+        all_frames: bool,
     },
     /// Run Python code on every rank (or --ranks) and show each result under its rank
     Eval {
@@ -188,6 +203,8 @@ enum ClusterAction {
         /// Interrupt the code after this many seconds
         #[arg(long = "eval-timeout", default_value_t = 10.0)]
         eval_timeout: f64,
+        #[command(flatten)]
+        at: FrameArgs,
     },
     /// Crashes recorded by the job's ranks (the job's run directory)
     Crashes,
@@ -206,6 +223,9 @@ enum ClusterAction {
         ranks: Option<String>,
         #[arg(long, value_enum, default_value = "table")]
         format: QueryFormat,
+        /// python.backtrace keeps rankscope's own frames (and counts them in depth)
+        #[arg(long)]
+        all_frames: bool,
     },
 }
 
@@ -234,8 +254,11 @@ pub enum Action {
         /// outside the process instead [default: 1]
         #[arg(long)]
         timeout: Option<f64>,
+        /// Also show rankscope's own frames (its wrappers and hooks); they then count in the #N numbers
+        #[arg(long)]
+        all_frames: bool,
     },
-    /// Run Python code in the target's __main__ namespace
+    /// Run Python code in the target's __main__ namespace, or in a frame (--frame, --thread)
     Eval {
         /// The code; a trailing expression's repr is printed
         #[arg(required_unless_present = "file")]
@@ -246,12 +269,16 @@ pub enum Action {
         /// Interrupt the code after this many seconds
         #[arg(long, default_value_t = 10.0)]
         timeout: f64,
+        #[command(flatten)]
+        at: FrameArgs,
     },
     /// An interactive Python session inside the target
     Repl {
         /// Interrupt each input after this many seconds
         #[arg(long, default_value_t = 10.0)]
         timeout: f64,
+        #[command(flatten)]
+        at: FrameArgs,
     },
     /// Breakpoints that record a snapshot (or a log line) and go on, or pause one thread
     Break {
@@ -290,6 +317,9 @@ pub enum Action {
         native: bool,
         #[arg(long, value_enum, default_value = "table")]
         format: QueryFormat,
+        /// python.backtrace keeps rankscope's own frames (and counts them in depth)
+        #[arg(long)]
+        all_frames: bool,
     },
 }
 
@@ -302,11 +332,11 @@ fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: 
     let job = job.as_deref();
     match action {
         ClusterAction::List => cluster::list(job, run, deadline),
-        ClusterAction::Bt { ranks, ignore_lines } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, deadline),
-        ClusterAction::Eval { code, ranks, eval_timeout } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout),
+        ClusterAction::Bt { ranks, ignore_lines, all_frames } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, all_frames, deadline),
+        ClusterAction::Eval { code, ranks, eval_timeout, at } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout, at),
         ClusterAction::Crashes => cluster::crashes(job, run),
         ClusterAction::Break { ranks, action } => cluster::breakpoints(job, run, ranks.as_deref(), &action),
-        ClusterAction::Query { sql, ranks, format } => cluster::query(job, run, ranks.as_deref(), &sql, format),
+        ClusterAction::Query { sql, ranks, format, all_frames } => cluster::query(job, run, ranks.as_deref(), &sql, format, all_frames),
     }
 }
 
