@@ -2,7 +2,7 @@
 //!
 //! Endpoints (all under `/v1`):
 //! - `GET  /v1/meta`             -> [`ProcessMeta`]
-//! - `GET  /v1/stacks[?locals]`  -> [`StacksReply`]
+//! - `GET  /v1/stacks[?locals]`  -> [`StacksReply`] (see [`StacksQuery`] for what it may leave out)
 //! - `POST /v1/eval`             [`EvalRequest`] -> [`EvalReply`]
 //! - `GET  /v1/env`              -> [`EnvReply`] (secret values masked by the probe)
 

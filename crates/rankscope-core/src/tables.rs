@@ -59,7 +59,7 @@ impl TableDef {
 pub const BACKTRACE: TableDef = TableDef {
     schema: "python",
     name: "backtrace",
-    description: "one row per frame of every thread; depth 0 is the innermost frame",
+    description: "one row per frame of every thread; depth 0 is the innermost frame (rankscope's own frames are left out unless --all-frames)",
     columns: &[
         col("thread_id", Int64),
         col("native_id", Int64),
