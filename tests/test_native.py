@@ -30,8 +30,9 @@ def test_native_frames_are_merged_where_python_called_into_c(python, spawn, cli)
     out = native_or_skip(cli(target.pid, "bt", "--native")).stdout
     lines = [line.strip() for line in out.splitlines()]
     sleep = lines.index("[native] sleep in libc.so.6")
-    call = lines.index(f"stuck_in_c ({target.script}:{line_of(IN_C, 'call')})")
-    outer = lines.index(f"<module> ({target.script}:{line_of(IN_C, 'outer')})")
+    # Python frames carry the numbers `eval --frame` takes; native ones none.
+    call = lines.index(f"#0  stuck_in_c ({target.script}:{line_of(IN_C, 'call')})")
+    outer = lines.index(f"#1  <module> ({target.script}:{line_of(IN_C, 'outer')})")
     # Innermost first: libc's sleep, ctypes' C code, then the Python caller.
     assert sleep < call < outer
     between = lines[sleep + 1 : call]

@@ -222,8 +222,8 @@ impl Probe {
         Ok(meta)
     }
 
-    pub fn stacks(&self, with_locals: bool, timeout: Duration) -> Result<StacksReply> {
-        self.stacks_query(&StacksQuery { locals: with_locals, ..StacksQuery::default() }, timeout)
+    pub fn stacks(&self, with_locals: bool, all_frames: bool, timeout: Duration) -> Result<StacksReply> {
+        self.stacks_query(&StacksQuery { locals: with_locals, all_frames, ..StacksQuery::default() }, timeout)
     }
 
     pub fn stacks_query(&self, query: &StacksQuery, timeout: Duration) -> Result<StacksReply> {

@@ -13,12 +13,13 @@ mod term;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 const AFTER_HELP: &str = "\
 Commands on one process (PID first):
-  rankscope PID bt [--locals]        every thread's Python stack, innermost frame first
+  rankscope PID bt [--locals]        every thread's Python stack, innermost frame first (#N: the frame's number)
   rankscope PID eval CODE            run CODE in the target's __main__ and print the result
+  rankscope PID eval --frame N CODE  run CODE in frame N of the main thread (--thread T: another thread)
   rankscope PID repl                 an interactive session in the target
   rankscope PID query SQL            SQL over python.backtrace, python.threads, process.info, process.env
   rankscope PID break add FILE:LINE  a breakpoint that records a snapshot and goes on (--if, --log, --pause, ...)
@@ -140,6 +141,17 @@ enum Command {
     },
 }
 
+/// Where eval and repl run code: `__main__`, or a frame of a thread.
+#[derive(Args, Clone, Default)]
+pub struct FrameArgs {
+    /// Run in a frame of this thread: its name, its id as `bt` prints it (0x...), or its tid [default: the main thread]
+    #[arg(long)]
+    pub thread: Option<String>,
+    /// Run in this frame, with its locals and globals: its number in `bt` (#N; 0 = innermost) [default: 0 with --thread]
+    #[arg(long)]
+    pub frame: Option<u32>,
+}
+
 #[derive(Subcommand)]
 pub enum BreakAction {
     /// Set a breakpoint at FILE:LINE or FILE:FUNCTION (a file name or the end of its path; Class.method)
@@ -193,6 +205,9 @@ enum ClusterAction {
         /// Group stacks by function and file only
         #[arg(long)]
         ignore_lines: bool,
+        /// Also show rankscope's own frames (its wrappers and hooks)
+        #[arg(long)]
+        all_frames: bool,
     },
     /// Run Python code on every rank (or --ranks) and show each result under its rank
     Eval {
@@ -202,6 +217,8 @@ enum ClusterAction {
         /// Interrupt the code after this many seconds
         #[arg(long = "eval-timeout", default_value_t = 10.0)]
         eval_timeout: f64,
+        #[command(flatten)]
+        at: FrameArgs,
     },
     /// Crashes recorded by the job's ranks [default job: the running one, else the one that ran last]
     Crashes {
@@ -226,6 +243,9 @@ enum ClusterAction {
         ranks: Option<String>,
         #[arg(long, value_enum, default_value = "table")]
         format: QueryFormat,
+        /// python.backtrace keeps rankscope's own frames (and counts them in depth)
+        #[arg(long)]
+        all_frames: bool,
     },
 }
 
@@ -254,8 +274,11 @@ pub enum Action {
         /// outside the process instead [default: 1]
         #[arg(long)]
         timeout: Option<f64>,
+        /// Also show rankscope's own frames (its wrappers and hooks); they then count in the #N numbers
+        #[arg(long)]
+        all_frames: bool,
     },
-    /// Run Python code in the target's __main__ namespace
+    /// Run Python code in the target's __main__ namespace, or in a frame (--frame, --thread)
     Eval {
         /// The code; a trailing expression's repr is printed
         #[arg(required_unless_present = "file")]
@@ -266,12 +289,16 @@ pub enum Action {
         /// Interrupt the code after this many seconds
         #[arg(long, default_value_t = 10.0)]
         timeout: f64,
+        #[command(flatten)]
+        at: FrameArgs,
     },
     /// An interactive Python session inside the target
     Repl {
         /// Interrupt each input after this many seconds [default: none; Ctrl-C interrupts]
         #[arg(long)]
         timeout: Option<f64>,
+        #[command(flatten)]
+        at: FrameArgs,
     },
     /// Breakpoints that record a snapshot (or a log line) and go on, or pause one thread
     Break {
@@ -310,6 +337,9 @@ pub enum Action {
         native: bool,
         #[arg(long, value_enum, default_value = "table")]
         format: QueryFormat,
+        /// python.backtrace keeps rankscope's own frames (and counts them in depth)
+        #[arg(long)]
+        all_frames: bool,
     },
 }
 
@@ -322,11 +352,11 @@ fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: 
     let job = job.as_deref();
     match action {
         ClusterAction::List { format } => cluster::list(job, run, deadline, format),
-        ClusterAction::Bt { ranks, ignore_lines } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, deadline),
-        ClusterAction::Eval { code, ranks, eval_timeout } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout),
+        ClusterAction::Bt { ranks, ignore_lines, all_frames } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, all_frames, deadline),
+        ClusterAction::Eval { code, ranks, eval_timeout, at } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout, at),
         ClusterAction::Crashes { all, format } => cluster::crashes(job, run, all, format),
         ClusterAction::Break { ranks, action } => cluster::breakpoints(job, run, ranks.as_deref(), &action),
-        ClusterAction::Query { sql, ranks, format } => cluster::query(job, run, ranks.as_deref(), &sql, format),
+        ClusterAction::Query { sql, ranks, format, all_frames } => cluster::query(job, run, ranks.as_deref(), &sql, format, all_frames),
     }
 }
 

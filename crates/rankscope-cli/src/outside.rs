@@ -5,7 +5,9 @@
 //! probe, and for probed ones whose probe cannot answer because a thread holds
 //! the GIL in native code.
 
+use std::collections::HashMap;
 use std::io;
+use std::path::Path;
 
 use anyhow::Result;
 use py_spy::config::LockingStrategy;
@@ -69,10 +71,37 @@ pub fn require_native() -> Result<()> {
     .into())
 }
 
+/// Whether `file` is a module of the rankscope package as the target
+/// imported it: under a `rankscope` directory that holds `_probe` (looked up
+/// through the target's root, then here; answers cached per package).
+/// `demo.py` is the sample program `rankscope demo` runs, the user's code there.
+fn is_own_file(pid: u32, file: &str, packages: &mut HashMap<String, bool>) -> bool {
+    let Some(at) = file.rfind("/rankscope/") else { return false };
+    match &file[at..] {
+        "/rankscope/demo.py" => return false,
+        own if own.starts_with("/rankscope/_probe/") => return true,
+        _ => {}
+    }
+    let package = &file[..at + "/rankscope".len()];
+    *packages.entry(package.to_string()).or_insert_with(|| {
+        [format!("/proc/{pid}/root{package}/_probe"), format!("{package}/_probe")].iter().any(|p| Path::new(p).is_dir())
+    })
+}
+
+/// Leaves out rankscope's own Python frames, as the probe does: the depth
+/// of what is left is the number `--frame` takes.
+fn hide_own_frames(pid: u32, threads: &mut [ThreadStack]) {
+    let mut packages = HashMap::new();
+    for thread in threads {
+        thread.frames.retain(|f| f.is_native() || !is_own_file(pid, &f.file, &mut packages));
+    }
+}
+
 /// Every thread's stack, innermost frame first; `python_version` is filled
 /// in. With `native`, C/C++/Rust frames are merged in where the interpreter
 /// called into them (py-spy matches Python frames to the eval-loop frames).
-pub fn read_stacks(pid: u32, with_locals: bool, native: bool) -> Result<(StacksReply, String)> {
+/// rankscope's own frames are left out unless `all_frames`.
+pub fn read_stacks(pid: u32, with_locals: bool, native: bool, all_frames: bool) -> Result<(StacksReply, String)> {
     if native {
         require_native()?;
     }
@@ -118,6 +147,9 @@ pub fn read_stacks(pid: u32, with_locals: bool, native: bool) -> Result<(StacksR
                 .collect(),
         })
         .collect();
+    if !all_frames {
+        hide_own_frames(pid, &mut threads);
+    }
     threads.sort_by_key(|t| (!t.is_main, t.name.clone(), t.thread_id));
     Ok((StacksReply { taken_at: rankscope_core::host::now_seconds(), threads, counts: None }, version))
 }
@@ -160,6 +192,7 @@ pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
         cwd: String::new(),
         python_version,
         started_at: 0.0,
+        process_started_at: rankscope_core::host::process_started_at(pid),
         rankscope_version: String::new(),
         protocol: rankscope_core::PROTOCOL_VERSION,
         tcp: None,
@@ -169,7 +202,22 @@ pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
 
 #[cfg(test)]
 mod tests {
-    use super::demangle;
+    use super::{demangle, is_own_file};
+
+    #[test]
+    fn rankscope_files_are_told_from_the_users() {
+        let mut cache = std::collections::HashMap::new();
+        let pid = std::process::id();
+        assert!(is_own_file(pid, "/venv/lib/python3.11/site-packages/rankscope/_probe/torch_rank.py", &mut cache));
+        // A package directory without _probe is someone else's `rankscope`.
+        assert!(!is_own_file(pid, "/nonexistent/rankscope/__init__.py", &mut cache));
+        assert!(!is_own_file(pid, "/home/me/train.py", &mut cache));
+        assert!(!is_own_file(pid, "/venv/lib/python3.11/site-packages/rankscope/demo.py", &mut cache));
+        let dir = std::env::temp_dir().join(format!("rs-own-{pid}/rankscope"));
+        std::fs::create_dir_all(dir.join("_probe")).unwrap();
+        assert!(is_own_file(pid, &format!("{}/__init__.py", dir.display()), &mut cache));
+        std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
+    }
 
     #[test]
     fn rust_symbols_are_demangled_without_their_hash() {

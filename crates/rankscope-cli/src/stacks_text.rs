@@ -1,4 +1,7 @@
 //! `bt` as people read it: one block per thread, innermost frame first.
+//! Each Python frame carries its number (`#N`), the depth that
+//! `eval --frame N` and `python.backtrace` use; native frames are not
+//! numbered, since no code can run in them.
 
 use std::fmt::Write;
 
@@ -38,6 +41,7 @@ pub fn render(meta: &ProcessMeta, stacks: &StacksReply) -> String {
     }
     for thread in &stacks.threads {
         let _ = writeln!(out, "\n{}", thread_title(thread));
+        let mut depth = 0;
         for frame in &thread.frames {
             let name = if frame.qualname.is_empty() { &frame.func } else { &frame.qualname };
             match &frame.native_module {
@@ -50,7 +54,8 @@ pub fn render(meta: &ProcessMeta, stacks: &StacksReply) -> String {
                     let _ = writeln!(out, "    [native] {name} in {}", short_module(module));
                 }
                 None => {
-                    let _ = writeln!(out, "    {name} ({}:{})", frame.file, frame.lineno);
+                    let _ = writeln!(out, "  #{depth:<2} {name} ({}:{})", frame.file, frame.lineno);
+                    depth += 1;
                 }
             }
             if let Some(locals) = &frame.locals {
@@ -91,6 +96,7 @@ mod tests {
             cwd: String::new(),
             python_version: "3.11.7".into(),
             started_at: 0.0,
+            process_started_at: None,
             rankscope_version: "0".into(),
             protocol: 1,
             tcp: None,
@@ -119,8 +125,8 @@ mod tests {
             }], counts: None };
         let text = render(&meta, &stacks);
         let expected = "Process 9: python t.py  [rank 0, Python 3.11.7]\n\n\
-                        Thread 0xff \"MainThread\" (main, tid 77)\n    \
-                        Model.inner (t.py:3)\n        x = 1\n    <module> (t.py:9)\n";
+                        Thread 0xff \"MainThread\" (main, tid 77)\n  \
+                        #0  Model.inner (t.py:3)\n        x = 1\n  #1  <module> (t.py:9)\n";
         assert_eq!(text, expected);
     }
 }

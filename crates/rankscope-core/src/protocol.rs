@@ -2,7 +2,7 @@
 //!
 //! Endpoints (all under `/v1`):
 //! - `GET  /v1/meta`             -> [`ProcessMeta`]
-//! - `GET  /v1/stacks[?locals]`  -> [`StacksReply`]
+//! - `GET  /v1/stacks[?locals]`  -> [`StacksReply`] (see [`StacksQuery`] for what it may leave out)
 //! - `POST /v1/eval`             [`EvalRequest`] -> [`EvalReply`]
 //! - `POST /v1/eval/interrupt`   [`EvalInterrupt`] -> [`EvalInterruptReply`]
 //! - `GET  /v1/env`              -> [`EnvReply`] (secret values masked by the probe)
@@ -25,6 +25,10 @@ pub struct ProcessMeta {
     pub python_version: String,
     /// Seconds since the Unix epoch at which the probe started.
     pub started_at: f64,
+    /// Seconds since the Unix epoch at which the process started (from
+    /// `/proc/self/stat`): an injected probe starts long after its process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_started_at: Option<f64>,
     pub rankscope_version: String,
     pub protocol: u32,
     /// `tcp://host:port` when TCP is on.
@@ -115,6 +119,9 @@ pub struct StacksQuery {
     pub thread_id: Option<i64>,
     /// Frame fields beyond func and lineno (`file`, `qualname`); None: all.
     pub fields: Option<Vec<&'static str>>,
+    /// Keep rankscope's own frames (left out by default, and not counted
+    /// in `depth`).
+    pub all_frames: bool,
 }
 
 impl StacksQuery {
@@ -138,6 +145,9 @@ impl StacksQuery {
         }
         if let Some(fields) = &self.fields {
             params.push(format!("fields={}", fields.join(",")));
+        }
+        if self.all_frames {
+            params.push("all_frames=1".to_string());
         }
         if params.is_empty() { "/v1/stacks".to_string() } else { format!("/v1/stacks?{}", params.join("&")) }
     }
@@ -163,6 +173,34 @@ pub struct EvalRequest {
     /// chosen by the client, unique enough among the evals running at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
+    /// Run in a frame of this thread (a name, `threading` ident in hex or
+    /// decimal, or kernel tid) instead of `__main__`; with `frame` alone,
+    /// the main thread.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread: Option<String>,
+    /// The frame's depth as `bt` and `python.backtrace` number it (0 =
+    /// innermost; rankscope's own frames are not counted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame: Option<u32>,
+}
+
+impl EvalRequest {
+    /// Code to run in `__main__`.
+    pub fn new(code: impl Into<String>, timeout_s: f64) -> EvalRequest {
+        EvalRequest { code: code.into(), timeout_s, check_only: false, id: None, thread: None, frame: None }
+    }
+
+    /// The same request aimed at a thread and frame (None, None: `__main__`).
+    pub fn at(mut self, thread: Option<String>, frame: Option<u32>) -> EvalRequest {
+        self.thread = thread;
+        self.frame = frame;
+        self
+    }
+
+    /// Whether it names a thread or frame rather than `__main__`.
+    pub fn in_frame(&self) -> bool {
+        self.thread.is_some() || self.frame.is_some()
+    }
 }
 
 /// Raise `KeyboardInterrupt` in the thread that runs the eval named `id`.
@@ -191,6 +229,17 @@ pub struct EvalReply {
     /// With `check_only`: the code needs more lines.
     #[serde(default)]
     pub incomplete: bool,
+    /// With `thread`/`frame`: the frame the code ran in, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame: Option<String>,
+    /// The code did not run: the request named a thread or frame that is
+    /// not there. `error` says which in one line; this says what to do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
+    /// What the user should know about the run, e.g. that Python 3.11 and
+    /// 3.12 drop writes to a running function's locals.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -59,7 +59,7 @@ impl TableDef {
 pub const BACKTRACE: TableDef = TableDef {
     schema: "python",
     name: "backtrace",
-    description: "one row per frame of every thread; depth 0 is the innermost frame",
+    description: "one row per frame of every thread; depth 0 is the innermost frame (rankscope's own frames are left out unless --all-frames)",
     columns: &[
         col("thread_id", Int64),
         col("native_id", Int64),
@@ -243,6 +243,11 @@ pub fn threads_rows(meta: &ProcessMeta, stacks: &StacksReply) -> Rows {
         .collect()
 }
 
+/// When the process started; a probe too old to say gives its own start.
+fn process_start(meta: &ProcessMeta) -> f64 {
+    meta.process_started_at.unwrap_or(meta.started_at)
+}
+
 pub fn info_rows(meta: &ProcessMeta, now: f64) -> Rows {
     let mut row = identity(meta, now).to_vec();
     row.extend([
@@ -254,8 +259,8 @@ pub fn info_rows(meta: &ProcessMeta, now: f64) -> Rows {
         json!(meta.cwd),
         json!(meta.python_version),
         json!(meta.rankscope_version),
-        micros(meta.started_at),
-        json!((now - meta.started_at).max(0.0)),
+        micros(process_start(meta)),
+        json!((now - process_start(meta)).max(0.0)),
     ]);
     vec![row]
 }
@@ -289,6 +294,7 @@ mod tests {
             cwd: "/".into(),
             python_version: "3.11.7".into(),
             started_at: 100.0,
+            process_started_at: None,
             rankscope_version: "0".into(),
             protocol: 1,
             tcp: None,

@@ -40,10 +40,11 @@ impl Handler for ProbeHandler {
                 let thread_name = request.query_param("thread_name").map(percent_decode);
                 let thread_id = request.query_param("thread_id").and_then(|v| v.parse::<i64>().ok());
                 let fields = request.query_param("fields").map(percent_decode);
-                call_helper("rankscope._probe.stacks", "collect", (with_locals, count_only, max_depth, thread_name, thread_id, fields))
+                let all_frames = request.query_flag("all_frames");
+                call_helper("rankscope._probe.stacks", "collect", (with_locals, count_only, max_depth, thread_name, thread_id, fields, all_frames))
             }
             ("POST", "/v1/eval") => match serde_json::from_slice::<EvalRequest>(&request.body) {
-                Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only, eval.id)),
+                Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only, eval.thread, eval.frame, eval.id)),
                 Err(e) => Response::error(400, &format!("bad eval request: {e}")),
             },
             ("POST", "/v1/eval/interrupt") => match serde_json::from_slice::<EvalInterrupt>(&request.body) {

@@ -37,6 +37,7 @@ pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
         cwd: link("/proc/self/cwd"),
         python_version: python_version.to_string(),
         started_at: now_seconds(),
+        process_started_at: rankscope_core::host::process_started_at(std::process::id()),
         rankscope_version: rankscope_core::VERSION.to_string(),
         protocol: rankscope_core::PROTOCOL_VERSION,
         tcp,

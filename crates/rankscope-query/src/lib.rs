@@ -283,6 +283,7 @@ mod tests {
             cwd: "/".into(),
             python_version: "3.11.7".into(),
             started_at: 1.0,
+            process_started_at: None,
             rankscope_version: "0".into(),
             protocol: 1,
             tcp: None,

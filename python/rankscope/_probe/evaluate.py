@@ -1,4 +1,5 @@
-"""Run code sent by the CLI in the target's ``__main__`` namespace.
+"""Run code sent by the CLI in the target's ``__main__`` namespace, or in
+one frame of one thread (``--thread``/``--frame``): its globals and locals.
 
 Output is captured per request: while an eval runs, ``sys.stdout`` and
 ``sys.stderr`` route writes from the eval's thread into buffers and let every
@@ -86,15 +87,32 @@ def _register_source(code: str) -> str:
     return filename
 
 
-def _execute(code: str, filename: str, namespace: dict):
+def _execute(code: str, filename: str, namespace: dict, local_names=None):
     tree = ast.parse(code, filename, "exec")
     trailing = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         trailing = ast.Expression(tree.body.pop().value)
-    exec(compile(tree, filename, "exec"), namespace)
+    exec(compile(tree, filename, "exec"), namespace, local_names)
     if trailing is not None:
-        return True, eval(compile(trailing, filename, "eval"), namespace)
+        return True, eval(compile(trailing, filename, "eval"), namespace, local_names)
     return False, None
+
+
+_CO_OPTIMIZED = 0x0001
+_MISSING = object()
+
+
+def _fast_names(frame) -> tuple:
+    """Names a function keeps in its frame's fast slots (not in a dict): what
+    3.11 and 3.12 cannot change from outside the running frame."""
+    code = frame.f_code
+    if sys.version_info >= (3, 13) or not code.co_flags & _CO_OPTIMIZED:
+        return ()
+    return code.co_varnames + code.co_cellvars + code.co_freevars
+
+
+def _lost_writes(names: tuple, before: dict, after) -> list[str]:
+    return [n for n in names if before.get(n, _MISSING) is not after.get(n, _MISSING)]
 
 
 def _format_error(exc: BaseException) -> str:
@@ -117,13 +135,50 @@ def _check(code: str) -> str:
     return json.dumps({"stdout": "", "stderr": "", "value": None, "error": None, "incomplete": incomplete})
 
 
-def run(code: str, timeout_s: float, check_only: bool = False, eval_id: str | None = None) -> str:
+def run(
+    code: str, timeout_s: float, check_only: bool = False, thread: str | None = None, frame: int | None = None, eval_id: str | None = None
+) -> str:
     if check_only:
         return _check(code)
-    main = sys.modules.get("__main__")
-    namespace = main.__dict__ if main is not None else {}
+    reply = {"value": None, "error": None, "timed_out": False, "notes": []}
+    target = local_names = None
+    fast = ()
+    try:
+        if thread is None and frame is None:
+            main = sys.modules.get("__main__")
+            namespace = main.__dict__ if main is not None else {}
+        else:
+            from rankscope._probe import stacks
+
+            try:
+                target, reply["frame"] = stacks.find_frame(thread, frame or 0)
+            except stacks.NoSuchFrame as exc:
+                return json.dumps({"stdout": "", "stderr": "", "value": None, "error": str(exc), "hint": exc.hint})
+            namespace = target.f_globals
+            # 3.13 (PEP 667): a write-through proxy. 3.11/3.12: the frame's
+            # dict, which the running function never reads back.
+            local_names = target.f_locals
+            fast = _fast_names(target)
+            before = {n: local_names.get(n, _MISSING) for n in fast}
+            func = target.f_code.co_name
+            # Only the mapping is needed from here on.
+            target = None
+        _run_captured(code, timeout_s, namespace, local_names, reply, eval_id)
+        lost = _lost_writes(fast, before, local_names) if fast else []
+        if lost:
+            reply["notes"].append(
+                f"Python {sys.version_info.major}.{sys.version_info.minor} cannot change the locals of a running function from outside it: "
+                f"{func}() does not see the new {', '.join(lost)} (Python 3.13 writes them through)"
+            )
+    finally:
+        # No reference to the target's frame outlives the request (3.13's
+        # proxy holds the frame).
+        target = local_names = None
+    return json.dumps(reply)
+
+
+def _run_captured(code: str, timeout_s: float, namespace: dict, local_names, reply: dict, eval_id: str | None) -> None:
     filename = _register_source(code)
-    reply = {"value": None, "error": None, "timed_out": False}
     out, err = _begin_capture()
     token = None
     try:
@@ -131,7 +186,7 @@ def run(code: str, timeout_s: float, check_only: bool = False, eval_id: str | No
             # eval_id lets POST /v1/eval/interrupt raise KeyboardInterrupt here.
             token = _native.arm_deadline(timeout_s, EvalTimeout, eval_id)
             try:
-                has_value, value = _execute(code, filename, namespace)
+                has_value, value = _execute(code, filename, namespace, local_names)
                 if has_value and value is not None:
                     reply["value"] = repr(value)[:MAX_OUTPUT_CHARS]
             finally:
@@ -147,4 +202,3 @@ def run(code: str, timeout_s: float, check_only: bool = False, eval_id: str | No
         _end_capture()
     reply["stdout"] = out.getvalue()[:MAX_OUTPUT_CHARS]
     reply["stderr"] = err.getvalue()[:MAX_OUTPUT_CHARS]
-    return json.dumps(reply)

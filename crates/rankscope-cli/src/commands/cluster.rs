@@ -388,8 +388,10 @@ pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration, format:
         },
         other => other.word().to_string(),
     });
-    let now = rankscope_core::host::now_seconds();
-    let uptime = |entry: &RankEntry, state: &str| (state == "running" || state == "unresponsive").then(|| now - entry.meta.started_at);
+    // The process's age, not its probe's (an injected probe is younger).
+    let uptime = |entry: &RankEntry, state: &str| {
+        (state == "running" || state == "unresponsive").then(|| super::list::process_age(&entry.meta, &here))
+    };
     if let crate::ListFormat::Json = format {
         let rows: Vec<serde_json::Value> = job
             .ranks
@@ -430,24 +432,24 @@ enum Stacks {
     Missing(String),
 }
 
-fn stacks_of(entry: &RankEntry, here: &str, deadline: Duration) -> Stacks {
+fn stacks_of(entry: &RankEntry, here: &str, all_frames: bool, deadline: Duration) -> Stacks {
     match liveness(entry, here) {
         Liveness::Running => {}
         // Stacks do not depend on the probe's version: read them from outside.
         Liveness::OtherVersion => {
-            return match outside::read_stacks(entry.meta.pid, false, false) {
+            return match outside::read_stacks(entry.meta.pid, false, false, all_frames) {
                 Ok((stacks, _)) => Stacks::FromOutside(stacks),
                 Err(e) => Stacks::Missing(format!("other-version, and the outside read failed: {}", crate::commands::first_line(&e))),
             }
         }
         other => return Stacks::Missing(other.word().to_string()),
     }
-    match probe_of(entry).and_then(|p| p.stacks(false, deadline)) {
+    match probe_of(entry).and_then(|p| p.stacks(false, all_frames, deadline)) {
         Ok(stacks) => Stacks::FromProbe(stacks),
         // Another machine's process cannot be read from outside here.
         Err(e) if entry.meta.host != here => Stacks::Missing(format!("unreachable: {}", crate::commands::first_line(&e))),
         // A probe stuck behind the GIL: read the rank from outside instead.
-        Err(_) => match outside::read_stacks(entry.meta.pid, false, false) {
+        Err(_) => match outside::read_stacks(entry.meta.pid, false, false, all_frames) {
             Ok((stacks, _)) => Stacks::FromOutside(stacks),
             Err(e) => Stacks::Missing(format!("unresponsive, and the outside read failed: {}", crate::commands::first_line(&e))),
         },
@@ -473,11 +475,11 @@ fn signature(stacks: &StacksReply, ignore_lines: bool) -> Vec<String> {
     .unwrap_or_default()
 }
 
-pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_lines: bool, deadline: Duration) -> Result<u8> {
+pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_lines: bool, all_frames: bool, deadline: Duration) -> Result<u8> {
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
-    let results = fan_out(&selected, |entry| stacks_of(entry, &here, deadline));
+    let results = fan_out(&selected, |entry| stacks_of(entry, &here, all_frames, deadline));
     let mut groups: BTreeMap<Vec<String>, Vec<i64>> = BTreeMap::new();
     let mut missing = Vec::new();
     let mut outside_ranks = Vec::new();
@@ -555,9 +557,9 @@ pub fn crashes(job: Option<&str>, run: Option<PathBuf>, all: bool, format: crate
     }
 }
 
-pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: &str, timeout: f64) -> Result<u8> {
-    let request = EvalRequest { code: code.to_string(), timeout_s: timeout, check_only: false, id: None };
-    each_rank(job, run, ranks, |probe| probe.eval(&request), |reply| crate::commands::print_eval(&reply))
+pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: &str, timeout: f64, at: crate::FrameArgs) -> Result<u8> {
+    let request = EvalRequest::new(code, timeout).at(at.thread, at.frame);
+    each_rank(job, run, ranks, |probe| super::eval_at(probe, &request), |reply| crate::commands::print_eval(&reply))
 }
 
 /// `cluster break ...`: the same breakpoint request to every rank (or
@@ -601,7 +603,11 @@ fn ask_ranks<'j, T: Send>(
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
     let results = fan_out(&selected, |entry| match liveness(entry, &here) {
-        Liveness::Running => probe_of(entry).and_then(|p| ask(&p)).map_err(|e| format!("{e:#}")),
+        // A rank's error keeps its hint (a bad --thread/--frame names what exists).
+        Liveness::Running => probe_of(entry).and_then(|p| ask(&p)).map_err(|e| match e.downcast_ref::<Hinted>() {
+            Some(h) => format!("{}\nhint: {}", h.message, h.hint),
+            None => format!("{e:#}"),
+        }),
         other => Err(other.word().to_string()),
     });
     Ok(selected.into_iter().zip(results).collect())
@@ -676,7 +682,7 @@ impl RowSource for AllRanks {
     }
 }
 
-pub fn query(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, sql: &str, format: QueryFormat) -> Result<u8> {
+pub fn query(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, sql: &str, format: QueryFormat, all_frames: bool) -> Result<u8> {
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
@@ -684,7 +690,7 @@ pub fn query(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, sql: 
     let mut skipped = Vec::new();
     for entry in selected {
         match (liveness(entry, &here), probe_of(entry)) {
-            (Liveness::Running, Ok(probe)) => probes.push(Box::new(super::query::LiveProbe::new(probe, false))),
+            (Liveness::Running, Ok(probe)) => probes.push(Box::new(super::query::LiveProbe::new(probe, false, all_frames))),
             (state, _) => skipped.push(format!("rank {} ({})", entry.meta.rank, state.word())),
         }
     }

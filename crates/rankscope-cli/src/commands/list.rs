@@ -20,7 +20,7 @@ struct Entry {
     responsive: bool,
 }
 
-fn human_duration(seconds: f64) -> String {
+pub fn human_duration(seconds: f64) -> String {
     let s = seconds.max(0.0) as u64;
     match s {
         0..=59 => format!("{s}s"),
@@ -29,6 +29,17 @@ fn human_duration(seconds: f64) -> String {
     }
 }
 
+/// How long the process has run, not its probe (an injected probe is
+/// younger than its process): from `/proc` for a process on this machine,
+/// else from what its probe read there at start, else the probe's age.
+pub fn process_age(meta: &ProcessMeta, here: &str) -> f64 {
+    if meta.host == here {
+        if let Some(age) = rankscope_core::host::process_age(meta.pid) {
+            return age;
+        }
+    }
+    (rankscope_core::host::now_seconds() - meta.process_started_at.unwrap_or(meta.started_at)).max(0.0)
+}
 
 pub fn run(format: ListFormat) -> Result<u8> {
     let dir = paths::endpoint_dir();
@@ -83,6 +94,7 @@ pub fn run(format: ListFormat) -> Result<u8> {
             keep
         })
         .collect();
+    let here = rankscope_core::host::hostname();
     match format {
         ListFormat::Json => {
             let rows: Vec<_> = entries
@@ -92,7 +104,8 @@ pub fn run(format: ListFormat) -> Result<u8> {
                         "pid": e.pid,
                         "rank": e.meta.as_ref().map(|m| m.rank),
                         "state": if e.responsive { "ready" } else { "unresponsive" },
-                        "uptime_s": e.meta.as_ref().map(|m| rankscope_core::host::now_seconds() - m.started_at),
+                        "uptime_s": e.meta.as_ref().map(|m| process_age(m, &here)),
+                        "probe_uptime_s": e.meta.as_ref().map(|m| rankscope_core::host::now_seconds() - m.started_at),
                         "cmdline": e.meta.as_ref().map(|m| m.cmdline.join(" ")),
                         "python_version": e.meta.as_ref().map(|m| m.python_version.clone()),
                     })
@@ -116,7 +129,7 @@ pub fn run(format: ListFormat) -> Result<u8> {
                     let (rank, uptime, python, cmd) = match &e.meta {
                         Some(m) => (
                             m.rank.to_string(),
-                            human_duration(rankscope_core::host::now_seconds() - m.started_at),
+                            human_duration(process_age(m, &here)),
                             m.python_version.clone(),
                             m.cmdline.join(" "),
                         ),
@@ -138,6 +151,24 @@ pub fn run(format: ListFormat) -> Result<u8> {
 #[cfg(test)]
 mod tests {
     use super::human_duration;
+
+    #[test]
+    fn a_process_elsewhere_is_aged_from_what_its_probe_said() {
+        use rankscope_core::protocol::ProcessMeta;
+        let now = rankscope_core::host::now_seconds();
+        let meta: ProcessMeta = serde_json::from_value(serde_json::json!({
+            "pid": 1, "ppid": 0, "host": "elsewhere", "rank": 0, "local_rank": 0, "world_size": 2,
+            "cmdline": [], "exe": "", "cwd": "", "python_version": "3.11.7",
+            "started_at": now - 5.0, "process_started_at": now - 600.0,
+            "rankscope_version": "0", "protocol": 1,
+        }))
+        .unwrap();
+        // Not this machine's PID 1: its own start time, not /proc's.
+        let age = super::process_age(&meta, "here");
+        assert!((599.0..610.0).contains(&age), "{age}");
+        let old_probe = ProcessMeta { process_started_at: None, ..meta };
+        assert!(super::process_age(&old_probe, "here") < 10.0);
+    }
 
     #[test]
     fn uptimes_read_naturally() {

@@ -30,30 +30,30 @@ fn seconds(value: f64, flag: &str) -> Result<Duration> {
 const PROBE_DEADLINE_S: f64 = 1.0;
 
 pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
-    if let Action::Bt { locals, native, format, timeout } = action {
+    if let Action::Bt { locals, native, format, timeout, all_frames } = action {
         let deadline = seconds(timeout.unwrap_or(PROBE_DEADLINE_S), "--timeout")?;
-        return bt(pid, locals, native, format, deadline);
+        return bt(pid, locals, native, all_frames, format, deadline);
     }
     let probe = Probe::locate(pid)?;
     match action {
         Action::Bt { .. } => unreachable!("handled above"),
-        Action::Eval { code, file, timeout } => {
+        Action::Eval { code, file, timeout, at } => {
             seconds(timeout, "--timeout")?;
             let code = match (code, file) {
                 (_, Some(path)) => std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?,
                 (Some(code), None) => code,
                 (None, None) => unreachable!("clap requires one of them"),
             };
-            let reply = probe.eval(&EvalRequest { code, timeout_s: timeout, check_only: false, id: None })?;
+            let reply = eval_at(&probe, &EvalRequest::new(code, timeout).at(at.thread, at.frame))?;
             Ok(print_eval(&reply))
         }
-        Action::Repl { timeout } => {
+        Action::Repl { timeout, at } => {
             if let Some(timeout) = timeout {
                 seconds(timeout, "--timeout")?;
             }
-            repl::run(&probe, timeout)
+            repl::run(&probe, timeout, &at)
         }
-        Action::Query { sql, native, format } => query::run(probe, &sql, native, format),
+        Action::Query { sql, native, format, all_frames } => query::run(probe, &sql, native, all_frames, format),
         Action::Break { action } => breakpoints::run(&probe, action),
         Action::Snapshots { format } => breakpoints::snapshots(&probe, format),
         Action::Watch { spec, name, tensor } => breakpoints::watch(&probe, &spec, &name, tensor),
@@ -63,19 +63,19 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
 
 /// Asks the probe first; without one, or when it does not answer within the
 /// deadline (a thread holding the GIL in C blocks it), reads from outside.
-fn bt(pid: u32, locals: bool, native: bool, format: BtFormat, deadline: Duration) -> Result<u8> {
+fn bt(pid: u32, locals: bool, native: bool, all_frames: bool, format: BtFormat, deadline: Duration) -> Result<u8> {
     let probe = Probe::find(pid)?;
     let (meta, stacks, note) = match probe {
         // Only the outside read sees native frames; the probe still names the process.
         Some(probe) if native => {
-            let (stacks, version) = outside::read_stacks(pid, locals, true)?;
+            let (stacks, version) = outside::read_stacks(pid, locals, true, all_frames)?;
             let meta = probe.meta(deadline).unwrap_or_else(|_| outside::meta_from_proc(pid, version));
             (meta, stacks, None)
         }
-        Some(probe) => match probe.stacks(locals, deadline).and_then(|s| Ok((probe.meta(deadline)?, s))) {
+        Some(probe) => match probe.stacks(locals, all_frames, deadline).and_then(|s| Ok((probe.meta(deadline)?, s))) {
             Ok((meta, stacks)) => (meta, stacks, None),
             Err(probe_err) => {
-                let (stacks, version) = outside::read_stacks(pid, locals, false)
+                let (stacks, version) = outside::read_stacks(pid, locals, false, all_frames)
                     .map_err(|outside_err| outside_err.context(format!("and the probe failed too: {probe_err:#}")))?;
                 let note = format!(
                     "note: the probe did not answer ({}); stacks were read from outside the process",
@@ -85,7 +85,7 @@ fn bt(pid: u32, locals: bool, native: bool, format: BtFormat, deadline: Duration
             }
         },
         None => {
-            let (stacks, version) = outside::read_stacks(pid, locals, native)?;
+            let (stacks, version) = outside::read_stacks(pid, locals, native, all_frames)?;
             let note = "note: no probe in this process; stacks were read from outside it".to_string();
             (outside::meta_from_proc(pid, version), stacks, Some(note))
         }
@@ -101,6 +101,24 @@ fn bt(pid: u32, locals: bool, native: bool, format: BtFormat, deadline: Duration
     Ok(0)
 }
 
+/// Runs an eval request; a thread or frame that is not there is a hinted
+/// error, and so is a probe too old to know `--thread`/`--frame` (it would
+/// have run the code in `__main__`).
+pub fn eval_at(probe: &Probe, request: &EvalRequest) -> Result<EvalReply> {
+    let reply = probe.eval(request)?;
+    if let Some(hint) = &reply.hint {
+        return Err(Hinted::new(reply.error.clone().unwrap_or_default().trim_end(), hint.clone()).into());
+    }
+    if request.in_frame() && !request.check_only && reply.frame.is_none() {
+        return Err(Hinted::new(
+            format!("the probe of PID {} does not know --thread and --frame (an older rankscope)", probe.pid),
+            "use the rankscope command from the same install as the target's package, or leave out --thread/--frame",
+        )
+        .into());
+    }
+    Ok(reply)
+}
+
 pub fn first_line(err: &anyhow::Error) -> String {
     err.to_string().lines().next().unwrap_or_default().to_string()
 }
@@ -110,6 +128,9 @@ pub fn first_line(err: &anyhow::Error) -> String {
 pub fn print_eval(reply: &EvalReply) -> u8 {
     print!("{}", reply.stdout);
     eprint!("{}", reply.stderr);
+    for note in &reply.notes {
+        eprintln!("note: {note}");
+    }
     if let Some(value) = &reply.value {
         println!("{value}");
     }

@@ -24,13 +24,15 @@ pub struct LiveProbe {
     probe: Probe,
     /// Stacks come from outside, with native frames merged in.
     native: bool,
+    /// python.backtrace keeps rankscope's own frames.
+    all_frames: bool,
     meta: Mutex<Option<ProcessMeta>>,
     stacks: Mutex<HashMap<StacksQuery, StacksReply>>,
 }
 
 impl LiveProbe {
-    pub fn new(probe: Probe, native: bool) -> LiveProbe {
-        LiveProbe { probe, native, meta: Mutex::new(None), stacks: Mutex::new(HashMap::new()) }
+    pub fn new(probe: Probe, native: bool, all_frames: bool) -> LiveProbe {
+        LiveProbe { probe, native, all_frames, meta: Mutex::new(None), stacks: Mutex::new(HashMap::new()) }
     }
 
     fn meta(&self) -> Result<ProcessMeta, String> {
@@ -44,10 +46,11 @@ impl LiveProbe {
     fn stacks(&self, query: &StacksQuery) -> Result<StacksReply, String> {
         // An outside read cannot leave anything out: it reads everything once.
         let query = if self.native { StacksQuery::default() } else { query.clone() };
+        let query = StacksQuery { all_frames: self.all_frames, ..query };
         let mut cached = self.stacks.lock().unwrap_or_else(|e| e.into_inner());
         if !cached.contains_key(&query) {
             let stacks = if self.native {
-                crate::outside::read_stacks(self.probe.pid, false, true).map(|(s, _)| s)
+                crate::outside::read_stacks(self.probe.pid, false, true, self.all_frames).map(|(s, _)| s)
             } else {
                 self.probe.stacks_query(&query, PROBE_TIMEOUT)
             };
@@ -215,12 +218,12 @@ pub fn run_offline(run: Option<PathBuf>, all: bool, sql: &str, format: QueryForm
     execute(Arc::new(RunDirs { run, all }), sql, format)
 }
 
-pub fn run(probe: Probe, sql: &str, native: bool, format: QueryFormat) -> Result<u8> {
+pub fn run(probe: Probe, sql: &str, native: bool, all_frames: bool, format: QueryFormat) -> Result<u8> {
     if native {
         // Said before any SQL runs, whatever tables the query names.
         crate::outside::require_native()?;
     }
-    execute(Arc::new(LiveProbe::new(probe, native)), sql, format)
+    execute(Arc::new(LiveProbe::new(probe, native, all_frames)), sql, format)
 }
 
 pub fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Result<u8> {

@@ -23,6 +23,7 @@ use rustyline::error::ReadlineError;
 use rustyline::DefaultEditor;
 
 use crate::client::Probe;
+use crate::FrameArgs;
 
 /// Without `--timeout`, an input runs until it ends or Ctrl-C stops it, as in
 /// Python's own REPL; the probe's watchdog accepts at most a day.
@@ -36,11 +37,18 @@ fn history_file() -> Option<std::path::PathBuf> {
     std::env::var_os("HOME").map(|home| std::path::Path::new(&home).join(".rankscope_history"))
 }
 
-pub fn run(probe: &Probe, timeout_s: Option<f64>) -> Result<u8> {
+pub fn run(probe: &Probe, timeout_s: Option<f64>, at: &FrameArgs) -> Result<u8> {
     let timeout_s = timeout_s.unwrap_or(NO_TIMEOUT_S);
     let meta = probe.meta(Duration::from_secs(5))?;
+    let request = |code: String, timeout_s: f64| EvalRequest::new(code, timeout_s).at(at.thread.clone(), at.frame);
+    let place = match request(String::new(), CHECK_TIMEOUT_S) {
+        // Nothing runs; a thread or frame that is not there ends the session
+        // before it starts, and one that is says where it is.
+        empty if empty.in_frame() => super::eval_at(probe, &empty)?.frame.unwrap_or_default(),
+        _ => "its __main__".to_string(),
+    };
     println!(
-        "rankscope repl in PID {} (Python {}, rank {}); code runs in its __main__. Ctrl-C interrupts, Ctrl-D leaves.",
+        "rankscope repl in PID {} (Python {}, rank {}); code runs in {place}. Ctrl-C interrupts, Ctrl-D leaves.",
         meta.pid, meta.python_version, meta.rank
     );
     let mut editor = DefaultEditor::new()?;
@@ -64,7 +72,7 @@ pub fn run(probe: &Probe, timeout_s: Option<f64>) -> Result<u8> {
                 buffer.push_str(&line);
                 // Only codeop runs for this: a short wait, so that a target whose GIL
                 // is held cannot hang the prompt (Ctrl-C is caught here).
-                let check = EvalRequest { code: buffer.clone(), timeout_s: CHECK_TIMEOUT_S, check_only: true, id: None };
+                let check = EvalRequest { check_only: true, ..request(buffer.clone(), CHECK_TIMEOUT_S) };
                 let check = match probe.eval(&check) {
                     Ok(check) => check,
                     Err(err) if !rankscope_core::paths::pid_alive(probe.pid) => return Err(err),
@@ -80,7 +88,7 @@ pub fn run(probe: &Probe, timeout_s: Option<f64>) -> Result<u8> {
                 let _ = editor.add_history_entry(buffer.trim_end());
                 evals += 1;
                 let id = format!("repl-{}-{evals}", std::process::id());
-                let request = EvalRequest { code: std::mem::take(&mut buffer), timeout_s, check_only: false, id: Some(id) };
+                let request = EvalRequest { id: Some(id), ..request(std::mem::take(&mut buffer), timeout_s) };
                 match eval_interruptibly(probe, request) {
                     Ok(Some(reply)) => {
                         super::print_eval(&reply);
@@ -115,7 +123,7 @@ fn eval_interruptibly(probe: &Probe, request: EvalRequest) -> Result<Option<Eval
     std::thread::Builder::new().name("rankscope-eval".into()).spawn(move || {
         // SIGINT goes to the watching thread, never interrupts this read.
         block_sigint_here();
-        let _ = sender.send(worker.eval(&request));
+        let _ = sender.send(super::eval_at(&worker, &request));
     })?;
     let mut interrupted_at: Option<Instant> = None;
     let mut told_blocked = false;
