@@ -67,10 +67,10 @@ def test_a_breakpoint_in_a_running_loop_records_snapshots(loop, cli):
     assert first["frames"][0]["lineno"] == body
     names = {name for name, _, _ in first["frames"][0]["locals"]}
     assert {"step", "loss"} <= names
-    listing = cli(loop.pid, "break", "list", "--format", "json")
-    assert listing.returncode == 0, listing.stderr
-    (listed,) = json.loads(listing.stdout)
-    assert listed["file"].endswith("target.py") and listed["line"] == body and listed["hits"] >= 3, listed
+    listing = cli(loop.pid, "break", "list").stdout
+    assert listing.split()[:5] == ["ID", "WHERE", "PASSES", "HITS", "DETAILS"]
+    [row] = [line.split() for line in listing.splitlines() if f"target.py:{body}" in line]
+    assert row[0] == "1" and int(row[2]) >= int(row[3]) >= 3  # passes, hits
 
     assert cli(loop.pid, "break", "rm", "1").returncode == 0
     count = len(snapshots(cli, loop.pid))

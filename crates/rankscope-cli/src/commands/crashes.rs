@@ -507,6 +507,18 @@ mod tests {
     }
 
     #[test]
+    fn a_native_crash_is_placed_at_the_crashing_threads_own_code() {
+        let text = "Fatal Python error: Segmentation fault\n\n\
+            Thread 0x01 (most recent call first):\n  File \"/home/u/loader.py\", line 9 in load\n\n\
+            Current thread 0x02 (most recent call first):\n\
+              File \"/usr/lib/python3.11/ctypes/__init__.py\", line 519 in string_at\n\
+              File \"/home/u/train.py\", line 40 in step\n";
+        let entry = Entry { time: 0.0, path: PathBuf::from("native-5.log"), job: "local".into(), kind: Kind::Native { pid: Some(5), text: text.into() } };
+        assert_eq!(entry.location(), "/home/u/train.py:40");
+        assert_eq!(entry.innermost(), "/usr/lib/python3.11/ctypes/__init__.py:519");
+    }
+
+    #[test]
     fn a_record_renders_like_a_traceback_with_locals() {
         let record: CrashRecord = serde_json::from_str(
             r#"{"version": 1, "source": "excepthook", "time": 0, "host": "h", "rank": 0, "pid": 1,
