@@ -4,8 +4,9 @@ started with RANKSCOPE=1."""
 
 import json
 import os
+import queue
 import subprocess
-import time
+import threading
 import uuid
 from pathlib import Path
 
@@ -132,9 +133,16 @@ def test_inject_a_torchrun_job_started_without_rankscope(default_python, cli, en
     run = tmp_path / "run"
     proc = launch_torchrun(default_python, script, 2, endpoint_dir, run, probe=False, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
+        # Lines arrive through a reader thread so that a job that never gets
+        # ready fails the test after a deadline instead of hanging it.
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put("")], daemon=True).start()
         ready = 0
         while ready < 2:
-            line = proc.stdout.readline()
+            try:
+                line = lines.get(timeout=120)
+            except queue.Empty:
+                raise AssertionError("the ranks did not print READY within 120 s") from None
             assert line, f"torchrun exited (rc={proc.poll()}) before its ranks were ready"
             ready += line.startswith("READY")
         assert not list(Path(endpoint_dir).glob("*.sock")), "nothing should have a probe before the inject"

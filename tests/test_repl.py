@@ -202,6 +202,8 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_ctrl_d_leaves(python, spawn, c
     terminal.expect(">>> ")
     terminal.write(b"'i' in globals()\r")
     terminal.expect("False\n")
+    # Keys typed while an eval runs meet a cooked terminal: wait for the prompt.
+    terminal.expect(">>> ")
     terminal.write(b"\x04")
     assert terminal.proc.wait(timeout=10) == 0
     assert target.alive()
