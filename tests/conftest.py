@@ -105,6 +105,11 @@ class Target:
             stderr=subprocess.PIPE,
             env=env,
             cwd=workdir,
+            # Unbuffered: readline() then takes one line off the pipe and no
+            # more, so select() in wait_for_line sees what is still unread
+            # (a buffered reader could swallow two lines at once and leave
+            # select() waiting for data it already holds).
+            bufsize=0,
         )
         self.pid = self.proc.pid
         self.output: list[str] = []
