@@ -217,7 +217,9 @@ def test_inject_leaves_the_programs_world_as_it_was(python, bare_venvs, spawn, c
         assert "threading" not in after["modules"], "the probe imported threading into a program that had not"
 
     # The probe answers, and knows which thread is the main one.
-    bt = cli(target.pid, "bt")
+    # A busy main thread hands the GIL over every 5 ms; on a loaded machine
+    # the probe may need longer than bt's 1 s before it reads from outside.
+    bt = cli(target.pid, "bt", "--timeout", "20")
     assert bt.returncode == 0, bt.stderr
     assert "read from outside" not in bt.stderr
     assert "MainThread" in bt.stdout, bt.stdout
