@@ -7,10 +7,12 @@ starts only when asked (``start()``, ``RANKSCOPE=1``, or ``rankscope run``).
 import os
 import sys
 
-__all__ = ["start", "stop", "endpoint", "on_error", "__version__"]
+__all__ = ["start", "stop", "endpoint", "on_error", "step", "__version__"]
 
 _atexit_registered = False
 _publish_later = False
+# Set by the probe's torch features while one is on (see step()).
+_step_hook = None
 
 
 def _load_native():
@@ -48,6 +50,7 @@ def start(listen: str | None = None) -> dict:
     # Also enters the job's registry when this process is a rank of one.
     info = native.start(sys.version.split()[0], listen)
     _watch_torch_rank()
+    _torch_from_env()
     if not _atexit_registered:
         from rankscope._probe.unseen import builtin
 
@@ -88,6 +91,28 @@ def _watch_torch_rank() -> None:
         torch_rank.watch()
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"rankscope: rank from torch.distributed not followed: {exc}\n")
+
+
+def _torch_from_env() -> None:
+    # RANKSCOPE_TORCH=trace: on now if the program has imported torch
+    # (a probe started with the interpreter also waits for that import).
+    if os.environ.get("RANKSCOPE_TORCH"):
+        try:
+            from rankscope._probe import torch as probe_torch
+
+            probe_torch.from_env(at_start=False)
+        except Exception as exc:  # noqa: BLE001
+            sys.stderr.write(f"rankscope: RANKSCOPE_TORCH not followed: {exc}\n")
+
+
+def step() -> None:
+    """Marks the end of a training step, for programs whose optimizer does
+    not (no ``torch.optim`` optimizer, or several steps per optimizer step).
+    Costs one attribute read while no torch feature is on. Once called, it
+    alone marks steps for ``rankscope PID torch``."""
+    hook = _step_hook
+    if hook is not None:
+        hook()
 
 
 def on_error():

@@ -21,8 +21,10 @@ def start_from_env() -> None:
         # for torch.distributed now is part of the world it starts in (a
         # later start() leaves both alone).
         from rankscope._probe import crashes, torch_rank
+        from rankscope._probe import torch as probe_torch
 
         crashes.install_thread_hook()
         torch_rank.watch_imports()
+        probe_torch.from_env(at_start=True)
     except Exception as exc:  # noqa: BLE001 - the target must run on regardless
         sys.stderr.write(f"rankscope: probe not started: {exc}\n")

@@ -16,3 +16,8 @@ def set_rank(rank: int, world_size: int) -> str | None:
     """Replaces the rank and world size in the probe's metadata (what
     torch.distributed assigned); returns the new metadata JSON."""
     ...
+def edit_unless_running(current_frames, code, sets: list, dels: list) -> bool:
+    """Sets `(dict, key, value)` and deletes `(dict, key)` items, unless a
+    thread's stack holds a frame of `code` (then nothing, and False);
+    checked and done without running bytecode in between."""
+    ...

@@ -10,7 +10,9 @@ use std::time::Duration;
 use anyhow::Result;
 use rankscope_core::http;
 use rankscope_core::paths;
-use rankscope_core::protocol::{EnvReply, EvalInterrupt, EvalInterruptReply, EvalReply, EvalRequest, ProcessMeta, StacksQuery, StacksReply};
+use rankscope_core::protocol::{
+    EnvReply, EvalInterrupt, EvalInterruptReply, EvalReply, EvalRequest, ProbeTableReply, ProcessMeta, StacksQuery, StacksReply,
+};
 use serde::de::DeserializeOwned;
 
 use crate::hint::Hinted;
@@ -248,6 +250,24 @@ impl Probe {
             return Err(Hinted::new(error.to_string(), "`rankscope PID break list` shows what is set").into());
         }
         Ok(reply.get_mut("ok").map(serde_json::Value::take).unwrap_or_default())
+    }
+
+    /// A torch request (`{"action": "status" | "trace_on" | "trace_off", ...}`);
+    /// the probe answers `{"ok": ...}` or `{"error": ..., "hint": ...}`.
+    pub fn torch(&self, request: &serde_json::Value) -> Result<serde_json::Value> {
+        let body = serde_json::to_vec(request)?;
+        // Turning hooks on or off may wait for the training thread to leave an optimizer step.
+        let mut reply: serde_json::Value = self.request("POST", "/v1/torch", &body, Duration::from_secs(15))?;
+        if let Some(error) = reply.get("error").and_then(|e| e.as_str()) {
+            let hint = reply.get("hint").and_then(|h| h.as_str()).unwrap_or("`rankscope PID torch` shows what the probe found");
+            return Err(Hinted::new(error.to_string(), hint.to_string()).into());
+        }
+        Ok(reply.get_mut("ok").map(serde_json::Value::take).unwrap_or_default())
+    }
+
+    /// The rows of a table the probe keeps in memory (`python.torch_trace`).
+    pub fn probe_table(&self, name: &str, columns: Option<&[&str]>, filters: &[serde_json::Value], count: bool, timeout: Duration) -> Result<ProbeTableReply> {
+        self.request("GET", &rankscope_core::protocol::probe_table_path(name, columns, filters, count), b"", timeout)
     }
 
     /// The CLI waits a little longer than the probe's own deadline, so that

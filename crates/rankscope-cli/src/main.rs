@@ -21,10 +21,12 @@ Commands on one process (PID first):
   rankscope PID eval CODE            run CODE in the target's __main__ and print the result
   rankscope PID eval --frame N CODE  run CODE in frame N of the main thread (--thread T: another thread)
   rankscope PID repl                 an interactive session in the target
-  rankscope PID query SQL            SQL over python.backtrace, python.threads, process.info, process.env
+  rankscope PID query SQL            SQL over python.backtrace, python.threads, python.torch_trace, process.info, ...
   rankscope PID break add FILE:LINE  a breakpoint that records a snapshot and goes on (--if, --log, --pause, ...)
   rankscope PID watch FILE:FUNC VAR  record each change of a local variable
-  rankscope PID attach               pdb on a thread paused by a --pause breakpoint";
+  rankscope PID attach               pdb on a thread paused by a --pause breakpoint
+  rankscope PID torch                the model(s), optimizer and step PyTorch has in the process
+  rankscope PID torch trace on       per-module step timings into python.torch_trace (--every N, --modules GLOB, --backward)";
 
 #[derive(Parser)]
 #[command(name = "rankscope", version, about = "Look inside live Python and PyTorch processes", after_help = AFTER_HELP)]
@@ -250,6 +252,33 @@ enum ClusterAction {
 }
 
 #[derive(Subcommand)]
+pub enum TorchAction {
+    /// Per-module forward (and backward) times of sampled steps, into python.torch_trace and python.torch_steps
+    Trace {
+        #[command(subcommand)]
+        action: TraceAction,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TraceAction {
+    /// Hook the models' modules around every Nth step (the same steps on every rank)
+    On {
+        /// Trace the steps whose number is a multiple of N; the others run with no module hook
+        #[arg(long, default_value_t = 1)]
+        every: u64,
+        /// Only the modules whose qualified name matches this glob (e.g. 'encoder.*'); the model itself is named by its class
+        #[arg(long, default_value = "*")]
+        modules: String,
+        /// Also time each module's backward (tensor hooks on its outputs and inputs)
+        #[arg(long)]
+        backward: bool,
+    },
+    /// Remove every hook: the model runs as it did before
+    Off,
+}
+
+#[derive(Subcommand)]
 enum CrashesAction {
     /// One record as a traceback: the exception chain, then frames innermost last, with their locals
     Show {
@@ -327,6 +356,13 @@ pub enum Action {
     /// What breakpoints recorded: time, breakpoint, thread, stack, locals
     Snapshots {
         #[arg(long, value_enum, default_value = "text")]
+        format: BtFormat,
+    },
+    /// PyTorch in the process: the model(s), optimizer and step; `torch trace on|off`
+    Torch {
+        #[command(subcommand)]
+        action: Option<TorchAction>,
+        #[arg(long, value_enum, default_value = "text", global = true)]
         format: BtFormat,
     },
     /// Run SQL over the process's tables (SHOW TABLES lists them)

@@ -259,3 +259,30 @@ pub struct EnvReply {
 pub struct ErrorReply {
     pub error: String,
 }
+
+/// `GET /v1/table?name=python.torch_trace[&columns=a,b][&filter=JSON][&count=1]`:
+/// the rows of a table the probe keeps in memory, in its own column order
+/// (`columns`), or with `count=1` only how many rows match.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ProbeTableReply {
+    pub columns: Vec<String>,
+    #[serde(default)]
+    pub rows: Vec<Vec<serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
+}
+
+/// The request path for a probe table; `filters` are `[column, op, value]`.
+pub fn probe_table_path(name: &str, columns: Option<&[&str]>, filters: &[serde_json::Value], count: bool) -> String {
+    let mut path = format!("/v1/table?name={}", percent_encode(name));
+    if let Some(columns) = columns {
+        path.push_str(&format!("&columns={}", percent_encode(&columns.join(","))));
+    }
+    if !filters.is_empty() {
+        path.push_str(&format!("&filter={}", percent_encode(&serde_json::Value::from(filters.to_vec()).to_string())));
+    }
+    if count {
+        path.push_str("&count=1");
+    }
+    path
+}

@@ -7,7 +7,7 @@
 
 use serde_json::{json, Value};
 
-use crate::protocol::{EnvReply, ProcessMeta, StacksReply};
+use crate::protocol::{EnvReply, ProbeTableReply, ProcessMeta, StacksReply};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ColumnType {
@@ -171,7 +171,69 @@ pub const SNAPSHOT_LOCALS: TableDef = TableDef {
     ],
 };
 
-pub const ALL_TABLES: &[TableDef] = &[BACKTRACE, THREADS, PROCESS_INFO, PROCESS_ENV, CRASHES, SNAPSHOTS, SNAPSHOT_LOCALS];
+pub const TORCH_TRACE: TableDef = TableDef {
+    schema: "python",
+    name: "torch_trace",
+    description: "per module per sampled step (`torch trace on`): forward (and backward) time; ts is the step's end",
+    columns: &[
+        col("step", Int64),
+        col("module", Utf8),
+        col("module_type", Utf8),
+        col("depth", Int64),
+        col("stage", Utf8),
+        col("calls", Int64),
+        col("duration_ms", Float64),
+        col("gpu_ms", Float64),
+    ],
+};
+
+pub const TORCH_STEPS: TableDef = TableDef {
+    schema: "python",
+    name: "torch_steps",
+    description: "one row per training step while the torch trace is on; the phases on sampled steps only",
+    columns: &[
+        col("step", Int64),
+        col("sampled", Bool),
+        col("duration_ms", Float64),
+        col("dataloader_wait_ms", Float64),
+        col("forward_ms", Float64),
+        col("backward_ms", Float64),
+        col("optimizer_ms", Float64),
+        col("loss", Float64),
+        col("samples", Int64),
+        col("samples_per_s", Float64),
+    ],
+};
+
+/// Tables whose rows a probe keeps itself (bounded rings), read through
+/// `GET /v1/table?name=...`.
+pub const PROBE_TABLES: &[TableDef] = &[TORCH_TRACE, TORCH_STEPS];
+
+pub const ALL_TABLES: &[TableDef] =
+    &[BACKTRACE, THREADS, PROCESS_INFO, PROCESS_ENV, CRASHES, SNAPSHOTS, SNAPSHOT_LOCALS, TORCH_TRACE, TORCH_STEPS];
+
+pub fn is_probe_table(def: &TableDef) -> bool {
+    PROBE_TABLES.iter().any(|t| t.schema == def.schema && t.name == def.name)
+}
+
+/// A probe table's rows as the probe sends them: its own column names
+/// (`ts` in seconds), without pid, rank and host, which come from the
+/// probe's metadata. Columns the table does not know are dropped, and
+/// those the probe did not send are null.
+pub fn probe_table_rows(def: &TableDef, meta: &ProcessMeta, reply: &ProbeTableReply) -> Rows {
+    let index: Vec<Option<usize>> = def.columns.iter().map(|c| reply.columns.iter().position(|n| n == c.name)).collect();
+    let ts = reply.columns.iter().position(|n| n == "ts");
+    reply
+        .rows
+        .iter()
+        .map(|cells| {
+            let at = ts.and_then(|i| cells.get(i)).and_then(Value::as_f64).unwrap_or(0.0);
+            let mut row = identity(meta, at).to_vec();
+            row.extend(index.iter().map(|i| i.and_then(|i| cells.get(i)).cloned().unwrap_or(Value::Null)));
+            row
+        })
+        .collect()
+}
 
 pub fn find_table(schema: &str, name: &str) -> Option<&'static TableDef> {
     ALL_TABLES
@@ -366,6 +428,23 @@ mod tests {
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[1][9], json!(0));
         assert_eq!(rows[1][10], Value::Null);
+    }
+
+    #[test]
+    fn probe_table_rows_follow_the_schema_by_column_name() {
+        let reply = ProbeTableReply {
+            columns: vec!["ts".into(), "module".into(), "step".into(), "unknown".into()],
+            rows: vec![vec![json!(101.5), json!("fc1"), json!(4), json!("x")]],
+            count: None,
+        };
+        let rows = probe_table_rows(&TORCH_TRACE, &meta(), &reply);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].len(), TORCH_TRACE.all_columns().count());
+        assert_eq!(rows[0][1], json!(3), "rank from the metadata");
+        assert_eq!(rows[0][3], json!(101_500_000), "ts in microseconds");
+        assert_eq!(rows[0][4], json!(4), "step");
+        assert_eq!(rows[0][5], json!("fc1"), "module");
+        assert_eq!(rows[0][6], Value::Null, "a column the probe did not send");
     }
 
     #[test]

@@ -56,7 +56,19 @@ impl Handler for ProbeHandler {
                 Ok(body) => call_helper("rankscope._probe.breakpoints", "handle", (body.to_string(),)),
                 Err(_) => Response::error(400, "a breakpoint request is JSON text"),
             },
-            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt" | "/v1/breakpoints" | "/v1/job") => {
+            ("POST", "/v1/torch") => match std::str::from_utf8(&request.body) {
+                Ok(body) => call_helper("rankscope._probe.torch", "handle", (body.to_string(),)),
+                Err(_) => Response::error(400, "a torch request is JSON text"),
+            },
+            ("GET", "/v1/table") => match request.query_param("name").map(percent_decode) {
+                Some(name) => {
+                    let columns = request.query_param("columns").map(percent_decode);
+                    let filters = request.query_param("filter").map(percent_decode);
+                    call_helper("rankscope._probe.torch", "table", (name, columns, filters, request.query_flag("count")))
+                }
+                None => Response::error(400, "which table? /v1/table?name=python.torch_trace"),
+            },
+            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt" | "/v1/breakpoints" | "/v1/job" | "/v1/torch" | "/v1/table") => {
                 Response::error(405, &format!("{} is not allowed on {}", request.method, request.path))
             }
             _ => Response::error(404, &format!("no endpoint {}", request.path)),

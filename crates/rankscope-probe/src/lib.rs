@@ -10,6 +10,7 @@ mod frame_trace;
 mod handler;
 mod injected;
 mod meta;
+mod quiet_edit;
 mod registry;
 
 use std::sync::{Arc, Mutex};
@@ -195,5 +196,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_dir, m)?)?;
     m.add_function(wrap_pyfunction!(wall_ms, m)?)?;
     m.add_function(wrap_pyfunction!(crash_hook::enable_crash_hook, m)?)?;
+    m.add_function(wrap_pyfunction!(quiet_edit::edit_unless_running, m)?)?;
     Ok(())
 }

@@ -12,7 +12,6 @@ Nothing here imports torch: a finder that only watches waits for
 wraps `init_process_group` there before `torch.distributed` re-exports it.
 """
 
-import _thread
 import sys
 
 _C10D = "torch.distributed.distributed_c10d"
@@ -59,42 +58,6 @@ def _wrap(c10d) -> None:
         dist.init_process_group = init_process_group
 
 
-class _WatchC10d:
-    """Wraps init_process_group once the program imports c10d; never in the
-    way of an import (re-entrancy guarded, any failure means "not mine")."""
-
-    _busy = _thread._local()
-
-    def find_spec(self, name, path=None, target=None):
-        if name != _C10D or getattr(self._busy, "active", False):
-            return None
-        self._busy.active = True
-        try:
-            # importlib.machinery's PathFinder, without importing importlib.
-            spec = sys.modules["_frozen_importlib_external"].PathFinder.find_spec(name, path, target)
-            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return None
-            original = spec.loader.exec_module
-
-            def exec_module(module, _original=original):
-                _original(module)
-                try:
-                    _wrap(module)
-                    sys.meta_path.remove(_finder)
-                except Exception:  # noqa: BLE001
-                    pass
-
-            spec.loader.exec_module = exec_module
-            return spec
-        except Exception:  # noqa: BLE001
-            return None
-        finally:
-            self._busy.active = False
-
-
-_finder = _WatchC10d()
-
-
 def watch() -> None:
     """At start: follow torch.distributed if the program imported it."""
     c10d = sys.modules.get(_C10D)
@@ -106,5 +69,7 @@ def watch() -> None:
 def watch_imports() -> None:
     """With the interpreter (RANKSCOPE=1): also catch the program's import
     of c10d later. A probe started later leaves sys.meta_path alone."""
-    if _C10D not in sys.modules and _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
+    if _C10D not in sys.modules:
+        from rankscope._probe.after_import import after_import
+
+        after_import(_C10D, _wrap)

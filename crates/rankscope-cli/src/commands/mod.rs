@@ -8,6 +8,7 @@ pub mod list;
 pub mod query;
 pub mod repl;
 pub mod run;
+pub mod torch;
 
 use std::io::Write;
 use std::time::Duration;
@@ -58,6 +59,7 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
         Action::Snapshots { format } => breakpoints::snapshots(&probe, format),
         Action::Watch { spec, name, tensor } => breakpoints::watch(&probe, &spec, &name, tensor),
         Action::Attach { thread, wait } => breakpoints::attach(&probe, thread.as_deref(), seconds(wait, "--wait")?),
+        Action::Torch { action, format } => torch::run(&probe, action, format),
     }
 }
 

@@ -96,6 +96,10 @@ impl RowSource for LiveProbe {
                 let snaps = self.probe.breakpoints(&serde_json::json!({"op": "snapshots"})).map_err(|e| format!("{e:#}"))?;
                 Ok(snapshot_rows(table.name, Some(&meta), snaps.as_array().map(Vec::as_slice).unwrap_or_default()))
             }
+            _ if tables::is_probe_table(table) => match self.probe_table(table, &Scan::default())? {
+                Fetched::Rows(rows) => Ok(rows),
+                Fetched::Counts(_) => Err("a full scan came back as counts".into()),
+            },
             ("python", "crashes") => {
                 // The target's run directory, from the target's environment.
                 let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
@@ -112,6 +116,9 @@ impl RowSource for LiveProbe {
     }
 
     fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
+        if tables::is_probe_table(table) {
+            return self.probe_table(table, scan);
+        }
         if table.schema != "python" || !matches!(table.name, "backtrace" | "threads") || self.native {
             return self.rows(table).map(Fetched::Rows);
         }
@@ -122,6 +129,42 @@ impl RowSource for LiveProbe {
             return Ok(Fetched::Counts(vec![(tables::identity(&meta, stacks.taken_at), count as usize)]));
         }
         Ok(Fetched::Rows(if table.name == "backtrace" { tables::backtrace_rows(&meta, &stacks) } else { tables::threads_rows(&meta, &stacks) }))
+    }
+}
+
+impl LiveProbe {
+    /// A table the probe keeps in memory: the scan's columns and
+    /// `column op literal` filters go to the probe; a scan of the identity
+    /// columns only is answered with a count.
+    fn probe_table(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
+        let meta = self.meta()?;
+        let filters: Vec<serde_json::Value> = scan
+            .filters
+            .iter()
+            // The probe keeps ts in seconds; the engine compares it in microseconds.
+            .filter(|f| f.column != "ts")
+            .map(|f| {
+                let op = match f.op {
+                    CmpOp::Eq => "=",
+                    CmpOp::Lt => "<",
+                    CmpOp::LtEq => "<=",
+                    CmpOp::Gt => ">",
+                    CmpOp::GtEq => ">=",
+                };
+                serde_json::json!([f.column, op, f.value])
+            })
+            .collect();
+        // Every row has its own ts, so only pid, rank and host make a count enough.
+        let count = scan.reads_identity_only() && scan.columns.as_ref().is_some_and(|c| !c.contains(&"ts"));
+        let reply = self
+            .probe
+            .probe_table(&table.qualified_name(), scan.columns.as_deref(), &filters, count, PROBE_TIMEOUT)
+            .map_err(|e| format!("{e:#}"))?;
+        if count {
+            let n = reply.count.unwrap_or(0) as usize;
+            return Ok(Fetched::Counts(vec![(tables::identity(&meta, rankscope_core::host::now_seconds()), n)]));
+        }
+        Ok(Fetched::Rows(tables::probe_table_rows(table, &meta, &reply)))
     }
 }
 

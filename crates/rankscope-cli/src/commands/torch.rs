@@ -1,0 +1,196 @@
+//! `rankscope PID torch ...`: what the probe found of PyTorch in the process
+//! (models, optimizers, the step), and the trace switched on and off. The
+//! work is the probe's (`rankscope._probe.torch`); this file asks and prints.
+
+use anyhow::Result;
+use serde_json::{json, Value};
+
+use crate::client::Probe;
+use crate::hint::Hinted;
+use crate::{BtFormat, TorchAction, TraceAction};
+
+pub fn run(probe: &Probe, action: Option<TorchAction>, format: BtFormat) -> Result<u8> {
+    let request = match &action {
+        None => json!({"action": "status"}),
+        Some(TorchAction::Trace { action: TraceAction::On { every, modules, backward } }) => {
+            if *every == 0 {
+                return Err(Hinted::new("--every must be 1 or more", "e.g. --every 20: one step in 20 is traced").into());
+            }
+            json!({"action": "trace_on", "every": every, "modules": modules, "backward": backward})
+        }
+        Some(TorchAction::Trace { action: TraceAction::Off }) => json!({"action": "trace_off"}),
+    };
+    let reply = probe.torch(&request)?;
+    if let BtFormat::Json = format {
+        println!("{}", serde_json::to_string_pretty(&reply)?);
+        return Ok(0);
+    }
+    let text = match action {
+        None => status_text(&reply),
+        Some(TorchAction::Trace { action: TraceAction::On { .. } }) => trace_on_text(&reply),
+        Some(TorchAction::Trace { action: TraceAction::Off }) => trace_off_text(&reply),
+    };
+    print!("{text}");
+    Ok(0)
+}
+
+/// 1234567 -> "1,234,567".
+fn thousands(n: &Value) -> String {
+    let Some(n) = n.as_i64() else { return n.to_string() };
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 { format!("-{out}") } else { out }
+}
+
+fn words(list: &Value) -> String {
+    list.as_array().map(|v| v.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default()
+}
+
+fn status_text(status: &Value) -> String {
+    let mut out = String::new();
+    let cuda = if status["cuda_initialized"].as_bool() == Some(true) { "CUDA in use" } else { "CUDA not initialised" };
+    out += &format!("torch {} ({cuda})\n", status["torch_version"].as_str().unwrap_or("?"));
+    out += &match (status["step"].as_i64(), status["step_source"].as_str()) {
+        (Some(step), Some("optimizer")) => format!("step {step} (the optimizer's steps mark them)\n"),
+        (Some(step), Some(source)) => format!("step {step} (from {source})\n"),
+        (Some(step), None) => format!("step {step}\n"),
+        (None, _) => "step unknown (counted while the trace is on: optimizer steps, or rankscope.step())\n".to_string(),
+    };
+    let models = status["models"].as_array().cloned().unwrap_or_default();
+    if models.is_empty() {
+        out += "no model found (an nn.Module whose parameters an optimizer updates, or any root module with parameters)\n";
+    }
+    for model in &models {
+        out += &format!(
+            "model {}: {} submodules, {} parameters ({} trainable), {} on {}, {}\n",
+            model["name"].as_str().unwrap_or("?"),
+            thousands(&model["submodules"]),
+            thousands(&model["parameters"]),
+            thousands(&model["trainable"]),
+            words(&model["dtypes"]),
+            words(&model["devices"]),
+            if model["training"].as_bool() == Some(true) { "training" } else { "eval" },
+        );
+        let children = model["children"].as_array().cloned().unwrap_or_default();
+        let width = children.iter().filter_map(|c| c["name"].as_str()).map(str::len).max().unwrap_or(0);
+        let type_width = children.iter().filter_map(|c| c["type"].as_str()).map(str::len).max().unwrap_or(0);
+        for child in &children {
+            out += &format!(
+                "  {:width$}  {:type_width$}  {:>12} parameters\n",
+                child["name"].as_str().unwrap_or("?"),
+                child["type"].as_str().unwrap_or("?"),
+                thousands(&child["parameters"]),
+            );
+        }
+        let more = model["children_total"].as_u64().unwrap_or(0).saturating_sub(children.len() as u64);
+        if more > 0 {
+            out += &format!("  ... {more} more children\n");
+        }
+    }
+    for (i, opt) in status["optimizers"].as_array().into_iter().flatten().enumerate() {
+        let groups = opt["param_groups"].as_array().cloned().unwrap_or_default();
+        out += &format!("optimizer {i}: {}, {} param group{}\n", opt["type"].as_str().unwrap_or("?"), groups.len(), if groups.len() == 1 { "" } else { "s" });
+        for (g, group) in groups.iter().enumerate() {
+            let hyper: Vec<String> = group["hyperparameters"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, v)| format!("{k}={}", v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string())))
+                .collect();
+            out += &format!("  group {g} ({} tensors): {}\n", group["params"], hyper.join(" "));
+        }
+    }
+    if let Some(losses) = status["losses"].as_array().filter(|l| !l.is_empty()) {
+        out += &format!("loss modules: {}\n", words(&Value::from(losses.clone())));
+    }
+    out += &trace_line(&status["trace"]);
+    out
+}
+
+fn trace_line(trace: &Value) -> String {
+    let rows = &trace["rows"];
+    let kept = format!("{} rows in python.torch_trace, {} in python.torch_steps", rows["torch_trace"], rows["torch_steps"]);
+    let mut out = if trace["on"].as_bool() == Some(true) {
+        let stages = if trace["backward"].as_bool() == Some(true) { "forward and backward" } else { "forward" };
+        let now = if trace["sampling_now"].as_bool() == Some(true) {
+            format!("hooks on {} modules now", trace["hooked_modules"])
+        } else {
+            "no module hooks now (between sampled steps)".to_string()
+        };
+        format!(
+            "trace: on, every {} step{}, modules '{}', {stages}; {now}; {} sampled steps; {kept}\n",
+            trace["every"],
+            if trace["every"].as_i64() == Some(1) { "" } else { "s" },
+            trace["modules"].as_str().unwrap_or("*"),
+            trace["sampled_steps"],
+        )
+    } else {
+        format!("trace: off; {kept}\n")
+    };
+    if let Some(reason) = trace["disabled"].as_str() {
+        out += &format!("trace: turned itself off after an error ({} in all): {reason}\n", trace["errors"]);
+    }
+    if trace["on"].as_bool() != Some(true) && trace["optimizer_hooks"].as_i64().unwrap_or(0) > 0 {
+        out += "note: the optimizer hooks come off at the end of the step in progress\n";
+    }
+    out
+}
+
+fn trace_on_text(reply: &Value) -> String {
+    let status = &reply["status"];
+    let mut out = String::new();
+    if reply["models"].as_i64() == Some(0) {
+        out += "note: no model found yet: the probe looks again when an optimizer steps (or at rankscope.step())\n";
+    }
+    if reply["optimizer_hooks"].as_bool() != Some(true) {
+        out += "note: the optimizer step hooks are not in yet (the program stayed inside an optimizer step); try again\n";
+    }
+    let every = status["trace"]["every"].as_i64().unwrap_or(1);
+    let first = status["trace"]["step"].as_i64().map(|s| (s / every + 1) * every);
+    out += &format!(
+        "trace on: {} modules, every {} step{}{}; the hooks go on at the next step boundary\n",
+        reply["modules"],
+        every,
+        if every == 1 { "" } else { "s" },
+        first.map(|f| format!(" (first sampled step: {f})")).unwrap_or_default(),
+    );
+    out += &trace_line(&status["trace"]);
+    out
+}
+
+fn trace_off_text(reply: &Value) -> String {
+    let mut out = if reply["was_on"].as_bool() == Some(true) {
+        format!("trace off: {} module hooks removed\n", reply["module_hooks_removed"])
+    } else {
+        "trace was off\n".to_string()
+    };
+    out += &trace_line(&reply["status"]["trace"]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_get_thousands_separators() {
+        assert_eq!(thousands(&json!(1234567)), "1,234,567");
+        assert_eq!(thousands(&json!(999)), "999");
+        assert_eq!(thousands(&json!(1000)), "1,000");
+    }
+
+    #[test]
+    fn a_trace_that_turned_itself_off_says_why() {
+        let trace = json!({"on": false, "disabled": "the forward hook of fc1 failed: ValueError: x", "errors": 1,
+                           "rows": {"torch_trace": 3, "torch_steps": 1}, "optimizer_hooks": 0});
+        let text = trace_line(&trace);
+        assert!(text.contains("trace: off; 3 rows"), "{text}");
+        assert!(text.contains("turned itself off after an error (1 in all): the forward hook of fc1 failed"), "{text}");
+    }
+}

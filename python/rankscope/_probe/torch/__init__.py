@@ -1,0 +1,145 @@
+"""The probe's torch features: ``rankscope PID torch ...`` (``POST
+/v1/torch``) and the torch tables (``GET /v1/table``).
+
+Nothing here imports torch, nor anything else at module level: the modules
+that do (``models``, ``trace``) are imported only once the program has
+imported torch itself (``'torch' in sys.modules``, done initialising).
+``RANKSCOPE_TORCH`` read at interpreter start waits for that import.
+"""
+
+import os
+import sys
+
+NOT_IMPORTED = "torch is not imported in this process"
+NOT_IMPORTED_HINT = (
+    "rankscope never imports torch itself; ask again once the program has imported it "
+    "(RANKSCOPE_TORCH=trace at start turns the trace on when it does)"
+)
+TABLES = ("torch_trace", "torch_steps")
+
+
+def torch_ready() -> bool:
+    module = sys.modules.get("torch")
+    if module is None:
+        return False
+    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+def handle(request_text: str) -> str:
+    """``{"action": "status" | "trace_on" | "trace_off", ...}`` -> JSON:
+    ``{"ok": ...}``, or ``{"error": ..., "hint": ...}`` for the user."""
+    import json
+
+    try:
+        request = json.loads(request_text)
+        if not torch_ready():
+            return json.dumps({"error": NOT_IMPORTED, "hint": NOT_IMPORTED_HINT, "not_imported": True})
+        from rankscope._probe.torch import trace
+
+        action = request.get("action", "status")
+        try:
+            if action == "status":
+                result = _status()
+            elif action == "trace_on":
+                result = trace.TRACER.turn_on(
+                    int(request.get("every") or 1), str(request.get("modules") or "*"), bool(request.get("backward"))
+                )
+                result["status"] = _status()
+            elif action == "trace_off":
+                result = trace.TRACER.turn_off()
+                result["status"] = _status()
+            else:
+                return json.dumps({"error": f"unknown torch action {action!r}", "hint": "status, trace_on or trace_off"})
+        except trace.UserError as err:
+            return json.dumps({"error": str(err), "hint": "`rankscope PID torch` lists the models and their modules"})
+        return json.dumps({"ok": result}, default=str)
+    except (ValueError, TypeError) as err:
+        return json.dumps({"error": f"bad torch request: {err}", "hint": "send JSON with an action"})
+
+
+def _status() -> dict:
+    import torch
+
+    from rankscope._probe.torch import models, trace
+
+    found, optimizers, losses = models.discover()
+    tracer = trace.TRACER
+    step, source = tracer.step, tracer.marker
+    if not tracer.on or step is None:
+        counts = [c for c in (models.completed_steps(opt) for opt in optimizers) if c is not None]
+        step, source = (max(counts), "optimizer state") if counts else (None, None)
+    return {
+        "torch_version": torch.__version__,
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "step": step,
+        "step_source": source,
+        "models": [models.describe_model(m, optimizers) for m in found],
+        "optimizers": [models.describe_optimizer(opt) for opt in optimizers],
+        "losses": [type(m).__name__ for m in losses],
+        "trace": tracer.describe(),
+    }
+
+
+def table(name: str, columns: str | None, filters: str | None, count: bool) -> str:
+    """Rows of one torch table (``python.torch_trace``): none while torch
+    is not imported. `columns` is comma-separated, `filters` a JSON list
+    of ``[column, op, value]``."""
+    import json
+
+    short = name.removeprefix("python.")
+    if short not in TABLES:
+        raise ValueError(f"no table {name} in this probe")
+    if not torch_ready() or "rankscope._probe.torch.tables" not in sys.modules:
+        from_tables = {"columns": [], "rows": []} if not count else {"columns": [], "count": 0}
+        return json.dumps(from_tables)
+    from rankscope._probe.torch import tables
+
+    wanted = [c for c in columns.split(",") if c] if columns is not None else None
+    reply = tables.read(short, wanted, json.loads(filters) if filters else [], count)
+    return json.dumps(reply)
+
+
+def _parse_env(spec: str):
+    features, options, unknown = set(), {"every": 1, "modules": "*", "backward": False}, []
+    for token in filter(None, (t.strip() for t in spec.split(","))):
+        key, eq, value = token.partition("=")
+        if token == "trace":
+            features.add("trace")
+        elif token == "backward":
+            options["backward"] = True
+        elif eq and key == "every" and value.isdigit() and int(value) >= 1:
+            options["every"] = int(value)
+        elif eq and key == "modules" and value:
+            options["modules"] = value
+        else:
+            unknown.append(token)
+    return features, options, unknown
+
+
+def from_env(at_start: bool) -> None:
+    """``RANKSCOPE_TORCH=trace[,every=N][,modules=GLOB][,backward]``: the
+    trace goes on now if torch is imported, else (probe started with the
+    interpreter) right after the program imports it."""
+    spec = os.environ.get("RANKSCOPE_TORCH", "").strip()
+    if not spec:
+        return
+    features, options, unknown = _parse_env(spec)
+    if unknown:
+        sys.stderr.write(f"rankscope: RANKSCOPE_TORCH: ignored {', '.join(unknown)} (known: trace, every=N, modules=GLOB, backward)\n")
+    if "trace" not in features:
+        return
+
+    def enable(_module=None):
+        try:
+            from rankscope._probe.torch import trace
+
+            trace.TRACER.turn_on(options["every"], options["modules"], options["backward"], wait_s=0)
+        except Exception as exc:  # noqa: BLE001 - the program runs on without the trace
+            sys.stderr.write(f"rankscope: RANKSCOPE_TORCH=trace not turned on: {exc}\n")
+
+    if torch_ready():
+        enable()
+    elif at_start:
+        from rankscope._probe.after_import import after_import
+
+        after_import("torch", enable)

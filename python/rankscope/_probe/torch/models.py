@@ -1,0 +1,131 @@
+"""Finding the program's models and optimizers, and describing them.
+
+Imported only once the program has imported torch (see ``__init__``).
+Optimizers are found with ``gc`` (instances of ``torch.optim.Optimizer``),
+and the models through their parameter groups: a model is a root module
+(one that is no other module's child) holding a parameter an optimizer
+updates. Without an optimizer, every root module with parameters counts.
+Loss modules (``nn.modules.loss._Loss``) that are roots are kept apart:
+their outputs are the step's loss.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+# A row of `rankscope PID torch` lists this many top-level children.
+MAX_CHILDREN_SHOWN = 20
+# Hyperparameters printed per param group (tensors and long lists are left out).
+_SCALAR_TYPES = (bool, int, float, str, type(None))
+
+
+def _roots(modules: list) -> list:
+    children = {id(child) for module in modules for child in module.children()}
+    return [module for module in modules if id(module) not in children]
+
+
+def discover() -> tuple[list, list, list]:
+    """(models, optimizers, loss modules) of the program as it is now."""
+    modules, found_optimizers = [], []
+    module_type, optimizer_type = torch.nn.Module, torch.optim.Optimizer
+    # type(), not isinstance(): isinstance falls back to an object's
+    # __class__, which some objects answer with a warning (torch's own
+    # deprecated `reduce_op`) or with code of their own.
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if issubclass(kind, module_type):
+            modules.append(obj)
+        elif issubclass(kind, optimizer_type):
+            found_optimizers.append(obj)
+    roots = _roots(modules)
+    loss_type = torch.nn.modules.loss._Loss
+    losses = [root for root in roots if isinstance(root, loss_type)]
+    if found_optimizers:
+        updated = {id(p) for opt in found_optimizers for group in opt.param_groups for p in group["params"]}
+        models = [root for root in roots if any(id(p) in updated for p in root.parameters())]
+    else:
+        models = [root for root in roots if not isinstance(root, loss_type) and next(root.parameters(), None) is not None]
+    return models, found_optimizers, losses
+
+
+def completed_steps(optimizer) -> int | None:
+    """How many steps the optimizer has taken, where it keeps that count
+    (per-parameter ``state['step']``, as Adam does), read without a device
+    sync: None for a count on a GPU, or an optimizer without one (SGD)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            value = state.get("step") if state else None
+            if isinstance(value, (int, float)):
+                return int(value)
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
+                return int(value.item())
+            return None
+    return None
+
+
+def _hyperparameters(group: dict) -> dict:
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, _SCALAR_TYPES):
+            out[key] = value
+        elif isinstance(value, tuple) and all(isinstance(v, _SCALAR_TYPES) for v in value):
+            out[key] = list(value)
+        elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
+            out[key] = value.item()
+    return out
+
+
+def describe_optimizer(optimizer) -> dict:
+    return {
+        "type": type(optimizer).__name__,
+        "param_groups": [
+            {"params": len(group["params"]), "hyperparameters": _hyperparameters(group)} for group in optimizer.param_groups
+        ],
+        "completed_steps": completed_steps(optimizer),
+    }
+
+
+def _count(params) -> tuple[int, int]:
+    total = trainable = 0
+    for p in params:
+        n = p.numel()
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return total, trainable
+
+
+def describe_model(model, found_optimizers: list) -> dict:
+    params = list(model.parameters())
+    total, trainable = _count(params)
+    own = {id(p) for p in params}
+    children = []
+    for name, child in list(model.named_children())[:MAX_CHILDREN_SHOWN]:
+        child_total, _ = _count(child.parameters())
+        children.append({"name": name, "type": type(child).__name__, "parameters": child_total})
+    return {
+        "name": root_name(model),
+        "type": type(model).__name__,
+        "submodules": sum(1 for _ in model.modules()) - 1,
+        "parameters": total,
+        "trainable": trainable,
+        "dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
+        "devices": sorted({str(p.device) for p in params}),
+        "children": children,
+        "children_total": sum(1 for _ in model.children()),
+        "optimizers": [
+            i for i, opt in enumerate(found_optimizers) if any(id(p) in own for g in opt.param_groups for p in g["params"])
+        ],
+        "training": model.training,
+    }
+
+
+def root_name(model) -> str:
+    """How the root is named in the trace: its class (its children go by
+    their qualified names, as ``named_modules()`` gives them)."""
+    return type(model).__name__

@@ -1,0 +1,608 @@
+"""Per-module timings at sampled steps (``python.torch_trace``) and one row
+per step (``python.torch_steps``).
+
+Imported only once the program has imported torch. Three kinds of hook,
+all removed when the trace goes off:
+
+* torch's global optimizer step hooks (pre and post): the post hook marks
+  the step boundary and the pre hook times the optimizer. They are on for
+  as long as the trace is. torch iterates those dictionaries live, so they
+  are edited from a probe thread only while no thread is inside an
+  optimizer step (``_native.edit_unless_running``), and from the training
+  thread only where that is safe (see ``_unhook_from_post``).
+* forward pre/post hooks on the found models' modules that match the glob
+  (and always on each model's root, for the step's figures): attached only
+  around sampled steps, at the end of the step before one and removed at
+  its end, so an unsampled step runs with no module hook at all.
+* with ``backward``: tensor hooks on each module's output (the gradient
+  reaching it: its backward starts) and on its inputs that need a gradient
+  (the gradient leaving it: its backward ends), registered in the forward
+  hooks of a sampled step and gone with that step's graph. Module backward
+  hooks (``register_full_backward_hook``) are not used: they wrap inputs
+  and outputs in an autograd Function, and a module that then modifies its
+  input in place (``ReLU(inplace=True)``) fails.
+
+Nothing a hook does may reach the program: each catches everything, counts
+it, and turns the trace off with the reason.
+"""
+
+from __future__ import annotations
+
+import _thread
+import collections
+import sys
+import time
+import weakref
+
+import torch
+
+from rankscope._probe.torch import models, tables
+
+_perf = time.perf_counter_ns
+# How long a probe thread waits for the training thread to leave an
+# optimizer step before it leaves the edit to the training thread.
+EDIT_WAIT_S = 2.0
+# Without an optimizer, models are looked for again at steps 1, 2, 4, ...
+MAX_REDISCOVERY_INTERVAL = 1024
+
+
+class UserError(Exception):
+    """A request that cannot be met, said to the user as is."""
+
+
+def _ms(ns):
+    return None if ns is None else ns / 1e6
+
+
+class _Slot:
+    """One hooked module and what it did in the step being sampled."""
+
+    __slots__ = (
+        "name",
+        "type",
+        "depth",
+        "rows",
+        "cuda",
+        "starts",
+        "fwd_ns",
+        "calls",
+        "open_events",
+        "events",
+        "bwd_start",
+        "bwd_end",
+        "bwd_ns",
+        "bwd_calls",
+        "start_hook",
+        "end_hook",
+    )
+
+    def __init__(self, name, type_name, depth, rows, cuda):
+        self.name, self.type, self.depth, self.rows, self.cuda = name, type_name, depth, rows, cuda
+        self.starts: list = []
+        self.open_events: list = []
+        self.start_hook = self.end_hook = None
+        self.reset()
+
+    def reset(self):
+        self.starts.clear()
+        self.open_events.clear()
+        self.fwd_ns = self.calls = self.bwd_ns = self.bwd_calls = 0
+        self.events = []
+        self.bwd_start = self.bwd_end = None
+
+
+def _cuda_event():
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _gpu_ms(pairs):
+    """Resolver: the pairs' summed elapsed time once all have completed."""
+
+    def resolve():
+        if not all(end.query() for _, end in pairs):
+            raise LookupError("not yet")
+        return sum(start.elapsed_time(end) for start, end in pairs)
+
+    return resolve
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+    elif isinstance(value, dict):
+        for item in value.values():
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+def _scalar_loss(output):
+    """The loss in a root module's output: a 0-dim floating tensor, or the
+    ``loss`` of a model output that carries one (Hugging Face's)."""
+    if isinstance(output, torch.Tensor):
+        candidate = output
+    elif isinstance(output, dict):
+        candidate = output.get("loss")
+    else:
+        candidate = getattr(output, "loss", None)
+    if isinstance(candidate, torch.Tensor) and candidate.dim() == 0 and candidate.is_floating_point():
+        return candidate
+    return None
+
+
+def _step_wrapper_code():
+    """The code of the wrapper torch puts around every optimizer's step:
+    a thread with a frame of it may be iterating the global hooks."""
+    wrap = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    for const in getattr(getattr(wrap, "__code__", None), "co_consts", ()):
+        if getattr(const, "co_name", None) == "wrapper":
+            return const
+    return None
+
+
+class Tracer:
+    def __init__(self):
+        self.lock = _thread.RLock()
+        self.on = False
+        self.every, self.glob, self.backward = 1, "*", False
+        self.models: list = []  # weakrefs to root modules
+        self.losses: list = []  # weakrefs to loss modules
+        self.known_optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.plan: list = []  # (module weakref, name, type, depth, rows, is_root, cuda)
+        self.primary = None  # weakref to the optimizer whose step ends a step
+        self.marker = None
+        self.step = None  # the step in progress
+        self.last_end = None
+        self.sampling = False
+        self.sampled_steps = 0
+        self.slots: list = []
+        self.handles: list = []
+        self.opt_hooks = None  # [(pre dict, id) or None, (post dict, id) or None]
+        self.errors = 0
+        self.disabled = None
+        self.next_rediscovery = 1
+        self.partial = True
+        self._reset_step()
+
+    def _reset_step(self):
+        self.first_fwd = self.pass_start = self.opt_start = None
+        self.fwd_ns = self.bwd_ns = self.opt_ns = self.opt_calls = self.samples = 0
+        self.loss = self.loss_event = None
+
+    # ---- turning on and off (probe thread, or the env at torch's import)
+
+    def turn_on(self, every: int, glob: str, backward: bool, wait_s: float = EDIT_WAIT_S) -> dict:
+        if every < 1:
+            raise UserError(f"--every must be 1 or more, not {every}")
+        with self.lock:
+            found, optimizers, losses = models.discover()
+            self._adopt(found, optimizers, losses)
+            self.every, self.glob, self.backward = every, glob, backward
+            self.plan = self._plan()
+            if found and not any(rows for _, _, _, _, rows, _, _ in self.plan):
+                names = ", ".join(name for _, name, _, _, _, _, _ in self.plan[:12])
+                raise UserError(f"no module matches {glob!r}; modules: {names}{' ...' if len(self.plan) > 12 else ''}")
+            # A new setting takes effect at the next step boundary; the step
+            # in progress was not seen whole, so it gets no row.
+            self._detach()
+            self.partial = True
+            self.on = True
+            self.disabled = None
+        installed = self._install_optimizer_hooks(wait_s)
+        import rankscope
+
+        rankscope._step_hook = self.mark_step
+        return {"models": len(found), "modules": sum(1 for p in self.plan if p[4]), "optimizer_hooks": installed}
+
+    def turn_off(self, reason: str | None = None, wait_s: float = EDIT_WAIT_S) -> dict:
+        with self.lock:
+            was_on = self.on
+            self.on = False
+            if reason is not None:
+                self.disabled = reason
+            removed = len(self.handles)
+            self._detach()
+            import rankscope
+
+            if getattr(rankscope, "_step_hook", None) == self.mark_step:
+                rankscope._step_hook = None
+        done = self._remove_optimizer_hooks(wait_s)
+        return {"was_on": was_on, "module_hooks_removed": removed, "optimizer_hooks_removed": done}
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        try:
+            self.errors += 1
+            self.turn_off(f"{where} failed: {type(exc).__name__}: {exc}", wait_s=0)
+        except Exception:  # noqa: BLE001 - nothing may reach the program
+            self.on = False
+
+    def _edit_optimizer_hooks(self, sets, dels, wait_s) -> bool:
+        from rankscope import _native
+
+        code = _step_wrapper_code()
+        deadline = time.monotonic() + wait_s
+        while True:
+            if _native.edit_unless_running(sys._current_frames, code, sets, dels):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+    def _install_optimizer_hooks(self, wait_s) -> bool:
+        if self.opt_hooks is not None and all(self.opt_hooks):
+            return True
+        self._remove_optimizer_hooks(wait_s)
+        if self.opt_hooks is not None:
+            return False
+        # What register_optimizer_step_{pre,post}_hook do, made atomically.
+        from torch.optim import optimizer as opt_module
+        from torch.utils.hooks import RemovableHandle
+
+        pre_dict, post_dict = opt_module._global_optimizer_pre_hooks, opt_module._global_optimizer_post_hooks
+        pre, post = RemovableHandle(pre_dict), RemovableHandle(post_dict)
+        sets = [(pre_dict, pre.id, self._opt_pre), (post_dict, post.id, self._opt_post)]
+        if not self._edit_optimizer_hooks(sets, [], wait_s):
+            return False
+        self.opt_hooks = [(pre_dict, pre.id), (post_dict, post.id)]
+        return True
+
+    def _remove_optimizer_hooks(self, wait_s) -> bool:
+        hooks = self.opt_hooks
+        if hooks is None:
+            return True
+        if self._edit_optimizer_hooks([], [entry for entry in hooks if entry is not None], wait_s):
+            self.opt_hooks = None
+            return True
+        return False  # the post hook takes them off at the end of the step
+
+    def _unhook_from_post(self):
+        """Called by the post hook while torch iterates the global post
+        hooks: the pre hooks are not being iterated (safe to edit), and the
+        post hook may remove itself only as the last entry of an
+        OrderedDict (its iterator then has nothing left to check)."""
+        hooks = self.opt_hooks
+        if hooks is None:
+            return
+        pre, post = hooks
+        if pre is not None:
+            pre[0].pop(pre[1], None)
+            hooks[0] = None
+        if post is not None:
+            post_dict, key = post
+            if type(post_dict) is collections.OrderedDict and next(reversed(post_dict), None) == key:
+                del post_dict[key]
+                hooks[1] = None
+        if not any(hooks):
+            self.opt_hooks = None
+
+    # ---- what the trace is about
+
+    def _adopt(self, found, optimizers, losses):
+        self.models = [weakref.ref(m) for m in found]
+        self.losses = [weakref.ref(m) for m in losses]
+        for opt in optimizers:
+            self.known_optimizers.add(opt)
+
+    def _matches(self, name: str) -> bool:
+        if self.glob in ("*", ""):
+            return True
+        import fnmatch
+
+        return fnmatch.fnmatchcase(name, self.glob)
+
+    def _plan(self) -> list:
+        plan = []
+        for ref in self.models:
+            model = ref()
+            if model is None:
+                continue
+            first = next(model.parameters(), None)
+            cuda = first is not None and first.is_cuda
+            for name, module in model.named_modules():
+                qualified = models.root_name(model) if name == "" else name
+                rows = self._matches(qualified)
+                if rows or name == "":
+                    depth = 0 if name == "" else name.count(".") + 1
+                    plan.append((weakref.ref(module), qualified, type(module).__name__, depth, rows, name == "", cuda))
+        return plan
+
+    def _rediscover(self):
+        found, optimizers, losses = models.discover()
+        self._adopt(found, optimizers, losses)
+        self.plan = self._plan()
+        if self.handles:
+            self._detach()
+
+    def live_models(self) -> list:
+        return [m for m in (ref() for ref in self.models) if m is not None]
+
+    # ---- the step boundary (training thread)
+
+    def _opt_pre(self, optimizer, args, kwargs):
+        try:
+            if self.on:
+                self.opt_start = _perf()
+        except Exception as exc:  # noqa: BLE001
+            self._fail("the optimizer step pre-hook", exc)
+
+    def _opt_post(self, optimizer, args, kwargs):
+        try:
+            now = _perf()
+            if self.on:
+                if self.opt_start is not None:
+                    self.opt_ns += now - self.opt_start
+                    self.opt_calls += 1
+                    self.opt_start = None
+                if self.marker != "rankscope.step()":
+                    primary = self.primary() if self.primary is not None else None
+                    new = primary is None
+                    if new:
+                        self.primary, primary = weakref.ref(optimizer), optimizer
+                    if optimizer is primary:
+                        self.marker = "optimizer"
+                        self._boundary(now, optimizer, new and optimizer not in self.known_optimizers)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("the optimizer step hook", exc)
+        try:
+            if not self.on:
+                self._unhook_from_post()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def mark_step(self):
+        """``rankscope.step()``: the end of a step, for programs whose
+        optimizer does not mark it; once called, it alone marks steps."""
+        try:
+            now = _perf()
+            self.marker = "rankscope.step()"
+            self._boundary(now, None, False)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("rankscope.step()", exc)
+
+    def _boundary(self, now, optimizer, unknown_optimizer):
+        with self.lock:
+            if not self.on:
+                return
+            if unknown_optimizer:
+                self._rediscover()
+            elif not self.models and self.step is not None and self.step >= self.next_rediscovery:
+                self.next_rediscovery = self.step + min(max(1, self.step), MAX_REDISCOVERY_INTERVAL)
+                self._rediscover()
+            completed = None
+            if self.partial:
+                # The optimizer's own count where it keeps one, so that a
+                # trace turned on at different times on two ranks numbers
+                # their steps alike; counted from here on.
+                completed = models.completed_steps(optimizer) if optimizer is not None else None
+            elif self.step is not None:
+                self._finish_step(now)
+            self.partial = False
+            if completed is None:
+                completed = 1 if self.step is None else self.step + 1
+            self.step = completed
+            self.last_end = now
+            self._reset_step()
+            if self.step % self.every == 0:
+                if self.handles:
+                    for slot in self.slots:
+                        slot.reset()
+                else:
+                    self._attach()
+                self.sampling = bool(self.handles)
+            else:
+                self._detach()
+
+    def _finish_step(self, now):
+        wall = time.time()
+        step, sampled = self.step, self.sampling
+        duration = now - self.last_end if self.last_end is not None else None
+        row = [wall, step, sampled, _ms(duration), None, None, None, _ms(self.opt_ns) if self.opt_calls else None, None, None, None]
+        if sampled:
+            self.sampled_steps += 1
+            if self.first_fwd is not None and self.last_end is not None:
+                row[4] = _ms(self.first_fwd - self.last_end)
+            roots = [slot for slot in self.slots if slot.depth == 0]
+            if any(slot.calls for slot in roots):
+                row[5] = _ms(sum(slot.fwd_ns for slot in roots))
+            if self.backward and self.bwd_ns:
+                row[6] = _ms(self.bwd_ns)
+            self._loss_into(row, 8)
+            if self.samples:
+                row[9] = self.samples
+                if duration:
+                    row[10] = self.samples / (duration / 1e9)
+            self._trace_rows(wall, step)
+        tables.append("torch_steps", row)
+
+    def _loss_into(self, row, index):
+        loss = self.loss
+        if loss is None:
+            return
+        if loss.device.type == "cpu":
+            row[index] = float(loss)
+            return
+        event = self.loss_event
+
+        def resolve():
+            if event is not None and not event.query():
+                raise LookupError("not yet")
+            return float(loss)
+
+        tables.pending.append((row, index, resolve))
+
+    def _trace_rows(self, wall, step):
+        for slot in self.slots:
+            if not slot.rows:
+                continue
+            if slot.calls:
+                row = [wall, step, slot.name, slot.type, slot.depth, "forward", slot.calls, _ms(slot.fwd_ns), None]
+                if slot.events:
+                    tables.pending.append((row, 8, _gpu_ms(slot.events)))
+                tables.append("torch_trace", row)
+            if slot.bwd_calls:
+                # GPU time of backward is not measured (hooks run on autograd's threads).
+                tables.append("torch_trace", [wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None])
+
+    # ---- module hooks, around sampled steps only
+
+    def _attach(self):
+        self._detach()
+        slots, handles = [], []
+        try:
+            for ref, name, type_name, depth, rows, is_root, cuda in self.plan:
+                module = ref()
+                if module is None:
+                    continue
+                slot = _Slot(name, type_name, depth, rows, cuda and torch.cuda.is_available())
+                pre, post = self._hooks(slot, is_root)
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=is_root))
+                handles.append(module.register_forward_hook(post))
+                slots.append(slot)
+            for ref in self.losses:
+                module = ref()
+                if module is not None:
+                    handles.append(module.register_forward_hook(self._loss_hook))
+        finally:
+            self.slots, self.handles = slots, handles
+
+    def _detach(self):
+        handles, self.handles = self.handles, []
+        self.sampling = False
+        for handle in handles:
+            handle.remove()
+
+    def _hooks(self, slot, is_root):
+        tracer, perf, starts = self, _perf, slot.starts
+        backward = self.backward
+        cuda = slot.cuda
+        if backward:
+            slot.start_hook, slot.end_hook = self._gradient_hooks(slot)
+
+        def pre(module, args, kwargs=None):
+            try:
+                now = perf()
+                starts.append(now)
+                if is_root:
+                    tracer._root_input(now, args, kwargs)
+                if backward:
+                    for tensor in args:
+                        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                            tensor.register_hook(slot.end_hook)
+                if cuda:
+                    slot.open_events.append(_cuda_event())
+            except Exception as exc:  # noqa: BLE001
+                tracer._fail(f"the forward pre-hook of {slot.name}", exc)
+
+        def post(module, args, output):
+            try:
+                now = perf()
+                if starts:
+                    slot.fwd_ns += now - starts.pop()
+                    slot.calls += 1
+                if cuda and slot.open_events:
+                    slot.events.append((slot.open_events.pop(), _cuda_event()))
+                if is_root:
+                    loss = _scalar_loss(output)
+                    if loss is not None:
+                        tracer._take_loss(loss)
+                if backward:
+                    for tensor in _tensors(output):
+                        if tensor.requires_grad:
+                            tensor.register_hook(slot.start_hook)
+            except Exception as exc:  # noqa: BLE001
+                tracer._fail(f"the forward hook of {slot.name}", exc)
+
+        return pre, post
+
+    def _root_input(self, now, args, kwargs):
+        if self.first_fwd is None:
+            self.first_fwd = now
+        first = args[0] if args else next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            self.samples += first.shape[0]
+
+    def _take_loss(self, loss):
+        self.loss = loss.detach()
+        self.loss_event = _cuda_event() if loss.is_cuda else None
+
+    def _loss_hook(self, module, args, output):
+        try:
+            if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+                self._take_loss(output)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"the forward hook of the loss {type(module).__name__}", exc)
+
+    def _gradient_hooks(self, slot):
+        tracer, perf = self, _perf
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+
+        def start(grad):
+            try:
+                if tracer.sampling:
+                    now = perf()
+                    if slot.bwd_start is None:
+                        slot.bwd_start = now
+                    if tracer.pass_start is None:
+                        tracer.pass_start = now
+                        queue(tracer._pass_end)
+            except Exception as exc:  # noqa: BLE001
+                tracer._fail(f"the backward hook of {slot.name}", exc)
+
+        def end(grad):
+            try:
+                if tracer.sampling:
+                    now = perf()
+                    if slot.bwd_end is None or now > slot.bwd_end:
+                        slot.bwd_end = now
+            except Exception as exc:  # noqa: BLE001
+                tracer._fail(f"the backward hook of {slot.name}", exc)
+
+        return start, end
+
+    def _pass_end(self):
+        """Queued on autograd's engine by the first gradient of a backward
+        pass; runs when the pass ends. A module whose inputs need no
+        gradient (the first layer, the model itself) ends here."""
+        try:
+            now = _perf()
+            if self.pass_start is not None:
+                self.bwd_ns += now - self.pass_start
+                self.pass_start = None
+            for slot in self.slots:
+                if slot.bwd_start is not None:
+                    end = slot.bwd_end if slot.bwd_end is not None and slot.bwd_end >= slot.bwd_start else now
+                    slot.bwd_ns += end - slot.bwd_start
+                    slot.bwd_calls += 1
+                    slot.bwd_start = slot.bwd_end = None
+        except Exception as exc:  # noqa: BLE001
+            self._fail("the end-of-backward callback", exc)
+
+    # ---- what `rankscope PID torch` shows
+
+    def describe(self) -> dict:
+        if self.opt_hooks is not None and not self.on:
+            self._remove_optimizer_hooks(0)
+        return {
+            "on": self.on,
+            "every": self.every,
+            "modules": self.glob,
+            "backward": self.backward,
+            "hooked_modules": len(self.slots) if self.handles else 0,
+            "module_hooks": len(self.handles),
+            "optimizer_hooks": 0 if self.opt_hooks is None else sum(1 for entry in self.opt_hooks if entry is not None),
+            "sampling_now": self.sampling,
+            "sampled_steps": self.sampled_steps,
+            "step": self.step,
+            "marker": self.marker,
+            "errors": self.errors,
+            "disabled": self.disabled,
+            "rows": tables.sizes(),
+        }
+
+
+TRACER = Tracer()

@@ -1,0 +1,314 @@
+"""`rankscope PID torch`: the models found, the trace switched on and off,
+and its tables queried, on a real training loop (torch on CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import query_json, require_torch
+
+# A small MLP with in-place ReLUs, trained with Adam on fixed data. The
+# steps run only when told (`budget` set through eval), so the test knows
+# where each step boundary falls; `--steps N --save PATH` runs N steps with
+# no probe and saves what the probed run saves, for the bitwise comparison.
+TRAIN = """
+import sys, time
+LATE = "--import-late" in sys.argv
+if LATE:
+    print("READY", flush=True)
+    while globals().get("go") is None:
+        time.sleep(0.005)
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+
+
+class Out:
+    # A model output whose `loss` cannot be read (see test_a_failing_hook...).
+    def __init__(self, value):
+        self.value = value
+
+    @property
+    def loss(self):
+        raise RuntimeError("no loss here")
+
+
+class MLP(nn.Module):
+    def __init__(self, odd_output=False):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act1 = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(32, 32)
+        self.act2 = nn.ReLU(inplace=True)
+        self.head = nn.Linear(32, 1)
+        self.odd_output = odd_output
+
+    def forward(self, x):
+        y = self.head(self.act2(self.fc2(self.act1(self.fc1(x)))))
+        return Out(y) if self.odd_output else y
+
+
+model = MLP(odd_output="--odd-output" in sys.argv)
+criterion = nn.MSELoss()
+MANUAL = "--manual" in sys.argv
+optimizer = None if MANUAL else torch.optim.Adam(model.parameters(), lr=1e-3)
+data = torch.Generator().manual_seed(1)
+losses = []
+done = 0
+
+
+def train_step():
+    global done
+    x = torch.randn(8, 16, generator=data)
+    target = torch.randn(8, 1, generator=data)
+    out = model(x)
+    loss = criterion(out.value if isinstance(out, Out) else out, target)
+    if MANUAL:
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 1e-2 * p.grad
+        import rankscope
+        rankscope.step()
+    else:
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    losses.append(loss.detach().clone())
+    done += 1
+
+
+def save(path):
+    torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}, path)
+
+
+if "--steps" in sys.argv:
+    for _ in range(int(sys.argv[sys.argv.index("--steps") + 1])):
+        train_step()
+    save(sys.argv[sys.argv.index("--save") + 1])
+    sys.exit(0)
+
+budget = globals().get("budget", 0)  # set with `go` by the import-late test
+if not LATE:
+    print("READY", flush=True)
+while True:
+    if budget > 0:
+        train_step()
+        budget -= 1
+        if budget == 0:
+            print(f"DONE {done}", flush=True)
+    else:
+        time.sleep(0.002)
+"""
+
+NO_HOOKS = (
+    "import torch.optim.optimizer as o; "
+    "(all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules()), "
+    "len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))"
+)
+
+
+@pytest.fixture
+def torch_python(python):
+    require_torch(python)
+    return python
+
+
+def run_steps(cli, target, n: int, total: int) -> None:
+    result = cli(target.pid, "eval", f"budget = {n}")
+    assert result.returncode == 0, result.stderr
+    target.wait_for_line(f"DONE {total}")
+
+
+def torch_json(cli, pid, *args) -> dict:
+    result = cli(pid, "torch", *args, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def reference_run(python, tmp_path, steps: int, *flags: str) -> Path:
+    """The same training with no probe at all."""
+    script = tmp_path / "reference.py"
+    script.write_text(textwrap.dedent(TRAIN))
+    out = tmp_path / "reference.pt"
+    subprocess.run([python, str(script), *flags, "--steps", str(steps), "--save", str(out)], check=True, capture_output=True, timeout=120)
+    return out
+
+
+def assert_bitwise_equal(python, a: Path, b: Path) -> None:
+    check = (
+        "import sys, torch; a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2]); "
+        "assert len(a['losses']) == len(b['losses']) > 0; "
+        "assert all(torch.equal(x, y) for x, y in zip(a['losses'], b['losses'])), 'losses differ'; "
+        "assert a['params'].keys() == b['params'].keys(); "
+        "assert all(torch.equal(a['params'][k], b['params'][k]) for k in a['params']), 'parameters differ'; "
+        "print('EQUAL')"
+    )
+    result = subprocess.run([python, "-c", check, str(a), str(b)], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "EQUAL", result.stderr
+
+
+def test_torch_lists_the_model_and_optimizer(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN)
+    run_steps(cli, target, 3, 3)
+    text = cli(target.pid, "torch")
+    assert text.returncode == 0, text.stderr
+    assert "model MLP: 5 submodules, 1,633 parameters (1,633 trainable), float32 on cpu, training" in text.stdout
+    assert "fc1" in text.stdout and "Linear" in text.stdout
+    assert "optimizer 0: Adam, 1 param group" in text.stdout
+    assert "lr=0.001" in text.stdout
+    assert "step 3 (from optimizer state)" in text.stdout
+    assert "loss modules: MSELoss" in text.stdout
+    assert "trace: off" in text.stdout
+    status = torch_json(cli, target.pid)
+    # Roots only: the loss module and the submodules are not models.
+    assert [m["name"] for m in status["models"]] == ["MLP"]
+    assert status["models"][0]["parameters"] == 16 * 32 + 32 + 32 * 32 + 32 + 32 + 1
+    assert status["optimizers"][0]["param_groups"][0]["hyperparameters"]["betas"] == [0.9, 0.999]
+
+
+def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_python, spawn, cli, tmp_path):
+    target = spawn(torch_python, TRAIN)
+    on = cli(target.pid, "torch", "trace", "on", "--every", "2")
+    assert on.returncode == 0, on.stderr
+    assert "trace on: 6 modules, every 2 steps" in on.stdout
+    run_steps(cli, target, 6, 6)
+
+    rows = query_json(
+        cli,
+        target.pid,
+        "SELECT module, stage, count(*) AS n, min(step) AS first, max(step) AS last, avg(duration_ms) AS ms "
+        "FROM python.torch_trace GROUP BY module, stage ORDER BY module",
+    )
+    assert {r["module"] for r in rows} == {"MLP", "fc1", "act1", "fc2", "act2", "head"}
+    for r in rows:
+        # Steps 2 and 4 ended while traced; step 6 is still in progress.
+        assert (r["stage"], r["n"], r["first"], r["last"]) == ("forward", 2, 2, 4), r
+        assert r["ms"] > 0
+    steps = query_json(cli, target.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
+    assert [r["step"] for r in steps] == [2, 4]
+    depth = query_json(cli, target.pid, "SELECT module, depth, module_type, rank FROM python.torch_trace WHERE module IN ('MLP', 'fc1')")
+    assert {(r["module"], r["depth"], r["module_type"]) for r in depth} == {("MLP", 0, "MLP"), ("fc1", 1, "Linear")}
+
+    per_step = query_json(cli, target.pid, "SELECT * FROM python.torch_steps ORDER BY step")
+    assert [r["step"] for r in per_step] == [1, 2, 3, 4, 5]
+    for r in per_step:
+        assert r["duration_ms"] > 0 and r["optimizer_ms"] > 0
+        assert r["sampled"] == (r["step"] % 2 == 0)
+        if r["sampled"]:
+            assert r["forward_ms"] > 0 and r["dataloader_wait_ms"] >= 0
+            assert r["samples"] == 8 and r["samples_per_s"] > 0
+            assert r["loss"] is not None and r["loss"] > 0
+            assert r["backward_ms"] is None  # no --backward
+        else:
+            assert r["forward_ms"] is None and r["loss"] is None
+    # Filters reach the probe, and the engine still applies them.
+    later = query_json(cli, target.pid, "SELECT count(*) AS n FROM python.torch_trace WHERE step > 2")
+    assert later == [{"n": 6}]
+
+    off = cli(target.pid, "torch", "trace", "off")
+    assert off.returncode == 0, off.stderr
+    assert "trace off" in off.stdout
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    run_steps(cli, target, 4, 10)
+    # No more rows once off.
+    assert query_json(cli, target.pid, "SELECT max(step) AS s FROM python.torch_steps") == [{"s": 5}]
+    probed = tmp_path / "probed.pt"
+    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
+    assert_bitwise_equal(torch_python, probed, reference_run(torch_python, tmp_path, 10))
+
+
+def test_backward_through_in_place_relu(torch_python, spawn, cli, tmp_path):
+    target = spawn(torch_python, TRAIN)
+    on = cli(target.pid, "torch", "trace", "on", "--backward", "--modules", "*")
+    assert on.returncode == 0, on.stderr
+    run_steps(cli, target, 4, 4)
+    rows = query_json(
+        cli, target.pid, "SELECT module, stage, count(*) AS n, min(duration_ms) AS ms FROM python.torch_trace GROUP BY module, stage"
+    )
+    seen = {(r["module"], r["stage"]): r for r in rows}
+    for module in ("MLP", "fc1", "act1", "fc2", "act2", "head"):
+        for stage in ("forward", "backward"):
+            assert seen[(module, stage)]["n"] == 3, (module, stage, rows)  # steps 1, 2, 3
+            assert seen[(module, stage)]["ms"] >= 0
+    steps = query_json(cli, target.pid, "SELECT step, backward_ms, forward_ms FROM python.torch_steps ORDER BY step")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["backward_ms"] > 0 and r["forward_ms"] > 0 for r in steps)
+    assert cli(target.pid, "torch", "trace", "off").returncode == 0
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    run_steps(cli, target, 2, 6)
+    probed = tmp_path / "probed.pt"
+    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
+    assert_bitwise_equal(torch_python, probed, reference_run(torch_python, tmp_path, 6))
+
+
+def test_module_glob_and_a_bad_glob(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN)
+    bad = cli(target.pid, "torch", "trace", "on", "--modules", "encoder.*")
+    assert bad.returncode != 0
+    assert "no module matches 'encoder.*'" in bad.stderr and "hint:" in bad.stderr
+    assert cli(target.pid, "torch", "trace", "on", "--modules", "fc*").returncode == 0
+    run_steps(cli, target, 3, 3)
+    rows = query_json(cli, target.pid, "SELECT DISTINCT module FROM python.torch_trace ORDER BY module")
+    assert [r["module"] for r in rows] == ["fc1", "fc2"]
+    # The model itself is still hooked for the step's figures.
+    steps = query_json(cli, target.pid, "SELECT forward_ms FROM python.torch_steps WHERE sampled")
+    assert steps and all(r["forward_ms"] > 0 for r in steps)
+
+
+def test_rankscope_step_marks_steps_without_an_optimizer(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, args=["--manual"])
+    status = torch_json(cli, target.pid)
+    assert [m["name"] for m in status["models"]] == ["MLP"] and status["optimizers"] == []
+    assert cli(target.pid, "torch", "trace", "on", "--every", "3").returncode == 0
+    run_steps(cli, target, 7, 7)
+    steps = query_json(cli, target.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
+    assert [r["step"] for r in steps] == [3, 6]
+    text = cli(target.pid, "torch").stdout
+    assert "step 7 (from rankscope.step())" in text
+    assert cli(target.pid, "torch", "trace", "off").returncode == 0
+    assert cli(target.pid, "eval", "import rankscope; rankscope._step_hook is None").stdout.strip() == "True"
+
+
+def test_a_failing_hook_turns_the_trace_off_and_the_program_goes_on(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, args=["--odd-output"])
+    assert cli(target.pid, "torch", "trace", "on").returncode == 0
+    run_steps(cli, target, 4, 4)
+    text = cli(target.pid, "torch").stdout
+    assert "trace: off" in text
+    assert "turned itself off after an error (1 in all): the forward hook of MLP failed: RuntimeError: no loss here" in text
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    run_steps(cli, target, 2, 6)
+    assert target.alive()
+
+
+def test_rankscope_torch_env_turns_the_trace_on_once_torch_is_imported(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, args=["--import-late"], env={"RANKSCOPE_TORCH": "trace,every=2"})
+    # Nothing was imported for the trace.
+    assert cli(target.pid, "eval", "import sys; 'torch' in sys.modules").stdout.strip() == "False"
+    assert cli(target.pid, "eval", "go = 1; budget = 5").returncode == 0
+    target.wait_for_line("DONE 5")
+    status = torch_json(cli, target.pid)
+    assert status["trace"]["on"] and status["trace"]["every"] == 2
+    steps = query_json(cli, target.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
+    assert [r["step"] for r in steps] == [2, 4]
+
+
+def test_without_torch_imported(python, spawn, cli):
+    target = spawn(python, "import time\nprint('READY', flush=True)\nwhile True:\n    time.sleep(0.1)\n")
+    result = cli(target.pid, "torch")
+    assert result.returncode != 0
+    assert "error: torch is not imported in this process" in result.stderr
+    assert "hint:" in result.stderr
+    result = cli(target.pid, "torch", "trace", "on")
+    assert result.returncode != 0 and "torch is not imported" in result.stderr
+    assert query_json(cli, target.pid, "SELECT count(*) AS n FROM python.torch_trace") == [{"n": 0}]
+    assert query_json(cli, target.pid, "SELECT * FROM python.torch_steps") == []
+    assert cli(target.pid, "eval", "import sys; 'torch' in sys.modules").stdout.strip() == "False"
