@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import query_json, require_torch
+from conftest import kill_tree, launch_torchrun, query_json, require_torch
 
 # A small MLP with in-place ReLUs, trained with Adam on fixed data. The
 # steps run only when told (`budget` set through eval), so the test knows
@@ -179,7 +180,13 @@ def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_pyth
     on = cli(target.pid, "torch", "trace", "on", "--every", "2")
     assert on.returncode == 0, on.stderr
     assert "trace on: 6 modules, every 2 steps" in on.stdout
-    run_steps(cli, target, 6, 6)
+    run_steps(cli, target, 5, 5)
+    # Step 5 is in progress and not sampled: no module hook at all, only
+    # the optimizer's step hooks.
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1)"
+    run_steps(cli, target, 1, 6)
+    hooked = "sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())"
+    assert cli(target.pid, "eval", hooked).stdout.strip() == "12"  # step 6: pre and post on 6 modules
 
     rows = query_json(
         cli,
@@ -312,3 +319,55 @@ def test_without_torch_imported(python, spawn, cli):
     assert query_json(cli, target.pid, "SELECT count(*) AS n FROM python.torch_trace") == [{"n": 0}]
     assert query_json(cli, target.pid, "SELECT * FROM python.torch_steps") == []
     assert cli(target.pid, "eval", "import sys; 'torch' in sys.modules").stdout.strip() == "False"
+
+
+DDP_TRAIN = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+for _ in range(10):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "done", f"rank{rank}.done"), "w").close()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_every_rank_samples_the_same_steps_and_cluster_query_sees_them(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_TRAIN)
+    done = tmp_path / "done"
+    done.mkdir()
+    proc = launch_torchrun(
+        default_python, script, 2, endpoint_dir, tmp_path / "run", env={"RANKSCOPE_TORCH": "trace,every=3"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(done.glob("rank*.done"))) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the ranks did not finish their steps"
+            time.sleep(0.05)
+        run = str(tmp_path / "run")
+        result = cli("cluster", "query", "--run", run, "SELECT rank, step FROM python.torch_trace GROUP BY rank, step ORDER BY rank, step", "--format", "json")
+        assert result.returncode == 0, result.stderr
+        rows = json.loads(result.stdout)
+        assert [(r["rank"], r["step"]) for r in rows] == [(0, 3), (0, 6), (0, 9), (1, 3), (1, 6), (1, 9)]
+        modules = cli("cluster", "query", "--run", run, "SELECT DISTINCT module FROM python.torch_trace ORDER BY module", "--format", "csv")
+        assert modules.stdout.split() == ["module", "DistributedDataParallel", "module", "module.0", "module.1", "module.2"]
+        steps = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n FROM python.torch_steps GROUP BY rank ORDER BY rank", "--format", "csv")
+        assert steps.stdout.split() == ["rank,n", "0,9", "1,9"]
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
