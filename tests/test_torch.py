@@ -256,6 +256,54 @@ def test_backward_through_in_place_relu(torch_python, spawn, cli, tmp_path):
     assert_bitwise_equal(torch_python, probed, reference_run(torch_python, tmp_path, 6))
 
 
+def test_the_trace_is_queried_live_then_from_the_run_store_after_sigkill(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN)
+    assert cli(target.pid, "torch", "trace", "on").returncode == 0
+    run_steps(cli, target, 6, 6)
+    sql = "SELECT step, count(*) AS n, sum(duration_ms) > 0 AS timed FROM python.torch_trace GROUP BY step ORDER BY step"
+    live = query_json(cli, target.pid, sql)
+    assert [r["step"] for r in live] == [1, 2, 3, 4, 5] and all(r["n"] == 6 and r["timed"] for r in live), live
+    status = torch_json(cli, target.pid)
+    run_dir = target.script.parent / "run"
+    assert status["trace"]["store"]["spill"]["dir"] == str(run_dir / "tables"), status["trace"]["store"]
+    # The store's thread writes within a second of the rows coming in.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        spilled = torch_json(cli, target.pid)["trace"]["store"]["spill"]["rows"]
+        if spilled.get("torch_trace", 0) >= 30 and spilled.get("torch_steps", 0) >= 5:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"not spilled: {spilled}")
+    kill_tree(target.pid)  # SIGKILL: no exit handler runs
+    target.proc.wait(timeout=30)
+
+    offline = cli("query", "--run", run_dir, sql, "--format", "json")
+    assert offline.returncode == 0, offline.stderr
+    assert json.loads(offline.stdout) == live
+    who = cli("query", "--run", run_dir, "SELECT DISTINCT pid, host FROM python.torch_steps", "--format", "json")
+    assert who.returncode == 0, who.stderr
+    assert [r["pid"] for r in json.loads(who.stdout)] == [target.pid]
+    # The files are plain Arrow IPC streams: any Arrow reader opens them.
+    files = sorted((run_dir / "tables" / "torch_trace").glob("*.arrows"))
+    assert files and all(f.name.endswith(f"-{target.pid}-0.arrows") for f in files), files
+
+
+def test_rows_reach_the_run_store_at_a_clean_exit(torch_python, spawn, cli):
+    exits = TRAIN.replace("            print(f\"DONE {done}\", flush=True)", "            print(f\"DONE {done}\", flush=True)\n            if done >= 3:\n                sys.exit(0)")
+    assert exits != TRAIN
+    # The store's thread would write only after a minute: what reaches the
+    # disk is the exit's own flush.
+    target = spawn(torch_python, exits, env={"RANKSCOPE_TORCH": "trace", "RANKSCOPE_STORE_FLUSH_S": "60"})
+    run_steps(cli, target, 3, 3)
+    assert target.proc.wait(timeout=60) == 0
+    run_dir = target.script.parent / "run"
+    result = cli("query", "--run", run_dir, "SELECT max(step) AS last FROM python.torch_steps", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    # The last step's row came in just before exit: the exit flush wrote it.
+    assert json.loads(result.stdout) == [{"last": 2}]
+
+
 def test_module_glob_and_a_bad_glob(torch_python, spawn, cli):
     target = spawn(torch_python, TRAIN)
     bad = cli(target.pid, "torch", "trace", "on", "--modules", "encoder.*")

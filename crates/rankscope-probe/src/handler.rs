@@ -64,7 +64,12 @@ impl Handler for ProbeHandler {
                 Some(name) => {
                     let columns = request.query_param("columns").map(percent_decode);
                     let filters = request.query_param("filter").map(percent_decode);
-                    call_helper("rankscope._probe.torch", "table", (name, columns, filters, request.query_flag("count")))
+                    // From the run store, without the GIL: a busy or stuck
+                    // interpreter still hands over its rows.
+                    match crate::store::read_json(&name, columns.as_deref(), filters.as_deref(), request.query_flag("count")) {
+                        Ok(json) => Response::json(200, json),
+                        Err(e) => Response::error(404, &e),
+                    }
                 }
                 None => Response::error(400, "which table? /v1/table?name=python.torch_trace"),
             },
@@ -117,7 +122,15 @@ where
 {
     let outcome = Python::try_attach(|py| -> PyResult<String> {
         let had_threading = threading_imported(py);
-        let result = py.import(module).and_then(|m| m.call_method1(function, args)?.extract::<String>());
+        let result = py.import(module).and_then(|m| {
+            let reply = m.call_method1(function, args)?;
+            match reply.extract::<String>() {
+                Ok(text) => Ok(text),
+                // Plain dicts and lists: turned into JSON here, so the
+                // helper needs no `json` import in the program.
+                Err(_) => Ok(crate::pyjson::to_json(&reply)?.to_string()),
+            }
+        });
         if !had_threading && threading_imported(py) {
             // This probe thread imported threading first (user code in an
             // eval, or a helper): it must not stay threading's main thread.

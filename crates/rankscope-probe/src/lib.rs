@@ -10,8 +10,10 @@ mod frame_trace;
 mod handler;
 mod injected;
 mod meta;
+mod pyjson;
 mod quiet_edit;
 mod registry;
+mod store;
 
 use std::sync::{Arc, Mutex};
 
@@ -114,7 +116,17 @@ fn set_rank(rank: i64, world_size: i64) -> PyResult<Option<String>> {
     r.handler.set_meta(meta_json.clone());
     write_meta_file(&r.dir, r.pid, &meta_json).map_err(PyRuntimeError::new_err)?;
     registry::update(&meta_json).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    drop(running);
+    // Rows from now on carry the rank torch.distributed gave.
+    store::set_rank(Some(rank));
     Ok(Some(meta_json))
+}
+
+/// The rank in the probe's metadata (the launcher's, or torch's once set).
+pub(crate) fn current_rank() -> Option<i64> {
+    let running = lock_running();
+    let meta: serde_json::Value = serde_json::from_str(&running.as_ref()?.handler.meta()?).ok()?;
+    meta["rank"].as_i64()
 }
 
 /// Stops the server, removes the socket and metadata. The GIL is released
@@ -197,5 +209,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wall_ms, m)?)?;
     m.add_function(wrap_pyfunction!(crash_hook::enable_crash_hook, m)?)?;
     m.add_function(wrap_pyfunction!(quiet_edit::edit_unless_running, m)?)?;
+    m.add_function(wrap_pyfunction!(store::table_append, m)?)?;
+    m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
+    m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
     Ok(())
 }

@@ -3,30 +3,15 @@
 use std::sync::Arc;
 
 use datafusion::arrow::array::{
-    Array, ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, MapBuilder, StringBuilder, TimestampMicrosecondBuilder,
+    ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, MapBuilder, StringBuilder, TimestampMicrosecondBuilder,
 };
-use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::DataFusionError;
 use rankscope_core::tables::{ColumnType, Rows, TableDef};
 use serde_json::Value;
 
-fn data_type(ty: ColumnType) -> DataType {
-    match ty {
-        ColumnType::Int64 => DataType::Int64,
-        ColumnType::Float64 => DataType::Float64,
-        ColumnType::Bool => DataType::Boolean,
-        ColumnType::Utf8 => DataType::Utf8,
-        ColumnType::Timestamp => DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
-        // Whatever the builder makes, so that schema and arrays agree.
-        ColumnType::MapUtf8 => MapBuilder::new(None, StringBuilder::new(), StringBuilder::new()).finish().data_type().clone(),
-    }
-}
-
-pub fn arrow_schema(def: &TableDef) -> SchemaRef {
-    let fields: Vec<Field> = def.all_columns().map(|c| Field::new(c.name, data_type(c.ty), true)).collect();
-    Arc::new(Schema::new(fields))
-}
+pub use rankscope_store::schema::arrow_schema;
 
 fn column(ty: ColumnType, rows: &Rows, index: usize) -> ArrayRef {
     let cells = rows.iter().map(|row| row.get(index).unwrap_or(&Value::Null));
@@ -43,7 +28,8 @@ fn column(ty: ColumnType, rows: &Rows, index: usize) -> ArrayRef {
         }
         ColumnType::Float64 => {
             let mut b = Float64Builder::with_capacity(rows.len());
-            cells.for_each(|v| b.append_option(v.as_f64()));
+            // The probe sends NaN and infinities as text (JSON has neither).
+            cells.for_each(|v| b.append_option(v.as_f64().or_else(|| v.as_str().and_then(|s| s.parse::<f64>().ok()))));
             Arc::new(b.finish())
         }
         ColumnType::Bool => {

@@ -84,6 +84,8 @@ pub enum Fetched {
     /// For a scan that reads identity columns only: per process, its
     /// identity values (pid, rank, host, ts) and how many rows it has.
     Counts(Vec<([serde_json::Value; 4], usize)>),
+    /// Arrow batches in the table's schema (from the run store's files).
+    Batches(Vec<RecordBatch>),
 }
 
 #[derive(Debug, Error)]
@@ -191,6 +193,7 @@ impl TableProvider for LazyTable {
                 let batch = rows_to_batch(def, &rows)?;
                 MemTable::try_new(batch.schema(), vec![vec![batch]])?.scan(state, projection, filters, limit).await
             }
+            Fetched::Batches(batches) => MemTable::try_new(arrow_schema(def), vec![batches])?.scan(state, projection, filters, limit).await,
             Fetched::Counts(groups) => {
                 let projection: Vec<usize> = projection.cloned().unwrap_or_else(|| (0..names.len()).collect());
                 let (schema, batches) = arrow_rows::uniform_batches(def, &projection, &groups)?;

@@ -649,6 +649,7 @@ impl RowSource for AllRanks {
         match self.scan(table, &Scan::default())? {
             Fetched::Rows(rows) => Ok(rows),
             Fetched::Counts(_) => Err("a full scan came back as counts".into()),
+            Fetched::Batches(_) => Err("a live rank answered with files".into()),
         }
     }
 
@@ -665,6 +666,8 @@ impl RowSource for AllRanks {
             match result {
                 Ok(Fetched::Rows(r)) => rows.extend(r),
                 Ok(Fetched::Counts(c)) => counts.extend(c),
+                // Live ranks answer with rows; only run directories give batches.
+                Ok(Fetched::Batches(_)) => self.warnings.lock().unwrap_or_else(|e| e.into_inner()).push("a live rank answered with files".into()),
                 Err(e) => self.warnings.lock().unwrap_or_else(|e| e.into_inner()).push(e),
             }
         }

@@ -98,7 +98,7 @@ impl RowSource for LiveProbe {
             }
             _ if tables::is_probe_table(table) => match self.probe_table(table, &Scan::default())? {
                 Fetched::Rows(rows) => Ok(rows),
-                Fetched::Counts(_) => Err("a full scan came back as counts".into()),
+                Fetched::Counts(_) | Fetched::Batches(_) => Err("a full scan came back as counts".into()),
             },
             ("python", "crashes") => {
                 // The target's run directory, from the target's environment.
@@ -242,6 +242,15 @@ struct RunDirs {
 }
 
 impl RowSource for RunDirs {
+    fn scan(&self, table: &TableDef, _scan: &Scan) -> Result<Fetched, String> {
+        if tables::is_probe_table(table) {
+            // The run store's files, read as they are (Arrow batches).
+            let dirs = rankscope_core::crash::run_dirs(self.run.clone());
+            return rankscope_store::read_table(&dirs, table).map(Fetched::Batches).map_err(|e| e.to_string());
+        }
+        self.rows(table).map(Fetched::Rows)
+    }
+
     fn rows(&self, table: &TableDef) -> Result<Rows, String> {
         match (table.schema, table.name) {
             ("python", "crashes") => super::crashes::table_rows(self.run.clone(), None, self.all).map_err(|e| format!("{e:#}")),

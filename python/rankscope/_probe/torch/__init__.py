@@ -1,5 +1,6 @@
 """The probe's torch features: ``rankscope PID torch ...`` (``POST
-/v1/torch``) and the torch tables (``GET /v1/table``).
+/v1/torch``). Their tables are the run store's (``tables.py``), read
+through ``GET /v1/table`` without Python.
 
 Nothing here imports torch, nor anything else at module level: the modules
 that do (``models``, ``trace``) are imported only once the program has
@@ -78,25 +79,6 @@ def _status() -> dict:
         "losses": [type(m).__name__ for m in losses],
         "trace": tracer.describe(),
     }
-
-
-def table(name: str, columns: str | None, filters: str | None, count: bool) -> str:
-    """Rows of one torch table (``python.torch_trace``): none while torch
-    is not imported. `columns` is comma-separated, `filters` a JSON list
-    of ``[column, op, value]``."""
-    import json
-
-    short = name.removeprefix("python.")
-    if short not in TABLES:
-        raise ValueError(f"no table {name} in this probe")
-    if not torch_ready() or "rankscope._probe.torch.tables" not in sys.modules:
-        from_tables = {"columns": [], "rows": []} if not count else {"columns": [], "count": 0}
-        return json.dumps(from_tables)
-    from rankscope._probe.torch import tables
-
-    wanted = [c for c in columns.split(",") if c] if columns is not None else None
-    reply = tables.read(short, wanted, json.loads(filters) if filters else [], count)
-    return json.dumps(reply)
 
 
 def _parse_env(spec: str):

@@ -1,17 +1,21 @@
-"""The torch tables, as bounded rings in memory.
+"""The torch tables' rows, handed to the run store.
 
-A row is a list in the order of its table's columns (the CLI adds pid, rank
-and host; ``ts`` is the row's own time, in seconds). A row may hold a value
-still on its way from a GPU: ``pending`` lists those, and a read fills in
-what has arrived without waiting for the rest (no device sync).
-Spilling to the run store is not built yet: rows older than the ring's
-size are gone.
+The store is Rust (``crates/rankscope-store``, reached through
+``rankscope._native``): it keeps each table as a bounded ring in memory,
+answers ``GET /v1/table`` without the GIL, and spills the rows to the run
+directory. A row is a list in the order of ``COLUMNS`` (``ts`` first, in
+seconds; the store adds pid, rank and host).
+
+A row may hold a value still on its way from a GPU (a CUDA event's time, a
+loss on the device): it waits here, in ``waiting``, until every such value
+has arrived, and is then handed over, so there is never a device sync.
 """
 
 from __future__ import annotations
 
 import collections
-import os
+
+from rankscope import _native
 
 COLUMNS = {
     "torch_trace": ["ts", "step", "module", "module_type", "depth", "stage", "calls", "duration_ms", "gpu_ms"],
@@ -30,72 +34,54 @@ COLUMNS = {
     ],
 }
 
-
-def _ring_size() -> int:
-    try:
-        return max(1, int(os.environ.get("RANKSCOPE_TORCH_ROWS", "100000")))
-    except ValueError:
-        return 100_000
+# (table, row, [(column index, resolver)]): resolver() returns the value,
+# or raises LookupError while it is not ready.
+waiting: collections.deque = collections.deque(maxlen=10_000)
+_flush_at_exit = False
 
 
-RINGS = {name: collections.deque(maxlen=_ring_size()) for name in COLUMNS}
-# (row, column index, resolver) for values that arrive later: resolver()
-# returns the value, or raises LookupError while it is not ready.
-pending: collections.deque = collections.deque(maxlen=10_000)
+def append(table: str, row: list, pending=()) -> None:
+    if pending:
+        waiting.append((table, row, list(pending)))
+        return
+    _hand_over(table, row)
 
 
-def append(table: str, row: list) -> None:
-    RINGS[table].append(row)
+def _hand_over(table: str, row: list) -> None:
+    global _flush_at_exit
+    if not _flush_at_exit:
+        # The last second's rows reach the disk at a clean exit too.
+        from rankscope._probe.unseen import builtin
+
+        builtin("atexit").register(_native.store_flush)
+        _flush_at_exit = True
+    _native.table_append(table, row)
 
 
 def resolve_pending() -> None:
-    """Fills in the values that have arrived; the others wait."""
-    for _ in range(len(pending)):
-        entry = pending.popleft()
-        row, index, resolver = entry
-        try:
-            row[index] = resolver()
-        except LookupError:
-            pending.append(entry)
-        except Exception:  # noqa: BLE001 - a value that cannot be read stays null
-            pass
-
-
-_OPS = {
-    "=": lambda a, b: a == b,
-    "<": lambda a, b: a < b,
-    "<=": lambda a, b: a <= b,
-    ">": lambda a, b: a > b,
-    ">=": lambda a, b: a >= b,
-}
-
-
-def read(table: str, columns: list[str] | None, filters: list, count: bool) -> dict:
-    """The rows that meet every `[column, op, value]` filter (the CLI's
-    engine filters again), with the named columns only (others null)."""
-    resolve_pending()
-    names = COLUMNS[table]
-    checks = []
-    for column, op, value in filters:
-        if column in names and op in _OPS and value is not None:
-            checks.append((names.index(column), _OPS[op], value))
-    rows = list(RINGS[table])
-    if checks:
-
-        def keep(row):
+    """Hands over the rows whose values have all arrived; the others wait."""
+    for _ in range(len(waiting)):
+        table, row, pending = waiting.popleft()
+        still = []
+        for index, resolver in pending:
             try:
-                return all(row[i] is not None and test(row[i], value) for i, test, value in checks)
-            except TypeError:
-                return True
+                row[index] = resolver()
+            except LookupError:
+                still.append((index, resolver))
+            except Exception:  # noqa: BLE001 - a value that cannot be read stays null
+                row[index] = None
+        if still:
+            waiting.append((table, row, still))
+        else:
+            _hand_over(table, row)
 
-        rows = [row for row in rows if keep(row)]
-    if count:
-        return {"columns": names, "count": len(rows)}
-    if columns is not None:
-        wanted = {i for i, name in enumerate(names) if name in columns or name == "ts"}
-        rows = [[row[i] if i in wanted else None for i in range(len(names))] for row in rows]
-    return {"columns": names, "rows": rows}
+
+def describe() -> dict:
+    """Rows in memory per table, and where and how far the spill got."""
+    import json
+
+    return json.loads(_native.store_describe())
 
 
 def sizes() -> dict:
-    return {name: len(ring) for name, ring in RINGS.items()}
+    return describe()["rows"]

@@ -411,21 +411,28 @@ class Tracer:
                 row[5] = _ms(sum(slot.fwd_ns for slot in roots))
             if self.backward and self.bwd_ns:
                 row[6] = _ms(self.bwd_ns)
-            self._loss_into(row, 8)
+            pending = self._loss_into(row, 8)
             if self.samples:
                 row[9] = self.samples
                 if duration:
                     row[10] = self.samples / (duration / 1e9)
             self._trace_rows(wall, step)
-        tables.append("torch_steps", row)
+        else:
+            pending = ()
+        tables.append("torch_steps", row, pending)
+        # Rows of earlier steps whose GPU values have arrived since.
+        if tables.waiting:
+            tables.resolve_pending()
 
     def _loss_into(self, row, index):
+        """Puts the loss in `row` now (CPU), or returns how to read it
+        later without a device sync (CUDA)."""
         loss = self.loss
         if loss is None:
-            return
+            return ()
         if loss.device.type == "cpu":
             row[index] = float(loss)
-            return
+            return ()
         event = self.loss_event
 
         def resolve():
@@ -433,7 +440,7 @@ class Tracer:
                 raise LookupError("not yet")
             return float(loss)
 
-        tables.pending.append((row, index, resolve))
+        return [(index, resolve)]
 
     def _trace_rows(self, wall, step):
         for slot in self.slots:
@@ -441,9 +448,7 @@ class Tracer:
                 continue
             if slot.calls:
                 row = [wall, step, slot.name, slot.type, slot.depth, "forward", slot.calls, _ms(slot.fwd_ns), None]
-                if slot.events:
-                    tables.pending.append((row, 8, _gpu_ms(slot.events)))
-                tables.append("torch_trace", row)
+                tables.append("torch_trace", row, [(8, _gpu_ms(slot.events))] if slot.events else ())
             if slot.bwd_calls:
                 # GPU time of backward is not measured (hooks run on autograd's threads).
                 tables.append("torch_trace", [wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None])
@@ -601,7 +606,8 @@ class Tracer:
             "marker": self.marker,
             "errors": self.errors,
             "disabled": self.disabled,
-            "rows": tables.sizes(),
+            "rows": (store := tables.describe())["rows"],
+            "store": store,
         }
 
 

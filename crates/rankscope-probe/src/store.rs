@@ -1,0 +1,128 @@
+//! The probe's side of the run store (`rankscope-store`): rows come in from
+//! the torch features' Python code, the CLI reads them back through
+//! `GET /v1/table` without the GIL, and the store's own thread spills them
+//! to the run directory.
+
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+use rankscope_store::{Cell, Store, StoreConfig};
+
+static STORE: Mutex<Option<Arc<Store>>> = Mutex::new(None);
+
+fn env_number(name: &str) -> Option<u64> {
+    std::env::var(name).ok()?.trim().parse().ok()
+}
+
+/// The store of this process; made with the first row. A child after
+/// `fork` gets a fresh one: the parent's rows and thread are not its own.
+fn store() -> Arc<Store> {
+    // Read before taking the store's lock: set_rank takes them the other way round.
+    let rank = crate::current_rank();
+    let mut slot = STORE.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if let Some(store) = slot.as_ref().filter(|s| s.pid() == pid) {
+        return store.clone();
+    }
+    // RANKSCOPE_STORE=0 keeps the rows in memory only.
+    let spill = std::env::var("RANKSCOPE_STORE").map(|v| v != "0").unwrap_or(true);
+    let run_dir = spill.then(rankscope_core::crash::run_dir);
+    let mut config = StoreConfig::new(pid, rankscope_core::host::hostname(), run_dir);
+    if let Some(rows) = env_number("RANKSCOPE_TABLE_ROWS").or_else(|| env_number("RANKSCOPE_TORCH_ROWS")) {
+        config.ring_rows = rows.max(1) as usize;
+    }
+    if let Some(seconds) = std::env::var("RANKSCOPE_STORE_FLUSH_S").ok().and_then(|v| v.trim().parse::<f64>().ok()) {
+        if seconds.is_finite() && seconds > 0.0 {
+            config.flush_every = std::time::Duration::from_secs_f64(seconds);
+        }
+    }
+    if let Some(mb) = env_number("RANKSCOPE_STORE_MAX_MB") {
+        config.max_bytes = mb << 20;
+    }
+    let store = Store::new(config);
+    store.set_rank(rank);
+    *slot = Some(store.clone());
+    store
+}
+
+/// The store if any row was ever added (reads must not make one).
+fn existing() -> Option<Arc<Store>> {
+    let slot = STORE.lock().unwrap_or_else(|e| e.into_inner());
+    slot.as_ref().filter(|s| s.pid() == std::process::id()).cloned()
+}
+
+pub fn set_rank(rank: Option<i64>) {
+    if let Some(store) = existing() {
+        store.set_rank(rank);
+    }
+}
+
+fn cell(value: &Bound<'_, PyAny>) -> Cell {
+    if value.is_none() {
+        Cell::Null
+    } else if value.is_instance_of::<PyBool>() {
+        Cell::Bool(value.is_truthy().unwrap_or(false))
+    } else if value.is_instance_of::<PyInt>() {
+        value.extract::<i64>().map(Cell::Int).or_else(|_| value.extract::<f64>().map(Cell::Float)).unwrap_or(Cell::Null)
+    } else if value.is_instance_of::<PyFloat>() {
+        value.extract::<f64>().map(Cell::Float).unwrap_or(Cell::Null)
+    } else if let Ok(text) = value.cast::<PyString>() {
+        text.to_str().map(|s| Cell::Str(s.to_string())).unwrap_or(Cell::Null)
+    } else {
+        value.str().ok().and_then(|s| s.to_str().ok().map(|s| Cell::Str(s.to_string()))).unwrap_or(Cell::Null)
+    }
+}
+
+/// Adds a row (`ts` in seconds first, then the table's columns) to a table
+/// of the run store.
+#[pyfunction]
+pub fn table_append(name: &str, row: &Bound<'_, PyAny>) -> PyResult<()> {
+    let mut values = row.try_iter()?;
+    let ts = match values.next() {
+        Some(ts) => ts?.extract::<f64>()?,
+        None => return Err(PyValueError::new_err("a row starts with ts")),
+    };
+    let cells = values.map(|v| v.map(|v| cell(&v))).collect::<PyResult<Vec<Cell>>>()?;
+    store().append(name, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// What the store holds and where it spills, as JSON text.
+#[pyfunction]
+pub fn store_describe() -> String {
+    match existing() {
+        Some(store) => store.describe().to_string(),
+        None => {
+            let rows: serde_json::Map<String, serde_json::Value> =
+                rankscope_core::tables::PROBE_TABLES.iter().map(|t| (t.name.to_string(), 0.into())).collect();
+            serde_json::json!({"rows": rows, "spill": null}).to_string()
+        }
+    }
+}
+
+/// Writes the rows waiting for the disk now (at exit), without the GIL.
+#[pyfunction]
+pub fn store_flush(py: Python<'_>) {
+    if let Some(store) = existing() {
+        py.detach(move || store.flush());
+    }
+}
+
+/// `GET /v1/table?name=...`: answered from the store, without the GIL.
+pub fn read_json(name: &str, columns: Option<&str>, filters: Option<&str>, count: bool) -> Result<String, String> {
+    if rankscope_store::store_table(name).is_none() {
+        return Err(format!("no table {name} in this probe"));
+    }
+    let columns: Option<Vec<String>> = columns.map(|c| c.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect());
+    let filters: Vec<(String, String, serde_json::Value)> = match filters {
+        Some(text) => serde_json::from_str(text).map_err(|e| format!("bad filter: {e}"))?,
+        None => Vec::new(),
+    };
+    let store = match existing() {
+        Some(store) => store,
+        // No row yet: an empty table, without making a store.
+        None => Store::new(StoreConfig::new(std::process::id(), String::new(), None)),
+    };
+    store.read_json(name, columns.as_deref(), &filters, count).map(|v| v.to_string()).map_err(|e| e.to_string())
+}

@@ -1,0 +1,421 @@
+//! The run store: the tables a probe keeps itself (`python.torch_trace`,
+//! `python.torch_steps`, ...), bounded in memory and spilled to the run
+//! directory so they outlive the process.
+//!
+//! * In memory, each table is a ring of rows (`ring_rows` of them): a live
+//!   `query` reads it, with no GIL, since rows are plain Rust values.
+//! * On disk, each process appends each table's rows to an Arrow IPC
+//!   *stream* (`<run dir>/tables/<table>/<host>-<pid>-<n>.arrows`), one record
+//!   batch per flush, from a thread of its own. A stream needs no footer, so
+//!   a process killed with SIGKILL leaves every batch it flushed readable
+//!   (the reader stops at a cut-off last message); the rows since the last
+//!   flush (about a second's worth) are what it loses.
+//!
+//! Nothing here may cost the program: an append is a short lock; the
+//! writes happen on the store's thread; a write error (full disk, read-only
+//! directory) or the size cap stops that table's spill and says why, and
+//! the ring goes on.
+
+mod cell;
+pub mod read;
+pub mod schema;
+mod spill;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rankscope_core::tables::{TableDef, PROBE_TABLES};
+use serde_json::{json, Value};
+use thiserror::Error;
+
+pub use cell::Cell;
+pub use read::read_table;
+pub use schema::arrow_schema;
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("no table {0} in the run store")]
+    UnknownTable(String),
+    #[error("a row of {table} has {got} values; the table has {expected} (ts first)")]
+    Arity { table: String, expected: usize, got: usize },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Arrow(#[from] arrow_schema::ArrowError),
+}
+
+/// One row: its own time and the process's rank when it was added, then
+/// the table's columns after the identity ones.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    pub ts_us: i64,
+    pub rank: Option<i64>,
+    pub cells: Vec<Cell>,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Rows kept in memory per table.
+    pub ring_rows: usize,
+    /// The run directory; None: nothing is spilled.
+    pub run_dir: Option<PathBuf>,
+    pub pid: u32,
+    pub host: String,
+    /// Past this many bytes written (all tables together), the spill stops.
+    pub max_bytes: u64,
+    /// How often the store's thread writes what has come in.
+    pub flush_every: Duration,
+    /// Rows waiting for the disk that wake the thread before its time.
+    pub flush_rows: usize,
+}
+
+impl StoreConfig {
+    pub fn new(pid: u32, host: String, run_dir: Option<PathBuf>) -> StoreConfig {
+        StoreConfig {
+            ring_rows: 100_000,
+            run_dir,
+            pid,
+            host,
+            max_bytes: 1 << 30,
+            flush_every: Duration::from_secs(1),
+            flush_rows: 8192,
+        }
+    }
+}
+
+struct Table {
+    def: &'static TableDef,
+    ring: VecDeque<Arc<Row>>,
+    /// Rows not yet handed to the disk (bounded like the ring: a disk that
+    /// cannot keep up loses the oldest, counted in `unspilled_dropped`).
+    unspilled: Vec<Arc<Row>>,
+    unspilled_dropped: u64,
+    appended: u64,
+}
+
+struct State {
+    tables: BTreeMap<&'static str, Table>,
+    waiting: usize,
+    stopping: bool,
+}
+
+pub struct Store {
+    config: StoreConfig,
+    state: Mutex<State>,
+    wake: Condvar,
+    rank: AtomicI64,
+    spill: Mutex<spill::Spill>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+const NO_RANK: i64 = i64::MIN;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The table definition of a store table, by `torch_trace` or
+/// `python.torch_trace`.
+pub fn store_table(name: &str) -> Option<&'static TableDef> {
+    let short = name.strip_prefix("python.").unwrap_or(name);
+    PROBE_TABLES.iter().find(|t| t.name == short)
+}
+
+impl Store {
+    /// A store; its spill thread starts with the first row.
+    pub fn new(config: StoreConfig) -> Arc<Store> {
+        let spill = spill::Spill::new(config.run_dir.as_ref().map(|d| d.join("tables")), config.pid, &config.host, config.max_bytes);
+        Arc::new(Store {
+            config,
+            state: Mutex::new(State { tables: BTreeMap::new(), waiting: 0, stopping: false }),
+            wake: Condvar::new(),
+            rank: AtomicI64::new(NO_RANK),
+            spill: Mutex::new(spill),
+            thread: Mutex::new(None),
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.config.pid
+    }
+
+    pub fn set_rank(&self, rank: Option<i64>) {
+        self.rank.store(rank.unwrap_or(NO_RANK), Ordering::Relaxed);
+    }
+
+    fn rank(&self) -> Option<i64> {
+        Some(self.rank.load(Ordering::Relaxed)).filter(|&r| r != NO_RANK)
+    }
+
+    /// Adds one row: `ts` in seconds, then the table's columns in order.
+    pub fn append(self: &Arc<Self>, table: &str, ts_seconds: f64, cells: Vec<Cell>) -> Result<(), StoreError> {
+        let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
+        if cells.len() != def.columns.len() {
+            return Err(StoreError::Arity { table: def.name.to_string(), expected: def.columns.len() + 1, got: cells.len() + 1 });
+        }
+        let cells = cells.into_iter().zip(def.columns).map(|(cell, column)| cell.coerce(column.ty)).collect();
+        let row = Arc::new(Row { ts_us: (ts_seconds * 1e6).round() as i64, rank: self.rank(), cells });
+        let spilling = self.config.run_dir.is_some();
+        let wake = {
+            let mut state = lock(&self.state);
+            let ring_rows = self.config.ring_rows.max(1);
+            let entry = state.tables.entry(def.name).or_insert_with(|| Table {
+                def,
+                ring: VecDeque::new(),
+                unspilled: Vec::new(),
+                unspilled_dropped: 0,
+                appended: 0,
+            });
+            if entry.ring.len() == ring_rows {
+                entry.ring.pop_front();
+            }
+            entry.ring.push_back(row.clone());
+            entry.appended += 1;
+            let mut added = 0;
+            if spilling {
+                if entry.unspilled.len() >= ring_rows {
+                    entry.unspilled.remove(0);
+                    entry.unspilled_dropped += 1;
+                } else {
+                    added = 1;
+                }
+                entry.unspilled.push(row);
+            }
+            state.waiting += added;
+            spilling && state.waiting >= self.config.flush_rows
+        };
+        if spilling {
+            self.ensure_thread();
+        }
+        if wake {
+            self.wake.notify_one();
+        }
+        Ok(())
+    }
+
+    fn ensure_thread(self: &Arc<Self>) {
+        let mut thread = lock(&self.thread);
+        if thread.is_some() {
+            return;
+        }
+        let store = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new().name("rankscope-store".into()).spawn(move || spill_loop(store));
+        // Without the thread the rows stay in memory; `flush` still writes.
+        *thread = spawned.ok();
+    }
+
+    /// Takes every table's rows waiting for the disk.
+    fn take_unspilled(&self) -> Vec<(&'static TableDef, Vec<Arc<Row>>, u64)> {
+        let mut state = lock(&self.state);
+        state.waiting = 0;
+        state
+            .tables
+            .values_mut()
+            .filter(|t| !t.unspilled.is_empty() || t.unspilled_dropped > 0)
+            .map(|t| (t.def, std::mem::take(&mut t.unspilled), std::mem::take(&mut t.unspilled_dropped)))
+            .collect()
+    }
+
+    /// Writes what is waiting now, on the caller's thread (at exit).
+    pub fn flush(&self) {
+        let mut spill = lock(&self.spill);
+        for (def, rows, dropped) in self.take_unspilled() {
+            spill.write(def, &rows, dropped);
+        }
+    }
+
+    /// Flushes and stops the thread (at exit, or when the probe stops).
+    pub fn close(&self) {
+        lock(&self.state).stopping = true;
+        self.wake.notify_one();
+        if let Some(thread) = lock(&self.thread).take() {
+            let _ = thread.join();
+        }
+        self.flush();
+    }
+
+    /// Rows in memory per table, and the spill's state.
+    pub fn describe(&self) -> Value {
+        let state = lock(&self.state);
+        let rows: serde_json::Map<String, Value> = PROBE_TABLES
+            .iter()
+            .map(|def| (def.name.to_string(), json!(state.tables.get(def.name).map(|t| t.ring.len()).unwrap_or(0))))
+            .collect();
+        let appended: serde_json::Map<String, Value> =
+            state.tables.iter().map(|(name, t)| (name.to_string(), json!(t.appended))).collect();
+        drop(state);
+        let spill = lock(&self.spill).describe();
+        json!({"rows": rows, "appended": appended, "ring_rows": self.config.ring_rows, "spill": spill})
+    }
+
+    /// A table's rows in memory, as `GET /v1/table` replies: the table's
+    /// column names (`ts` first, in seconds) and rows of JSON values, only
+    /// those meeting every `[column, op, value]` filter, with the named
+    /// columns only (the others null); or just how many with `count`.
+    pub fn read_json(&self, table: &str, columns: Option<&[String]>, filters: &[(String, String, Value)], count: bool) -> Result<Value, StoreError> {
+        let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
+        let names: Vec<&str> = std::iter::once("ts").chain(def.columns.iter().map(|c| c.name)).collect();
+        let checks: Vec<(usize, &str, &Value)> = filters
+            .iter()
+            .filter_map(|(column, op, value)| {
+                let index = def.columns.iter().position(|c| c.name == column)?;
+                matches!(op.as_str(), "=" | "<" | "<=" | ">" | ">=").then_some((index, op.as_str(), value))
+            })
+            .collect();
+        let rows: Vec<Arc<Row>> = {
+            let state = lock(&self.state);
+            let Some(t) = state.tables.get(def.name) else {
+                return Ok(if count { json!({"columns": names, "count": 0}) } else { json!({"columns": names, "rows": []}) });
+            };
+            t.ring.iter().filter(|row| checks.iter().all(|&(i, op, v)| row.cells[i].meets(op, v))).cloned().collect()
+        };
+        if count {
+            return Ok(json!({"columns": names, "count": rows.len()}));
+        }
+        let wanted: Vec<bool> = def.columns.iter().map(|c| columns.is_none_or(|cols| cols.iter().any(|n| n == c.name))).collect();
+        let out: Vec<Value> = rows
+            .iter()
+            .map(|row| {
+                let mut cells = Vec::with_capacity(names.len());
+                cells.push(json!(row.ts_us as f64 / 1e6));
+                cells.extend(row.cells.iter().zip(&wanted).map(|(cell, &keep)| if keep { cell.to_json() } else { Value::Null }));
+                Value::Array(cells)
+            })
+            .collect();
+        Ok(json!({"columns": names, "rows": out}))
+    }
+}
+
+fn spill_loop(store: std::sync::Weak<Store>) {
+    loop {
+        let Some(store) = store.upgrade() else { return };
+        {
+            let state = lock(&store.state);
+            let (state, _) = store
+                .wake
+                .wait_timeout_while(state, store.config.flush_every, |s| !s.stopping && s.waiting < store.config.flush_rows)
+                .unwrap_or_else(|e| e.into_inner());
+            if state.stopping {
+                return;
+            }
+        }
+        store.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rankscope_core::tables::TORCH_STEPS;
+
+    fn config(dir: Option<PathBuf>) -> StoreConfig {
+        let mut c = StoreConfig::new(4242, "node-a".into(), dir);
+        c.flush_every = Duration::from_secs(3600);
+        c
+    }
+
+    fn step_row(step: i64) -> Vec<Cell> {
+        let mut cells = vec![Cell::Null; TORCH_STEPS.columns.len()];
+        cells[0] = Cell::Int(step);
+        cells[1] = Cell::Bool(step % 2 == 0);
+        cells[2] = Cell::Float(10.0 + step as f64);
+        cells
+    }
+
+    #[test]
+    fn the_ring_keeps_the_newest_rows_and_filters_them() {
+        let mut c = config(None);
+        c.ring_rows = 3;
+        let store = Store::new(c);
+        for step in 0..5 {
+            store.append("torch_steps", 100.0 + step as f64, step_row(step)).unwrap();
+        }
+        let all = store.read_json("python.torch_steps", None, &[], false).unwrap();
+        let steps: Vec<i64> = all["rows"].as_array().unwrap().iter().map(|r| r[1].as_i64().unwrap()).collect();
+        assert_eq!(steps, vec![2, 3, 4]);
+        assert_eq!(all["rows"][0][0], json!(102.0), "ts in seconds");
+        let late = store.read_json("torch_steps", None, &[("step".into(), ">=".into(), json!(3))], false).unwrap();
+        assert_eq!(late["rows"].as_array().unwrap().len(), 2);
+        let counted = store.read_json("torch_steps", None, &[("sampled".into(), "=".into(), json!(true))], true).unwrap();
+        assert_eq!(counted["count"], json!(2));
+        let only_step = store.read_json("torch_steps", Some(&["step".to_string()]), &[], false).unwrap();
+        assert_eq!(only_step["rows"][0][3], Value::Null, "duration_ms was not asked for");
+    }
+
+    #[test]
+    fn a_row_of_the_wrong_width_or_table_is_refused() {
+        let store = Store::new(config(None));
+        assert!(matches!(store.append("torch_steps", 1.0, vec![Cell::Int(1)]), Err(StoreError::Arity { .. })));
+        assert!(matches!(store.append("nope", 1.0, vec![]), Err(StoreError::UnknownTable(_))));
+    }
+
+    #[test]
+    fn spilled_rows_read_back_with_the_identity_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(config(Some(dir.path().to_path_buf())));
+        store.set_rank(Some(3));
+        for step in 0..10 {
+            store.append("torch_steps", 50.0, step_row(step)).unwrap();
+        }
+        store.flush();
+        for step in 10..15 {
+            store.append("torch_steps", 60.0, step_row(step)).unwrap();
+        }
+        store.close();
+        let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS).unwrap();
+        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+        assert_eq!(rows, 15, "both flushes, the second at close");
+        let batch = &batches[0];
+        assert_eq!(batch.schema(), arrow_schema(&TORCH_STEPS));
+        let pid = batch.column(0).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
+        let rank = batch.column(1).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
+        let step = batch.column(4).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
+        assert_eq!((pid.value(0), rank.value(0), step.value(9)), (4242, 3, 9));
+    }
+
+    #[test]
+    fn a_stream_cut_short_keeps_its_whole_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(config(Some(dir.path().to_path_buf())));
+        for step in 0..4 {
+            store.append("torch_steps", 1.0, step_row(step)).unwrap();
+            store.flush();
+        }
+        // As SIGKILL leaves it: no end-of-stream marker, the last batch cut.
+        let file = std::fs::read_dir(dir.path().join("tables/torch_steps")).unwrap().next().unwrap().unwrap().path();
+        let bytes = std::fs::read(&file).unwrap();
+        std::fs::write(&file, &bytes[..bytes.len() - 20]).unwrap();
+        let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS).unwrap();
+        assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 3);
+    }
+
+    #[test]
+    fn an_unwritable_run_directory_stops_the_spill_and_says_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let blocker = dir.path().join("run");
+        std::fs::write(&blocker, "a file where the run directory should be").unwrap();
+        let store = Store::new(config(Some(blocker)));
+        store.append("torch_steps", 1.0, step_row(0)).unwrap();
+        store.flush();
+        let described = store.describe();
+        assert!(described["spill"]["error"].as_str().unwrap().contains("cannot"), "{described}");
+        assert_eq!(described["rows"]["torch_steps"], json!(1), "the ring goes on");
+    }
+
+    #[test]
+    fn the_size_cap_stops_the_spill() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(Some(dir.path().to_path_buf()));
+        c.max_bytes = 1;
+        let store = Store::new(c);
+        for step in 0..3 {
+            store.append("torch_steps", 1.0, step_row(step)).unwrap();
+            store.flush();
+        }
+        let described = store.describe();
+        assert!(described["spill"]["error"].as_str().unwrap().contains("RANKSCOPE_STORE_MAX_MB"), "{described}");
+    }
+}
