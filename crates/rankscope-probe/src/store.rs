@@ -19,7 +19,10 @@ fn env_number(name: &str) -> Option<u64> {
 /// The store of this process; made with the first row. A child after
 /// `fork` gets a fresh one: the parent's rows and thread are not its own.
 fn store() -> Arc<Store> {
-    // Read before taking the store's lock: set_rank takes them the other way round.
+    if let Some(store) = existing() {
+        return store;
+    }
+    // Read without the store's lock held: set_rank takes them the other way round.
     let rank = crate::current_rank();
     let mut slot = STORE.lock().unwrap_or_else(|e| e.into_inner());
     let pid = std::process::id();

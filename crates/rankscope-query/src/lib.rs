@@ -193,7 +193,15 @@ impl TableProvider for LazyTable {
                 let batch = rows_to_batch(def, &rows)?;
                 MemTable::try_new(batch.schema(), vec![vec![batch]])?.scan(state, projection, filters, limit).await
             }
-            Fetched::Batches(batches) => MemTable::try_new(arrow_schema(def), vec![batches])?.scan(state, projection, filters, limit).await,
+            Fetched::Batches(batches) => {
+                // The source may have read the projected columns only: map
+                // the projection onto the columns it has.
+                let schema = batches.first().map(|b| b.schema()).unwrap_or_else(|| arrow_schema(def));
+                let projection = projection
+                    .map(|p| p.iter().map(|&i| schema.index_of(names[i])).collect::<Result<Vec<usize>, _>>())
+                    .transpose()?;
+                MemTable::try_new(schema, vec![batches])?.scan(state, projection.as_ref(), filters, limit).await
+            }
             Fetched::Counts(groups) => {
                 let projection: Vec<usize> = projection.cloned().unwrap_or_else(|| (0..names.len()).collect());
                 let (schema, batches) = arrow_rows::uniform_batches(def, &projection, &groups)?;

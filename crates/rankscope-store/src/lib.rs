@@ -365,7 +365,7 @@ mod tests {
             store.append("torch_steps", 60.0, step_row(step)).unwrap();
         }
         store.close();
-        let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS).unwrap();
+        let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, None).unwrap();
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         assert_eq!(rows, 15, "both flushes, the second at close");
         let batch = &batches[0];
@@ -374,6 +374,11 @@ mod tests {
         let rank = batch.column(1).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
         let step = batch.column(4).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
         assert_eq!((pid.value(0), rank.value(0), step.value(9)), (4242, 3, 9));
+        let projected = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, Some(&["loss", "step"])).unwrap();
+        let names: Vec<String> = projected[0].schema().fields().iter().map(|f| f.name().clone()).collect();
+        assert_eq!(names, ["step", "loss"], "the table's order, not the asked order");
+        let none = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, Some(&[])).unwrap();
+        assert_eq!(none.iter().map(|b| b.num_rows()).sum::<usize>(), 15, "rows still counted");
     }
 
     #[test]
@@ -388,7 +393,7 @@ mod tests {
         let file = std::fs::read_dir(dir.path().join("tables/torch_steps")).unwrap().next().unwrap().unwrap().path();
         let bytes = std::fs::read(&file).unwrap();
         std::fs::write(&file, &bytes[..bytes.len() - 20]).unwrap();
-        let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS).unwrap();
+        let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, None).unwrap();
         assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 3);
     }
 

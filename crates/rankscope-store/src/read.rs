@@ -1,12 +1,11 @@
 //! Reading a table back from run directories, after the process is gone.
 
-use std::fs::File;
-use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow_array::{new_null_array, ArrayRef, RecordBatch};
-use arrow_ipc::reader::StreamReader;
+use arrow_buffer::Buffer;
+use arrow_ipc::reader::StreamDecoder;
 use rankscope_core::tables::TableDef;
 
 use crate::StoreError;
@@ -19,24 +18,60 @@ pub fn table_files(run_dir: &Path, def: &TableDef) -> Vec<PathBuf> {
     files
 }
 
-/// Every batch of `def` that the run directories hold, in the table's
-/// current schema. A file cut short (the process was killed mid-write)
-/// gives the batches before the cut; a file that cannot be read at all is
-/// skipped. Columns a file lacks (written by another version) are null.
-pub fn read_table(run_dirs: &[PathBuf], def: &TableDef) -> Result<Vec<RecordBatch>, StoreError> {
-    let schema = crate::schema::arrow_schema(def);
+/// Every batch of `def` that the run directories hold, with the named
+/// columns only (all of them for None; the first for none, so that rows
+/// are still counted), in the table's current schema and column order.
+/// A file cut short (the process was killed mid-write) gives the batches
+/// before the cut; a file that cannot be read at all is skipped. Columns a
+/// file lacks (written by another version) are null.
+pub fn read_table(run_dirs: &[PathBuf], def: &TableDef, columns: Option<&[&str]>) -> Result<Vec<RecordBatch>, StoreError> {
+    let full = crate::schema::arrow_schema(def);
+    let schema = match columns {
+        None => full,
+        Some(names) => {
+            let mut wanted: Vec<usize> = (0..full.fields().len()).filter(|&i| names.contains(&full.field(i).name().as_str())).collect();
+            if wanted.is_empty() {
+                wanted.push(0);
+            }
+            Arc::new(full.project(&wanted)?)
+        }
+    };
     let mut batches = Vec::new();
     for dir in run_dirs {
         for path in table_files(dir, def) {
-            let Ok(file) = File::open(&path) else { continue };
-            let Ok(reader) = StreamReader::try_new(BufReader::new(file), None) else { continue };
-            for batch in reader {
-                let Ok(batch) = batch else { break };
-                batches.push(conform(&schema, &batch)?);
+            let Some(mut buffer) = map(&path) else { continue };
+            let mut decoder = StreamDecoder::new();
+            let mut in_file: Option<Vec<usize>> = None;
+            while !buffer.is_empty() {
+                // A message cut short by a kill ends the file's batches.
+                let Ok(Some(batch)) = decoder.decode(&mut buffer) else { break };
+                let wanted = in_file.get_or_insert_with(|| {
+                    schema.fields().iter().filter_map(|f| batch.schema().index_of(f.name()).ok()).collect()
+                });
+                batches.push(conform(&schema, &batch.project(wanted)?)?);
             }
         }
     }
     Ok(batches)
+}
+
+/// The file mapped into memory, as one buffer the decoded arrays point
+/// into: no copy and no allocation per message (reading each message into
+/// its own buffer spent most of a query's time copying and zeroing pages).
+/// The writers only ever append, so the mapped length stays valid.
+fn map(path: &Path) -> Option<Buffer> {
+    let file = std::fs::File::open(path).ok()?;
+    // SAFETY: the map is read only, and no one truncates a run store's file
+    // (its writer appends; a new segment is a new file).
+    let mapped = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.ok()?;
+    if mapped.is_empty() {
+        return None;
+    }
+    let len = mapped.len();
+    let ptr = std::ptr::NonNull::new(mapped.as_ptr() as *mut u8)?;
+    // SAFETY: the pointer and length are the map's, and the Arc keeps the
+    // map alive for as long as any array points into it.
+    Some(unsafe { Buffer::from_custom_allocation(ptr, len, std::sync::Arc::new(mapped)) })
 }
 
 fn conform(schema: &arrow_schema::SchemaRef, batch: &RecordBatch) -> Result<RecordBatch, StoreError> {

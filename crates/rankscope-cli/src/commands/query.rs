@@ -242,11 +242,12 @@ struct RunDirs {
 }
 
 impl RowSource for RunDirs {
-    fn scan(&self, table: &TableDef, _scan: &Scan) -> Result<Fetched, String> {
+    fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
         if tables::is_probe_table(table) {
-            // The run store's files, read as they are (Arrow batches).
+            // The run store's files, read as they are (Arrow batches), the
+            // query's columns only.
             let dirs = rankscope_core::crash::run_dirs(self.run.clone());
-            return rankscope_store::read_table(&dirs, table).map(Fetched::Batches).map_err(|e| e.to_string());
+            return rankscope_store::read_table(&dirs, table, scan.columns.as_deref()).map(Fetched::Batches).map_err(|e| e.to_string());
         }
         self.rows(table).map(Fetched::Rows)
     }
