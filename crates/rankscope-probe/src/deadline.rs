@@ -126,7 +126,7 @@ fn watchdog() {
             }
         };
         let Some(token) = due else { continue };
-        let attached = Python::try_attach(|_py| {
+        let attached = crate::gil::attach(|_py| {
             let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(entry) = st.entries.get_mut(&token) {
                 if !entry.fired {

@@ -100,7 +100,7 @@ fn env_reply() -> Response {
 /// The REPL's Ctrl-C: `KeyboardInterrupt` in the eval's own thread only (it
 /// is a probe thread), never in the program's.
 fn interrupt_eval(eval_id: &str) -> Response {
-    let interrupted = Python::try_attach(|py| {
+    let interrupted = crate::gil::attach(|py| {
         let exception = py.get_type::<pyo3::exceptions::PyKeyboardInterrupt>();
         crate::deadline::interrupt(py, eval_id, exception.as_any())
     });
@@ -120,7 +120,7 @@ fn call_helper<A>(module: &str, function: &str, args: A) -> Response
 where
     A: for<'py> pyo3::call::PyCallArgs<'py>,
 {
-    let outcome = Python::try_attach(|py| -> PyResult<String> {
+    let outcome = crate::gil::attach(|py| -> PyResult<String> {
         let had_threading = threading_imported(py);
         let result = py.import(module).and_then(|m| {
             let reply = m.call_method1(function, args)?;

@@ -7,6 +7,7 @@
 mod crash_hook;
 mod deadline;
 mod frame_trace;
+mod gil;
 mod handler;
 mod injected;
 mod meta;

@@ -12,7 +12,6 @@ import _thread
 import ast
 import io
 import itertools
-import json
 import linecache
 import sys
 import traceback
@@ -125,19 +124,19 @@ def _format_error(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _check(code: str) -> str:
+def _check(code: str) -> dict:
     import codeop
 
     try:
         incomplete = codeop.compile_command(code, "<rankscope-eval>", "exec") is None
     except (SyntaxError, ValueError, OverflowError):
         incomplete = False
-    return json.dumps({"stdout": "", "stderr": "", "value": None, "error": None, "incomplete": incomplete})
+    return {"stdout": "", "stderr": "", "value": None, "error": None, "incomplete": incomplete}
 
 
 def run(
     code: str, timeout_s: float, check_only: bool = False, thread: str | None = None, frame: int | None = None, eval_id: str | None = None
-) -> str:
+) -> dict:
     if check_only:
         return _check(code)
     reply = {"value": None, "error": None, "timed_out": False, "notes": []}
@@ -153,7 +152,7 @@ def run(
             try:
                 target, reply["frame"] = stacks.find_frame(thread, frame or 0)
             except stacks.NoSuchFrame as exc:
-                return json.dumps({"stdout": "", "stderr": "", "value": None, "error": str(exc), "hint": exc.hint})
+                return {"stdout": "", "stderr": "", "value": None, "error": str(exc), "hint": exc.hint}
             namespace = target.f_globals
             # 3.13 (PEP 667): a write-through proxy. 3.11/3.12: the frame's
             # dict, which the running function never reads back.
@@ -174,7 +173,9 @@ def run(
         # No reference to the target's frame outlives the request (3.13's
         # proxy holds the frame).
         target = local_names = None
-    return json.dumps(reply)
+    # A plain dict: Rust makes it JSON, so an eval does not import `json`
+    # (nor `re` and `enum`) into the program.
+    return reply
 
 
 def _run_captured(code: str, timeout_s: float, namespace: dict, local_names, reply: dict, eval_id: str | None) -> None:

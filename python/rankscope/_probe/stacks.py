@@ -1,13 +1,19 @@
-"""Every thread's Python stack, read at the moment of the request."""
+"""Every thread's Python stack, read at the moment of the request.
+
+It imports nothing the interpreter has not loaded at start (its replies are
+plain dicts, made into JSON in Rust): the first `bt` after an inject would
+otherwise import `json` (and `re`, `enum`...) into the program from a probe
+thread, and on 3.11, with the main thread running bytecode, every file read
+of those imports hands the GIL over and waits a switch interval for it back:
+seconds in all.
+"""
 
 from __future__ import annotations
 
 import _thread
-import json
 import os
 import sys
 import time
-import types
 
 from rankscope._probe import mainthread
 from rankscope._probe.saferepr import Budget, safe_repr, type_name
@@ -46,9 +52,13 @@ def visible(frame, all_frames: bool = False):
         frame = frame.f_back
 
 
+_NOISE_TYPES = (type(sys), type(_is_probe_stack), type)
+
+
 def _is_noise(name: str, value: object) -> bool:
-    """Module-level names that say nothing about the program's state."""
-    return name.startswith("__") or isinstance(value, (types.ModuleType, types.FunctionType, type))
+    """Module-level names that say nothing about the program's state
+    (modules, functions, classes)."""
+    return name.startswith("__") or isinstance(value, _NOISE_TYPES)
 
 
 def _locals(frame, budget: Budget) -> list[dict]:
@@ -102,8 +112,8 @@ def collect(
     thread_id: int | None = None,
     fields: str | None = None,
     all_frames: bool = False,
-) -> str:
-    """Every thread's stack as JSON. The SQL side pushes what it can down
+) -> dict:
+    """Every thread's stack (the reply of `GET /v1/stacks`). The SQL side pushes what it can down
     to here: `count_only` (a query that reads no per-frame column: only how
     many threads and frames there are), `max_depth` (from `depth < N`), a
     thread, and the frame `fields` it reads. rankscope's own frames are left
@@ -142,9 +152,9 @@ def collect(
             }
         )
     if count_only:
-        return json.dumps({"taken_at": time.time(), "threads": [], "counts": {"threads": len(threads), "frames": frame_count}})
+        return {"taken_at": time.time(), "threads": [], "counts": {"threads": len(threads), "frames": frame_count}}
     threads.sort(key=lambda t: (not t["is_main"], t["name"], t["thread_id"]))
-    return json.dumps({"taken_at": time.time(), "threads": threads})
+    return {"taken_at": time.time(), "threads": threads}
 
 
 class NoSuchFrame(Exception):
