@@ -12,6 +12,7 @@ their outputs are the step's loss.
 from __future__ import annotations
 
 import gc
+import sys
 
 import torch
 
@@ -125,7 +126,19 @@ def describe_model(model, found_optimizers: list) -> dict:
     }
 
 
+def is_compiled(module) -> bool:
+    """Whether `module` is what ``torch.compile`` returned for a module (its
+    ``OptimizedModule`` wrapper). Nothing is compiled while dynamo was
+    never imported, and it is not imported here."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return wrapper is not None and isinstance(module, wrapper)
+
+
 def root_name(model) -> str:
     """How the root is named in the trace: its class (its children go by
-    their qualified names, as ``named_modules()`` gives them)."""
+    their qualified names, as ``named_modules()`` gives them); a compiled
+    model by the class of the module it wraps."""
+    if is_compiled(model):
+        return type(getattr(model, "_orig_mod", model)).__name__
     return type(model).__name__

@@ -303,7 +303,14 @@ class Tracer:
                 continue
             first = next(model.parameters(), None)
             cuda = first is not None and first.is_cuda
+            compiled = []  # prefixes of torch.compile'd modules: hooked at their boundary only
             for name, module in model.named_modules():
+                if any(name.startswith(prefix) for prefix in compiled):
+                    # Inside a compiled region a hook is traced into the graph:
+                    # turning the trace on or off would make dynamo recompile.
+                    continue
+                if models.is_compiled(module):
+                    compiled.append(name + "." if name else "")
                 qualified = models.root_name(model) if name == "" else name
                 rows = self._matches(qualified)
                 if rows or name == "":
