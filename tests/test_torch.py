@@ -443,6 +443,27 @@ def test_every_rank_samples_the_same_steps_and_cluster_query_sees_them(default_p
         assert modules.stdout.split() == ["module", "DistributedDataParallel", "module", "module.0", "module.1", "module.2"]
         steps = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n FROM python.torch_steps GROUP BY rank ORDER BY rank", "--format", "csv")
         assert steps.stdout.split() == ["rank,n", "0,9", "1,9"]
+
+        status = cli("cluster", "torch", "--run", run)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.count("trace: on, every 3 steps") == 2, status.stdout
+        assert "== rank 0" in status.stdout and "== rank 1" in status.stdout
+        off = cli("cluster", "torch", "--run", run, "trace", "off", "--ranks", "1")
+        assert off.returncode == 0, off.stderr
+        assert "== rank 1" in off.stdout and "== rank 0" not in off.stdout and "trace off" in off.stdout, off.stdout
+        both = json.loads(cli("cluster", "torch", "--run", run, "--format", "json").stdout)
+        assert [(r["rank"], r["torch"]["trace"]["on"]) for r in both] == [(0, True), (1, False)]
+        # What SIGKILL would lose is the last second's rows: wait for the
+        # store's thread to write them.
+        deadline = time.monotonic() + 30
+        while any(r["torch"]["trace"]["store"]["spill"]["rows"].get("torch_steps", 0) < 9 for r in both):
+            assert time.monotonic() < deadline, both
+            time.sleep(0.2)
+            both = json.loads(cli("cluster", "torch", "--run", run, "--format", "json").stdout)
     finally:
         kill_tree(proc.pid)
         proc.wait()
+    # The job is gone: its ranks' rows are still in the run store.
+    after = cli("query", "--run", tmp_path / "run", "SELECT rank, count(*) AS n FROM python.torch_steps GROUP BY rank ORDER BY rank", "--format", "csv")
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.split() == ["rank,n", "0,9", "1,9"]

@@ -238,6 +238,16 @@ enum ClusterAction {
         #[command(subcommand)]
         action: BreakAction,
     },
+    /// PyTorch on every rank (or --ranks) at once: what each found, the trace on and off
+    Torch {
+        /// Only these ranks (e.g. 2 or 0,4-7)
+        #[arg(long, global = true)]
+        ranks: Option<String>,
+        #[command(subcommand)]
+        action: Option<TorchAction>,
+        #[arg(long, value_enum, default_value = "text", global = true)]
+        format: BtFormat,
+    },
     /// SQL over the tables of every rank, as one table with a rank column
     Query {
         sql: String,
@@ -391,6 +401,7 @@ fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: 
         ClusterAction::Bt { ranks, ignore_lines, all_frames } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, all_frames, deadline),
         ClusterAction::Eval { code, ranks, eval_timeout, at } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout, at),
         ClusterAction::Crashes { all, format } => cluster::crashes(job, run, all, format),
+        ClusterAction::Torch { ranks, action, format } => cluster::torch(job, run, ranks.as_deref(), action.as_ref(), format),
         ClusterAction::Break { ranks, action } => cluster::breakpoints(job, run, ranks.as_deref(), &action),
         ClusterAction::Query { sql, ranks, format, all_frames } => cluster::query(job, run, ranks.as_deref(), &sql, format, all_frames),
     }

@@ -593,6 +593,34 @@ pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>,
     })
 }
 
+/// `cluster torch ...`: the same torch request to every rank (or
+/// `--ranks`) at once, so a trace starts on the same step boundary
+/// everywhere it can; each answer under its rank.
+pub fn torch(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: Option<&crate::TorchAction>, format: crate::BtFormat) -> Result<u8> {
+    let request = super::torch::request_of(action)?;
+    if let crate::BtFormat::Json = format {
+        let job = find_job(job, run)?;
+        let answers = ask_ranks(&job, ranks, |probe| probe.torch(&request))?;
+        let failed = answers.iter().any(|(_, answer)| answer.is_err());
+        let rows: Vec<serde_json::Value> = answers
+            .into_iter()
+            .map(|(entry, answer)| {
+                let (key, value) = match answer {
+                    Ok(reply) => ("torch", reply),
+                    Err(why) => ("error", serde_json::Value::String(why)),
+                };
+                serde_json::json!({"rank": entry.meta.rank, "pid": entry.meta.pid, key: value})
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(u8::from(failed));
+    }
+    each_rank(job, run, ranks, |probe| probe.torch(&request), |reply| {
+        print!("{}", super::torch::text_of(action, &reply));
+        0
+    })
+}
+
 /// Asks every selected running rank in parallel; answers in rank order,
 /// each with why there is none.
 fn ask_ranks<'j, T: Send>(

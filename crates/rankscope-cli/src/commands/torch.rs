@@ -10,7 +10,19 @@ use crate::hint::Hinted;
 use crate::{BtFormat, TorchAction, TraceAction};
 
 pub fn run(probe: &Probe, action: Option<TorchAction>, format: BtFormat) -> Result<u8> {
-    let request = match &action {
+    let request = request_of(action.as_ref())?;
+    let reply = probe.torch(&request)?;
+    if let BtFormat::Json = format {
+        println!("{}", serde_json::to_string_pretty(&reply)?);
+        return Ok(0);
+    }
+    print!("{}", text_of(action.as_ref(), &reply));
+    Ok(0)
+}
+
+/// The probe's request for a `torch` command (`POST /v1/torch`).
+pub fn request_of(action: Option<&TorchAction>) -> Result<Value> {
+    Ok(match action {
         None => json!({"action": "status"}),
         Some(TorchAction::Trace { action: TraceAction::On { every, modules, backward } }) => {
             if *every == 0 {
@@ -19,19 +31,16 @@ pub fn run(probe: &Probe, action: Option<TorchAction>, format: BtFormat) -> Resu
             json!({"action": "trace_on", "every": every, "modules": modules, "backward": backward})
         }
         Some(TorchAction::Trace { action: TraceAction::Off }) => json!({"action": "trace_off"}),
-    };
-    let reply = probe.torch(&request)?;
-    if let BtFormat::Json = format {
-        println!("{}", serde_json::to_string_pretty(&reply)?);
-        return Ok(0);
+    })
+}
+
+/// What a user reads of the probe's reply to `request_of(action)`.
+pub fn text_of(action: Option<&TorchAction>, reply: &Value) -> String {
+    match action {
+        None => status_text(reply),
+        Some(TorchAction::Trace { action: TraceAction::On { .. } }) => trace_on_text(reply),
+        Some(TorchAction::Trace { action: TraceAction::Off }) => trace_off_text(reply),
     }
-    let text = match action {
-        None => status_text(&reply),
-        Some(TorchAction::Trace { action: TraceAction::On { .. } }) => trace_on_text(&reply),
-        Some(TorchAction::Trace { action: TraceAction::Off }) => trace_off_text(&reply),
-    };
-    print!("{text}");
-    Ok(0)
 }
 
 /// 1234567 -> "1,234,567".
