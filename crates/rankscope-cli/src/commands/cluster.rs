@@ -568,21 +568,7 @@ pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: 
 pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: &crate::BreakAction) -> Result<u8> {
     let request = super::breakpoints::request_of(action)?;
     if let crate::BreakAction::List { format: crate::ListFormat::Json } = action {
-        let job = find_job(job, run)?;
-        let answers = ask_ranks(&job, ranks, |probe| probe.breakpoints(&request))?;
-        let failed = answers.iter().any(|(_, answer)| answer.is_err());
-        let rows: Vec<serde_json::Value> = answers
-            .into_iter()
-            .map(|(entry, answer)| {
-                let (key, value) = match answer {
-                    Ok(reply) => ("breakpoints", reply),
-                    Err(why) => ("error", serde_json::Value::String(why)),
-                };
-                serde_json::json!({"rank": entry.meta.rank, "pid": entry.meta.pid, key: value})
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(u8::from(failed));
+        return json_per_rank(job, run, ranks, "breakpoints", |probe| probe.breakpoints(&request));
     }
     each_rank(job, run, ranks, |probe| probe.breakpoints(&request), |reply| {
         let (lines, notes) = super::breakpoints::render(action, &reply);
@@ -599,26 +585,38 @@ pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>,
 pub fn torch(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: Option<&crate::TorchAction>, format: crate::BtFormat) -> Result<u8> {
     let request = super::torch::request_of(action)?;
     if let crate::BtFormat::Json = format {
-        let job = find_job(job, run)?;
-        let answers = ask_ranks(&job, ranks, |probe| probe.torch(&request))?;
-        let failed = answers.iter().any(|(_, answer)| answer.is_err());
-        let rows: Vec<serde_json::Value> = answers
-            .into_iter()
-            .map(|(entry, answer)| {
-                let (key, value) = match answer {
-                    Ok(reply) => ("torch", reply),
-                    Err(why) => ("error", serde_json::Value::String(why)),
-                };
-                serde_json::json!({"rank": entry.meta.rank, "pid": entry.meta.pid, key: value})
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(u8::from(failed));
+        return json_per_rank(job, run, ranks, "torch", |probe| probe.torch(&request));
     }
     each_rank(job, run, ranks, |probe| probe.torch(&request), |reply| {
         print!("{}", super::torch::text_of(action, &reply));
         0
     })
+}
+
+/// One JSON array, an object per rank: its rank, pid, and its answer under
+/// `key` (or why there is none under `error`); exit 1 if any rank failed.
+fn json_per_rank(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+    key: &str,
+    ask: impl Fn(&Probe) -> Result<serde_json::Value> + Sync,
+) -> Result<u8> {
+    let job = find_job(job, run)?;
+    let answers = ask_ranks(&job, ranks, ask)?;
+    let failed = answers.iter().any(|(_, answer)| answer.is_err());
+    let rows: Vec<serde_json::Value> = answers
+        .into_iter()
+        .map(|(entry, answer)| {
+            let (key, value) = match answer {
+                Ok(reply) => (key, reply),
+                Err(why) => ("error", serde_json::Value::String(why)),
+            };
+            serde_json::json!({"rank": entry.meta.rank, "pid": entry.meta.pid, key: value})
+        })
+        .collect();
+    println!("{}", serde_json::to_string_pretty(&rows)?);
+    Ok(u8::from(failed))
 }
 
 /// Asks every selected running rank in parallel; answers in rank order,
