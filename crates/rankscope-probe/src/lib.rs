@@ -211,6 +211,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crash_hook::enable_crash_hook, m)?)?;
     m.add_function(wrap_pyfunction!(quiet_edit::edit_unless_running, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_append, m)?)?;
+    m.add_function(wrap_pyfunction!(store::table_extend, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
     Ok(())

@@ -47,7 +47,14 @@ def append(table: str, row: list, pending=()) -> None:
     _hand_over(table, row)
 
 
-def _hand_over(table: str, row: list) -> None:
+def extend(table: str, rows: list) -> None:
+    """Several whole rows at once (one call into the store)."""
+    if rows:
+        _flush_at_exit_once()
+        _native.table_extend(table, rows)
+
+
+def _flush_at_exit_once() -> None:
     global _flush_at_exit
     if not _flush_at_exit:
         # The last second's rows reach the disk at a clean exit too.
@@ -55,6 +62,10 @@ def _hand_over(table: str, row: list) -> None:
 
         builtin("atexit").register(_native.store_flush)
         _flush_at_exit = True
+
+
+def _hand_over(table: str, row: list) -> None:
+    _flush_at_exit_once()
     _native.table_append(table, row)
 
 

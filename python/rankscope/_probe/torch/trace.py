@@ -450,15 +450,20 @@ class Tracer:
         return [(index, resolve)]
 
     def _trace_rows(self, wall, step):
+        whole = []  # handed over in one call
         for slot in self.slots:
             if not slot.rows:
                 continue
             if slot.calls:
                 row = [wall, step, slot.name, slot.type, slot.depth, "forward", slot.calls, _ms(slot.fwd_ns), None]
-                tables.append("torch_trace", row, [(8, _gpu_ms(slot.events))] if slot.events else ())
+                if slot.events:
+                    tables.append("torch_trace", row, [(8, _gpu_ms(slot.events))])
+                else:
+                    whole.append(row)
             if slot.bwd_calls:
                 # GPU time of backward is not measured (hooks run on autograd's threads).
-                tables.append("torch_trace", [wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None])
+                whole.append([wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None])
+        tables.extend("torch_trace", whole)
 
     # ---- module hooks, around sampled steps only
 
