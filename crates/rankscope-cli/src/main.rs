@@ -8,6 +8,7 @@ mod commands;
 mod hint;
 mod outside;
 mod stacks_text;
+mod stuck;
 mod term;
 
 use std::path::PathBuf;
@@ -261,12 +262,47 @@ enum ClusterAction {
     },
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
 #[derive(Subcommand)]
 pub enum TorchAction {
     /// Per-module forward (and backward) times of sampled steps, into python.torch_trace and python.torch_steps
     Trace {
         #[command(subcommand)]
         action: TraceAction,
+    },
+    /// The NaN/Inf watch: `nan on` arms it (loss and gradient norms checked each step), `nan` shows where the first non-finite value came from
+    Nan {
+        /// on: arm the watch; off: disarm it; none: what it found
+        switch: Option<Switch>,
+    },
+    /// Gradient statistics per parameter into python.grad_stats (norm, max |g|, non-finite count, update/weight ratio, flag)
+    Grads {
+        /// on (the default) or off
+        switch: Option<Switch>,
+        /// Every Nth step (the same steps on every rank)
+        #[arg(long, default_value_t = 10)]
+        every: u64,
+    },
+    /// Output statistics of the chosen modules into python.activation_stats (mean, std, max |x|, zero fraction)
+    Activations {
+        /// on (the default) or off
+        switch: Option<Switch>,
+        /// The modules whose qualified name matches this glob (e.g. 'layer3.*')
+        #[arg(long, default_value = "*")]
+        modules: String,
+        /// Every Nth step
+        #[arg(long, default_value_t = 1)]
+        every: u64,
+    },
+    /// torch.distributed collectives into python.collectives; none: each group's last and in-flight ones
+    Collectives {
+        /// on or off; none: what was recorded
+        switch: Option<Switch>,
     },
 }
 

@@ -48,7 +48,7 @@ pub struct Local {
     pub type_name: String,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Frame {
     pub func: String,
     #[serde(default)]

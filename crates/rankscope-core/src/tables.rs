@@ -205,12 +205,108 @@ pub const TORCH_STEPS: TableDef = TableDef {
     ],
 };
 
+pub const NAN_EVENTS: TableDef = TableDef {
+    schema: "python",
+    name: "nan_events",
+    description: "where a non-finite value first appeared (`torch nan on`): the module, step and stage, with its inputs' and weights' ranges",
+    columns: &[
+        col("step", Int64),
+        col("stage", Utf8),
+        col("module", Utf8),
+        col("module_type", Utf8),
+        col("what", Utf8),
+        col("nonfinite", Int64),
+        col("input_min", Float64),
+        col("input_max", Float64),
+        col("input_nonfinite", Int64),
+        col("weight_min", Float64),
+        col("weight_max", Float64),
+        col("weight_nonfinite", Int64),
+        col("loss", Float64),
+        col("detail", Utf8),
+        col("record", Utf8),
+    ],
+};
+
+pub const GRAD_STATS: TableDef = TableDef {
+    schema: "python",
+    name: "grad_stats",
+    description: "per parameter per sampled step (`torch grads`): gradient norm, max |g|, non-finite count, update/weight ratio, and a flag against the parameter's own history",
+    columns: &[
+        col("step", Int64),
+        col("param", Utf8),
+        col("module", Utf8),
+        col("numel", Int64),
+        col("norm", Float64),
+        col("max_abs", Float64),
+        col("nonfinite", Int64),
+        col("weight_norm", Float64),
+        col("update_ratio", Float64),
+        col("flag", Utf8),
+    ],
+};
+
+pub const ACTIVATION_STATS: TableDef = TableDef {
+    schema: "python",
+    name: "activation_stats",
+    description: "per chosen module per sampled step (`torch activations`): its output's mean, std, max |x|, zero fraction and non-finite count",
+    columns: &[
+        col("step", Int64),
+        col("module", Utf8),
+        col("module_type", Utf8),
+        col("calls", Int64),
+        col("shape", Utf8),
+        col("dtype", Utf8),
+        col("mean", Float64),
+        col("std", Float64),
+        col("max_abs", Float64),
+        col("zero_frac", Float64),
+        col("nonfinite", Int64),
+    ],
+};
+
+pub const COLLECTIVES: TableDef = TableDef {
+    schema: "python",
+    name: "collectives",
+    description: "each torch.distributed collective called from Python: op, group, its number in the group, sizes, start and end; `in flight` until it returns (ts is its start)",
+    columns: &[
+        col("seq", Int64),
+        col("op", Utf8),
+        col("process_group", Utf8),
+        col("group_size", Int64),
+        col("group_rank", Int64),
+        col("group_ranks", Utf8),
+        col("state", Utf8),
+        col("shapes", Utf8),
+        col("dtype", Utf8),
+        col("bytes", Int64),
+        col("async_op", Bool),
+        col("end_ts", Timestamp),
+        col("duration_ms", Float64),
+        col("caller", Utf8),
+        col("thread", Utf8),
+    ],
+};
+
 /// Tables whose rows a probe keeps itself (bounded rings), read through
 /// `GET /v1/table?name=...`.
-pub const PROBE_TABLES: &[TableDef] = &[TORCH_TRACE, TORCH_STEPS];
+pub const PROBE_TABLES: &[TableDef] = &[TORCH_TRACE, TORCH_STEPS, NAN_EVENTS, GRAD_STATS, ACTIVATION_STATS, COLLECTIVES];
 
-pub const ALL_TABLES: &[TableDef] =
-    &[BACKTRACE, THREADS, PROCESS_INFO, PROCESS_ENV, CRASHES, SNAPSHOTS, SNAPSHOT_LOCALS, TORCH_TRACE, TORCH_STEPS];
+pub const ALL_TABLES: &[TableDef] = &[
+    BACKTRACE,
+    THREADS,
+    PROCESS_INFO,
+    PROCESS_ENV,
+    CRASHES,
+    SNAPSHOTS,
+    SNAPSHOT_LOCALS,
+    TORCH_TRACE,
+    TORCH_STEPS,
+    NAN_EVENTS,
+    GRAD_STATS,
+    ACTIVATION_STATS,
+    COLLECTIVES,
+];
 
 pub fn is_probe_table(def: &TableDef) -> bool {
     PROBE_TABLES.iter().any(|t| t.schema == def.schema && t.name == def.name)

@@ -212,6 +212,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quiet_edit::edit_unless_running, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_append, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_extend, m)?)?;
+    m.add_function(wrap_pyfunction!(store::table_open, m)?)?;
+    m.add_function(wrap_pyfunction!(store::table_close, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
     Ok(())

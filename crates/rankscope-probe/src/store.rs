@@ -82,12 +82,7 @@ fn cell(value: &Bound<'_, PyAny>) -> Cell {
 /// of the run store.
 #[pyfunction]
 pub fn table_append(name: &str, row: &Bound<'_, PyAny>) -> PyResult<()> {
-    let mut values = row.try_iter()?;
-    let ts = match values.next() {
-        Some(ts) => ts?.extract::<f64>()?,
-        None => return Err(PyValueError::new_err("a row starts with ts")),
-    };
-    let cells = values.map(|v| v.map(|v| cell(&v))).collect::<PyResult<Vec<Cell>>>()?;
+    let (ts, cells) = ts_and_cells(row)?;
     store().append(name, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
@@ -97,16 +92,34 @@ pub fn table_append(name: &str, row: &Bound<'_, PyAny>) -> PyResult<()> {
 pub fn table_extend(name: &str, rows: &Bound<'_, PyAny>) -> PyResult<()> {
     let store = store();
     for row in rows.try_iter()? {
-        let row = row?;
-        let mut values = row.try_iter()?;
-        let ts = match values.next() {
-            Some(ts) => ts?.extract::<f64>()?,
-            None => return Err(PyValueError::new_err("a row starts with ts")),
-        };
-        let cells = values.map(|v| v.map(|v| cell(&v))).collect::<PyResult<Vec<Cell>>>()?;
+        let (ts, cells) = ts_and_cells(&row?)?;
         store.append(name, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))?;
     }
     Ok(())
+}
+
+fn ts_and_cells(row: &Bound<'_, PyAny>) -> PyResult<(f64, Vec<Cell>)> {
+    let mut values = row.try_iter()?;
+    let ts = match values.next() {
+        Some(ts) => ts?.extract::<f64>()?,
+        None => return Err(PyValueError::new_err("a row starts with ts")),
+    };
+    let cells = values.map(|v| v.map(|v| cell(&v))).collect::<PyResult<Vec<Cell>>>()?;
+    Ok((ts, cells))
+}
+
+/// A row that is still changing (a collective in flight), shown under
+/// `key` until `table_close` gives its last form.
+#[pyfunction]
+pub fn table_open(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()> {
+    let (ts, cells) = ts_and_cells(row)?;
+    store().open_row(name, key, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+#[pyfunction]
+pub fn table_close(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()> {
+    let (ts, cells) = ts_and_cells(row)?;
+    store().close_row(name, key, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// What the store holds and where it spills, as JSON text.

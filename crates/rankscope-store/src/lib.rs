@@ -94,6 +94,19 @@ struct Table {
     unspilled: Vec<Arc<Row>>,
     unspilled_dropped: u64,
     appended: u64,
+    /// Rows still changing (a collective in flight), by the caller's key:
+    /// read with the ring, never spilled; `close` turns one into a row.
+    open: BTreeMap<u64, Arc<Row>>,
+}
+
+/// The most open rows a table keeps (a caller that never closes its rows
+/// loses the oldest, not memory).
+const MAX_OPEN_ROWS: usize = 4096;
+
+impl Table {
+    fn new(def: &'static TableDef) -> Table {
+        Table { def, ring: VecDeque::new(), unspilled: Vec::new(), unspilled_dropped: 0, appended: 0, open: BTreeMap::new() }
+    }
 }
 
 struct State {
@@ -150,25 +163,51 @@ impl Store {
         Some(self.rank.load(Ordering::Relaxed)).filter(|&r| r != NO_RANK)
     }
 
-    /// Adds one row: `ts` in seconds, then the table's columns in order.
-    pub fn append(self: &Arc<Self>, table: &str, ts_seconds: f64, cells: Vec<Cell>) -> Result<(), StoreError> {
+    fn row(&self, table: &str, ts_seconds: f64, cells: Vec<Cell>) -> Result<(&'static TableDef, Arc<Row>), StoreError> {
         let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
         if cells.len() != def.columns.len() {
             return Err(StoreError::Arity { table: def.name.to_string(), expected: def.columns.len() + 1, got: cells.len() + 1 });
         }
         let cells = cells.into_iter().zip(def.columns).map(|(cell, column)| cell.coerce(column.ty)).collect();
-        let row = Arc::new(Row { ts_us: (ts_seconds * 1e6).round() as i64, rank: self.rank(), cells });
+        Ok((def, Arc::new(Row { ts_us: (ts_seconds * 1e6).round() as i64, rank: self.rank(), cells })))
+    }
+
+    /// Adds one row: `ts` in seconds, then the table's columns in order.
+    pub fn append(self: &Arc<Self>, table: &str, ts_seconds: f64, cells: Vec<Cell>) -> Result<(), StoreError> {
+        let (def, row) = self.row(table, ts_seconds, cells)?;
+        self.push(def, row, None);
+        Ok(())
+    }
+
+    /// Shows a row that is still changing under `key` (read with the
+    /// table, not spilled) until `close_row` replaces it with its last form.
+    pub fn open_row(self: &Arc<Self>, table: &str, key: u64, ts_seconds: f64, cells: Vec<Cell>) -> Result<(), StoreError> {
+        let (def, row) = self.row(table, ts_seconds, cells)?;
+        let mut state = lock(&self.state);
+        let entry = state.tables.entry(def.name).or_insert_with(|| Table::new(def));
+        if entry.open.len() >= MAX_OPEN_ROWS {
+            entry.open.pop_first();
+        }
+        entry.open.insert(key, row);
+        Ok(())
+    }
+
+    /// The open row `key` is done: `cells` is its last form, a row like any other.
+    pub fn close_row(self: &Arc<Self>, table: &str, key: u64, ts_seconds: f64, cells: Vec<Cell>) -> Result<(), StoreError> {
+        let (def, row) = self.row(table, ts_seconds, cells)?;
+        self.push(def, row, Some(key));
+        Ok(())
+    }
+
+    fn push(self: &Arc<Self>, def: &'static TableDef, row: Arc<Row>, closes: Option<u64>) {
         let spilling = self.config.run_dir.is_some();
         let wake = {
             let mut state = lock(&self.state);
             let ring_rows = self.config.ring_rows.max(1);
-            let entry = state.tables.entry(def.name).or_insert_with(|| Table {
-                def,
-                ring: VecDeque::new(),
-                unspilled: Vec::new(),
-                unspilled_dropped: 0,
-                appended: 0,
-            });
+            let entry = state.tables.entry(def.name).or_insert_with(|| Table::new(def));
+            if let Some(key) = closes {
+                entry.open.remove(&key);
+            }
             if entry.ring.len() == ring_rows {
                 entry.ring.pop_front();
             }
@@ -193,7 +232,6 @@ impl Store {
         if wake {
             self.wake.notify_one();
         }
-        Ok(())
     }
 
     fn ensure_thread(self: &Arc<Self>) {
@@ -270,7 +308,7 @@ impl Store {
             let Some(t) = state.tables.get(def.name) else {
                 return Ok(if count { json!({"columns": names, "count": 0}) } else { json!({"columns": names, "rows": []}) });
             };
-            t.ring.iter().filter(|row| checks.iter().all(|&(i, op, v)| row.cells[i].meets(op, v))).cloned().collect()
+            t.ring.iter().chain(t.open.values()).filter(|row| checks.iter().all(|&(i, op, v)| row.cells[i].meets(op, v))).cloned().collect()
         };
         if count {
             return Ok(json!({"columns": names, "count": rows.len()}));
@@ -343,6 +381,28 @@ mod tests {
         assert_eq!(counted["count"], json!(2));
         let only_step = store.read_json("torch_steps", Some(&["step".to_string()]), &[], false).unwrap();
         assert_eq!(only_step["rows"][0][3], Value::Null, "duration_ms was not asked for");
+    }
+
+    #[test]
+    fn an_open_row_is_read_until_it_closes_and_is_never_spilled_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(config(Some(dir.path().to_path_buf())));
+        store.append("torch_steps", 1.0, step_row(1)).unwrap();
+        store.open_row("torch_steps", 7, 2.0, step_row(2)).unwrap();
+        let steps = |store: &Store| -> Vec<i64> {
+            let all = store.read_json("torch_steps", None, &[], false).unwrap();
+            all["rows"].as_array().unwrap().iter().map(|r| r[1].as_i64().unwrap()).collect()
+        };
+        assert_eq!(steps(&store), vec![1, 2]);
+        store.flush();
+        let on_disk = |dir: &std::path::Path| -> usize {
+            read_table(&[dir.to_path_buf()], &TORCH_STEPS, None).unwrap().iter().map(|b| b.num_rows()).sum()
+        };
+        assert_eq!(on_disk(dir.path()), 1, "the open row stays in memory");
+        store.close_row("torch_steps", 7, 2.0, step_row(3)).unwrap();
+        assert_eq!(steps(&store), vec![1, 3], "closed: replaced by its last form");
+        store.flush();
+        assert_eq!(on_disk(dir.path()), 2);
     }
 
     #[test]

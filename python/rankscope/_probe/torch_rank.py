@@ -16,6 +16,7 @@ import sys
 
 _C10D = "torch.distributed.distributed_c10d"
 _assigned: tuple[int, int] | None = None
+_collectives_at_init = False
 
 
 def assigned() -> tuple[int, int] | None:
@@ -47,6 +48,10 @@ def _wrap(c10d) -> None:
         result = original(*args, **kwargs)
         try:
             _record()
+            if _collectives_at_init:
+                from rankscope._probe.torch import collectives
+
+                collectives.at_init()
         except Exception:  # noqa: BLE001 - the group is up; the probe's bookkeeping must not undo that
             pass
         return result
@@ -68,8 +73,20 @@ def watch() -> None:
 
 def watch_imports() -> None:
     """With the interpreter (RANKSCOPE=1): also catch the program's import
-    of c10d later. A probe started later leaves sys.meta_path alone."""
+    of c10d later, and wrap its collectives then (they record from
+    ``init_process_group`` on; ``_probe/torch/collectives.py``). A probe
+    started later leaves sys.meta_path alone."""
     if _C10D not in sys.modules:
         from rankscope._probe.after_import import after_import
 
-        after_import(_C10D, _wrap)
+        after_import(_C10D, _at_import)
+
+
+def _at_import(c10d) -> None:
+    global _collectives_at_init
+    _wrap(c10d)
+    from rankscope._probe.torch import collectives
+
+    if collectives.by_default():
+        collectives.at_import(c10d)
+        _collectives_at_init = True

@@ -19,6 +19,7 @@ use rankscope_query::table::{Align, Style, Table};
 use rankscope_query::{Fetched, RowSource, Scan};
 use serde::Deserialize;
 
+use crate::stuck;
 use crate::client::Probe;
 use crate::hint::Hinted;
 use crate::{outside, QueryFormat};
@@ -479,21 +480,33 @@ pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_l
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
-    let results = fan_out(&selected, |entry| stacks_of(entry, &here, all_frames, deadline));
+    // The stacks, and each rank's collectives (answered without the GIL).
+    let results = fan_out(&selected, |entry| (stacks_of(entry, &here, all_frames, deadline), collectives_of(entry, &here, deadline)));
     let mut groups: BTreeMap<Vec<String>, Vec<i64>> = BTreeMap::new();
     let mut missing = Vec::new();
     let mut outside_ranks = Vec::new();
-    for (entry, result) in selected.iter().zip(results) {
+    let mut read = Vec::new();
+    for (entry, (result, records)) in selected.iter().zip(results) {
         let rank = entry.meta.rank;
         match result {
-            Stacks::FromProbe(s) => groups.entry(signature(&s, ignore_lines)).or_default().push(rank),
+            Stacks::FromProbe(s) => {
+                groups.entry(signature(&s, ignore_lines)).or_default().push(rank);
+                read.push((rank, records, Some(s)));
+            }
             Stacks::FromOutside(s) => {
                 outside_ranks.push(rank);
                 groups.entry(signature(&s, ignore_lines)).or_default().push(rank);
+                read.push((rank, records, Some(s)));
             }
-            Stacks::Missing(why) => missing.push((rank, why)),
+            Stacks::Missing(why) => {
+                missing.push((rank, why));
+                read.push((rank, records, None));
+            }
         }
     }
+    let views: Vec<stuck::RankView> =
+        read.iter().map(|(rank, records, stacks)| stuck::RankView { rank: *rank, records: records.clone(), stacks: stacks.as_ref() }).collect();
+    let stuck_lines = stuck::stuck_lines(&views, rankscope_core::host::now_seconds());
     let mut ordered: Vec<(Vec<String>, Vec<i64>)> = groups.into_iter().collect();
     ordered.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then_with(|| a.1.cmp(&b.1)));
     let largest = ordered.first().map(|g| g.1.len()).unwrap_or(0);
@@ -515,7 +528,24 @@ pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_l
     for (rank, why) in &missing {
         println!("  rank {rank}: no stacks ({why})");
     }
+    if !stuck_lines.is_empty() {
+        println!("collectives:");
+        for line in &stuck_lines {
+            println!("  {line}");
+        }
+    }
     Ok(0)
+}
+
+/// A rank's `python.collectives` (None when it cannot be read: another
+/// machine's rank that is not reachable, or a probe that is gone).
+fn collectives_of(entry: &RankEntry, here: &str, deadline: Duration) -> Option<Vec<stuck::Record>> {
+    if !matches!(liveness(entry, here), Liveness::Running) {
+        return None;
+    }
+    let probe = probe_of(entry).ok()?;
+    let reply = probe.probe_table("collectives", Some(&stuck::COLUMNS), &[], false, deadline).ok()?;
+    Some(stuck::records(&reply))
 }
 
 /// How long after its registry's last change a job's launcher may still

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use crate::client::Probe;
 use crate::hint::Hinted;
-use crate::{BtFormat, TorchAction, TraceAction};
+use crate::{BtFormat, Switch, TorchAction, TraceAction};
 
 pub fn run(probe: &Probe, action: Option<TorchAction>, format: BtFormat) -> Result<u8> {
     let request = request_of(action.as_ref())?;
@@ -31,7 +31,29 @@ pub fn request_of(action: Option<&TorchAction>) -> Result<Value> {
             json!({"action": "trace_on", "every": every, "modules": modules, "backward": backward})
         }
         Some(TorchAction::Trace { action: TraceAction::Off }) => json!({"action": "trace_off"}),
+        Some(TorchAction::Nan { switch }) => json!({"action": "nan", "switch": switch_word(*switch)}),
+        Some(TorchAction::Grads { switch, every }) => {
+            json!({"action": "grads", "switch": switch_word(*switch).unwrap_or("on"), "every": at_least_one(*every)?})
+        }
+        Some(TorchAction::Activations { switch, modules, every }) => json!({
+            "action": "activations", "switch": switch_word(*switch).unwrap_or("on"), "modules": modules, "every": at_least_one(*every)?,
+        }),
+        Some(TorchAction::Collectives { switch }) => json!({"action": "collectives", "switch": switch_word(*switch)}),
     })
+}
+
+fn switch_word(switch: Option<Switch>) -> Option<&'static str> {
+    switch.map(|s| match s {
+        Switch::On => "on",
+        Switch::Off => "off",
+    })
+}
+
+fn at_least_one(every: u64) -> Result<u64> {
+    if every == 0 {
+        return Err(Hinted::new("--every must be 1 or more", "e.g. --every 10: one step in 10").into());
+    }
+    Ok(every)
 }
 
 /// What a user reads of the probe's reply to `request_of(action)`.
@@ -40,7 +62,128 @@ pub fn text_of(action: Option<&TorchAction>, reply: &Value) -> String {
         None => status_text(reply),
         Some(TorchAction::Trace { action: TraceAction::On { .. } }) => trace_on_text(reply),
         Some(TorchAction::Trace { action: TraceAction::Off }) => trace_off_text(reply),
+        Some(TorchAction::Nan { .. }) => nan_text(reply),
+        Some(TorchAction::Grads { .. }) => stats_text("grads", "python.grad_stats", "parameters", reply),
+        Some(TorchAction::Activations { .. }) => stats_text("activations", "python.activation_stats", "modules", reply),
+        Some(TorchAction::Collectives { .. }) => collectives_text(reply),
     }
+}
+
+fn number(v: &Value) -> String {
+    match v.as_f64() {
+        Some(x) if v.is_f64() => format!("{x:.4e}"),
+        _ => v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()),
+    }
+}
+
+/// `torch nan [on|off]`: whether the watch is armed, and what it found.
+fn nan_text(reply: &Value) -> String {
+    let mut out = String::new();
+    let checked = reply["checked_steps"].as_i64().unwrap_or(0);
+    out += &if reply["armed"].as_bool() == Some(true) {
+        format!("nan watch: armed ({checked} steps checked: the loss and the gradients' norms)\n")
+    } else {
+        format!("nan watch: off ({checked} steps checked while armed)\n")
+    };
+    if let Some(reason) = reply["disabled"].as_str() {
+        out += &format!("nan watch: turned itself off after an error: {reason}\n");
+    }
+    let events = reply["events"].as_array().cloned().unwrap_or_default();
+    if events.is_empty() {
+        out += "no non-finite value seen\n";
+    }
+    for e in &events {
+        let module = e["module"].as_str().unwrap_or("?");
+        let kind = e["module_type"].as_str().map(|t| format!(" ({t})")).unwrap_or_default();
+        out += &format!(
+            "step {}: first non-finite in {}, module {module}{kind}: {} ({} non-finite)\n",
+            e["step"],
+            e["stage"].as_str().unwrap_or("?"),
+            e["what"].as_str().unwrap_or("?"),
+            e["nonfinite"],
+        );
+        if !e["input_min"].is_null() || !e["input_nonfinite"].is_null() {
+            out += &format!(
+                "  inputs:  min {} max {}, {} non-finite\n",
+                number(&e["input_min"]),
+                number(&e["input_max"]),
+                e["input_nonfinite"]
+            );
+        }
+        if !e["weight_min"].is_null() || !e["weight_nonfinite"].is_null() {
+            out += &format!(
+                "  weights: min {} max {}, {} non-finite\n",
+                number(&e["weight_min"]),
+                number(&e["weight_max"]),
+                e["weight_nonfinite"]
+            );
+        }
+        if !e["loss"].is_null() {
+            out += &format!("  loss: {}\n", number(&e["loss"]));
+        }
+        if let Some(detail) = e["detail"].as_str().filter(|d| !d.is_empty()) {
+            out += &format!("  {detail}\n");
+        }
+        if let Some(record) = e["record"].as_str() {
+            out += &format!("  record: {record} (rankscope crashes)\n");
+        }
+    }
+    out
+}
+
+/// `torch grads|activations [on|off]`.
+fn stats_text(feature: &str, table: &str, what: &str, reply: &Value) -> String {
+    let mut out = if reply["on"].as_bool() == Some(true) {
+        let every = reply["every"].as_i64().unwrap_or(1);
+        format!(
+            "{feature}: on, {} {what}, every {every} step{}, into {table}\n",
+            reply["count"],
+            if every == 1 { "" } else { "s" }
+        )
+    } else {
+        format!("{feature}: off\n")
+    };
+    if let Some(rows) = reply["rows"].as_i64() {
+        out += &format!("{rows} rows in {table}\n");
+    }
+    if let Some(reason) = reply["disabled"].as_str() {
+        out += &format!("{feature}: turned itself off after an error: {reason}\n");
+    }
+    if let Some(note) = reply["note"].as_str() {
+        out += &format!("note: {note}\n");
+    }
+    out
+}
+
+/// `torch collectives [on|off]`: each group's last collective, and those in flight.
+fn collectives_text(reply: &Value) -> String {
+    let mut out = String::new();
+    out += &match (reply["on"].as_bool(), reply["initialized"].as_bool()) {
+        (Some(true), Some(true)) => format!("collectives: recorded ({} backend)\n", reply["backend"].as_str().unwrap_or("?")),
+        (Some(true), _) => "collectives: on; torch.distributed is not initialised yet\n".to_string(),
+        _ => "collectives: off\n".to_string(),
+    };
+    for group in reply["groups"].as_array().into_iter().flatten() {
+        out += &format!(
+            "  group {} ({} ranks, this is rank {}): {} collectives, last #{} {}\n",
+            group["group"].as_str().unwrap_or("?"),
+            group["size"],
+            group["group_rank"],
+            group["count"],
+            group["last_seq"],
+            group["last_op"].as_str().unwrap_or("?"),
+        );
+        for f in group["in_flight"].as_array().into_iter().flatten() {
+            out += &format!(
+                "    in flight: {} #{} for {:.1} s ({})\n",
+                f["op"].as_str().unwrap_or("?"),
+                f["seq"],
+                f["waiting_s"].as_f64().unwrap_or(0.0),
+                f["caller"].as_str().unwrap_or("?"),
+            );
+        }
+    }
+    out
 }
 
 /// 1234567 -> "1,234,567".

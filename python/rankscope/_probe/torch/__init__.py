@@ -49,13 +49,55 @@ def handle(request_text: str) -> str:
             elif action == "trace_off":
                 result = trace.TRACER.turn_off()
                 result["status"] = _status()
+            elif action in ("nan", "grads", "activations", "collectives"):
+                result = _feature(action, request)
             else:
-                return json.dumps({"error": f"unknown torch action {action!r}", "hint": "status, trace_on or trace_off"})
+                return json.dumps({"error": f"unknown torch action {action!r}", "hint": "status, trace_on, trace_off, nan, grads, activations or collectives"})
         except trace.UserError as err:
             return json.dumps({"error": str(err), "hint": "`rankscope PID torch` lists the models and their modules"})
-        return json.dumps({"ok": result}, default=str)
+        except LookupError as err:
+            return json.dumps({"error": str(err), "hint": "collectives are recorded once the program uses torch.distributed"})
+        return json.dumps({"ok": _no_nan(result)}, default=_json_value)
     except (ValueError, TypeError) as err:
         return json.dumps({"error": f"bad torch request: {err}", "hint": "send JSON with an action"})
+
+
+def _json_value(value):
+    return str(value)
+
+
+def _no_nan(value):
+    """JSON has no NaN or infinities: they travel as text ("nan", "inf")."""
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def _feature(action: str, request: dict) -> dict:
+    """``torch nan|grads|activations|collectives [on|off]``."""
+    switch = request.get("switch")
+    every = int(request.get("every") or 1)
+    if action == "collectives":
+        from rankscope._probe.torch.collectives import RECORDER
+
+        if switch == "on":
+            return RECORDER.turn_on()
+        return RECORDER.turn_off() if switch == "off" else RECORDER.describe()
+    if action == "nan":
+        from rankscope._probe.torch.nan import WATCH
+
+        if switch == "on":
+            return WATCH.turn_on()
+        return WATCH.turn_off() if switch == "off" else WATCH.describe()
+    from rankscope._probe.torch import stats
+
+    if action == "grads":
+        return stats.GRADS.turn_off() if switch == "off" else stats.GRADS.turn_on(every)
+    return stats.ACTIVATIONS.turn_off() if switch == "off" else stats.ACTIVATIONS.turn_on(str(request.get("modules") or "*"), every)
 
 
 def _status() -> dict:
@@ -78,15 +120,31 @@ def _status() -> dict:
         "optimizers": [models.describe_optimizer(opt) for opt in optimizers],
         "losses": [type(m).__name__ for m in losses],
         "trace": tracer.describe(),
+        "features": _features(),
     }
+
+
+def _features() -> dict:
+    """The other features' state, where their modules were ever loaded."""
+    out = {}
+    nan = sys.modules.get("rankscope._probe.torch.nan")
+    if nan is not None:
+        out["nan"] = nan.WATCH.describe()
+    stats = sys.modules.get("rankscope._probe.torch.stats")
+    if stats is not None:
+        out["grads"], out["activations"] = stats.GRADS.describe(), stats.ACTIVATIONS.describe()
+    collectives = sys.modules.get("rankscope._probe.torch.collectives")
+    if collectives is not None:
+        out["collectives"] = collectives.RECORDER.describe()
+    return out
 
 
 def _parse_env(spec: str):
     features, options, unknown = set(), {"every": 1, "modules": "*", "backward": False}, []
     for token in filter(None, (t.strip() for t in spec.split(","))):
         key, eq, value = token.partition("=")
-        if token == "trace":
-            features.add("trace")
+        if token in ("trace", "nan", "grads", "collectives"):
+            features.add(token)
         elif token == "backward":
             options["backward"] = True
         elif eq and key == "every" and value.isdigit() and int(value) >= 1:
@@ -107,17 +165,33 @@ def from_env(at_start: bool) -> None:
         return
     features, options, unknown = _parse_env(spec)
     if unknown:
-        sys.stderr.write(f"rankscope: RANKSCOPE_TORCH: ignored {', '.join(unknown)} (known: trace, every=N, modules=GLOB, backward)\n")
-    if "trace" not in features:
+        sys.stderr.write(
+            f"rankscope: RANKSCOPE_TORCH: ignored {', '.join(unknown)} (known: trace, nan, grads, collectives, every=N, modules=GLOB, backward)\n"
+        )
+    if not features:
         return
 
     def enable(_module=None):
-        try:
-            from rankscope._probe.torch import trace
+        for feature in sorted(features):
+            try:
+                if feature == "trace":
+                    from rankscope._probe.torch import trace
 
-            trace.TRACER.turn_on(options["every"], options["modules"], options["backward"], wait_s=0)
-        except Exception as exc:  # noqa: BLE001 - the program runs on without the trace
-            sys.stderr.write(f"rankscope: RANKSCOPE_TORCH=trace not turned on: {exc}\n")
+                    trace.TRACER.turn_on(options["every"], options["modules"], options["backward"], wait_s=0)
+                elif feature == "nan":
+                    from rankscope._probe.torch.nan import WATCH
+
+                    WATCH.turn_on()
+                elif feature == "grads":
+                    from rankscope._probe.torch import stats
+
+                    stats.GRADS.turn_on(options["every"] if options["every"] > 1 else 10)
+                elif feature == "collectives" and "torch.distributed.distributed_c10d" in sys.modules:
+                    from rankscope._probe.torch.collectives import RECORDER
+
+                    RECORDER.turn_on()
+            except Exception as exc:  # noqa: BLE001 - the program runs on without the feature
+                sys.stderr.write(f"rankscope: RANKSCOPE_TORCH={feature} not turned on: {exc}\n")
 
     if torch_ready():
         enable()

@@ -146,9 +146,20 @@ def _step_wrapper_code():
 
 
 class Tracer:
+    """The step clock (the optimizer's step hooks, or ``rankscope.step()``)
+    and the trace. The clock runs while the trace or any other feature
+    (``listeners``: the NaN watch, gradient and activation statistics)
+    needs steps; ``on`` says whether it runs, ``tracing`` whether the trace
+    is on."""
+
     def __init__(self):
         self.lock = _thread.RLock()
         self.on = False
+        self.tracing = False
+        # Features that hear of each optimizer step and step boundary:
+        # objects with optimizer_pre(optimizer, step), optimizer_post(optimizer,
+        # step), boundary(step) and failed(reason).
+        self.listeners: list = []
         self.every, self.glob, self.backward = 1, "*", False
         self.models: list = []  # weakrefs to root modules
         self.losses: list = []  # weakrefs to loss modules
@@ -191,28 +202,81 @@ class Tracer:
             # in progress was not seen whole, so it gets no row.
             self._detach()
             self.partial = True
-            self.on = True
+            self.tracing = True
             self.disabled = None
+        installed = self._start_clock(wait_s)
+        return {"models": len(found), "modules": sum(1 for p in self.plan if p[4]), "optimizer_hooks": installed}
+
+    def _start_clock(self, wait_s) -> bool:
+        with self.lock:
+            if not self.on:
+                self.partial = True
+            self.on = True
         installed = self._install_optimizer_hooks(wait_s)
         import rankscope
 
         rankscope._step_hook = self.mark_step
-        return {"models": len(found), "modules": sum(1 for p in self.plan if p[4]), "optimizer_hooks": installed}
+        return installed
+
+    def add_listener(self, listener, wait_s: float = EDIT_WAIT_S) -> bool:
+        """Starts the clock for `listener` (once); True when the optimizer
+        hooks are in."""
+        with self.lock:
+            if not self.models:
+                found, optimizers, losses = models.discover()
+                self._adopt(found, optimizers, losses)
+                self.plan = self._plan()
+            if listener not in self.listeners:
+                self.listeners.append(listener)
+        return self._start_clock(wait_s)
+
+    def remove_listener(self, listener, wait_s: float = EDIT_WAIT_S) -> None:
+        with self.lock:
+            if listener in self.listeners:
+                self.listeners.remove(listener)
+            idle = not self.tracing and not self.listeners
+        if idle:
+            self._stop_clock(wait_s)
+
+    def current_step(self, optimizer=None) -> int:
+        """The step in progress: the clock's, or before its first boundary
+        the optimizer's own count (steps are numbered from 0)."""
+        if self.step is not None:
+            return self.step
+        completed = models.completed_steps(optimizer) if optimizer is not None else None
+        return completed or 0
+
+    def _tell(self, method: str, *args) -> None:
+        for listener in list(self.listeners):
+            try:
+                getattr(listener, method)(*args)
+            except Exception as exc:  # noqa: BLE001 - a feature that fails goes off, the program goes on
+                try:
+                    self.remove_listener(listener, wait_s=0)
+                    listener.failed(f"{method} failed: {type(exc).__name__}: {exc}")
+                except Exception:  # noqa: BLE001
+                    pass
 
     def turn_off(self, reason: str | None = None, wait_s: float = EDIT_WAIT_S) -> dict:
         with self.lock:
-            was_on = self.on
-            self.on = False
+            was_on = self.tracing
+            self.tracing = False
             if reason is not None:
                 self.disabled = reason
             removed = len(self.handles)
             self._detach()
+            idle = not self.listeners
+        done = self._stop_clock(wait_s) if idle else True
+        return {"was_on": was_on, "module_hooks_removed": removed, "optimizer_hooks_removed": done}
+
+    def _stop_clock(self, wait_s) -> bool:
+        with self.lock:
+            self.on = False
             import rankscope
 
             if getattr(rankscope, "_step_hook", None) == self.mark_step:
                 rankscope._step_hook = None
-        done = self._remove_optimizer_hooks(wait_s)
-        return {"was_on": was_on, "module_hooks_removed": removed, "optimizer_hooks_removed": done}
+        return self._remove_optimizer_hooks(wait_s)
 
     def _fail(self, where: str, exc: BaseException) -> None:
         try:
@@ -333,6 +397,8 @@ class Tracer:
     def _opt_pre(self, optimizer, args, kwargs):
         try:
             if self.on:
+                if self.listeners:
+                    self._tell("optimizer_pre", optimizer, self.current_step(optimizer))
                 self.opt_start = _perf()
         except Exception as exc:  # noqa: BLE001
             self._fail("the optimizer step pre-hook", exc)
@@ -345,6 +411,8 @@ class Tracer:
                     self.opt_ns += now - self.opt_start
                     self.opt_calls += 1
                     self.opt_start = None
+                if self.listeners:
+                    self._tell("optimizer_post", optimizer, self.current_step(optimizer))
                 if self.marker != "rankscope.step()":
                     primary = self.primary() if self.primary is not None else None
                     new = primary is None
@@ -386,7 +454,7 @@ class Tracer:
                 # trace turned on at different times on two ranks numbers
                 # their steps alike; counted from here on.
                 completed = models.completed_steps(optimizer) if optimizer is not None else None
-            elif self.step is not None:
+            elif self.step is not None and self.tracing:
                 self._finish_step(now)
             self.partial = False
             if completed is None:
@@ -394,7 +462,7 @@ class Tracer:
             self.step = completed
             self.last_end = now
             self._reset_step()
-            if self.step % self.every == 0:
+            if self.tracing and self.step % self.every == 0:
                 if self.handles:
                     for slot in self.slots:
                         slot.reset()
@@ -403,6 +471,8 @@ class Tracer:
                 self.sampling = bool(self.handles)
             else:
                 self._detach()
+        if self.listeners:
+            self._tell("boundary", self.step)
 
     def _finish_step(self, now):
         wall = time.time()
@@ -605,7 +675,7 @@ class Tracer:
         if self.opt_hooks is not None and not self.on:
             self._remove_optimizer_hooks(0)
         return {
-            "on": self.on,
+            "on": self.tracing,
             "every": self.every,
             "modules": self.glob,
             "backward": self.backward,

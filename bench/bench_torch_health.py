@@ -1,0 +1,99 @@
+"""What the training-health features cost a step: the NaN/Inf watch armed
+(no trip), `torch.autograd.detect_anomaly` for comparison, and gradient
+statistics every 10 steps.
+
+The same MLP as bench_torch_trace.py (Linear+ReLU layers, Adam, batch 64,
+CPU, one torch thread) trains in a target with the probe on. Rounds
+alternate between the modes, each switched through the installed CLI
+(`rankscope PID torch nan on|off`, `torch grads --every 10|off`, and
+`eval "torch.autograd.set_detect_anomaly(True|False)"`), and time --steps
+steps each. A mode's figure is its best round against the best round with
+nothing on (other processes on a shared machine only add time); the median
+of the paired ratios is printed beside it.
+
+Targets (from the issue): NaN watch armed <= 1 %; grads --every 10 <= 1 %;
+detect_anomaly: reported, for comparison.
+
+    .venv/bin/python bench/bench_torch_health.py [--width 256] [--layers 4] [--rounds 20] [--steps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+
+from _common import BenchError, base_env, machine, private_dir, run_main, start_target, stop_target, tool
+from bench_torch_trace import TARGET  # the same model and loop
+
+OFF = [("torch", "nan", "off"), ("torch", "grads", "off"), ("eval", "torch.autograd.set_detect_anomaly(False)")]
+MODES = {
+    "nothing on": [("torch",)],
+    "nan watch armed": [("torch", "nan", "on")],
+    "grads --every 10": [("torch", "grads", "--every", "10")],
+    "detect_anomaly": [("eval", "torch.autograd.set_detect_anomaly(True)")],
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    rankscope = tool("rankscope")
+    endpoint = private_dir("rs-bench-health-")
+    env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"), OMP_NUM_THREADS="1")
+    proc, _ = start_target(TARGET, env, (str(args.width), str(args.layers)))
+    cli_env = base_env(RANKSCOPE_DIR=endpoint)
+
+    def cli(*words):
+        result = subprocess.run([rankscope, str(proc.pid), *words], capture_output=True, text=True, env=cli_env, timeout=60)
+        if result.returncode != 0:
+            raise BenchError(f"rankscope {' '.join(words)}: {result.stderr.strip()}")
+
+    def measure(n):
+        proc.stdin.write(f"{n}\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise BenchError("the target exited")
+        return json.loads(line)
+
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    try:
+        for _ in range(args.rounds):
+            for mode, requests in MODES.items():
+                # Every mode makes the same number of requests.
+                for words in OFF:
+                    cli(*words)
+                for words in requests:
+                    cli(*words)
+                measure(20)  # warm up; the hooks go on at the first boundary
+                times[mode].append(measure(args.steps))
+        for words in OFF:
+            cli(*words)
+    finally:
+        stop_target(proc)
+
+    base = min(times["nothing on"])
+    print(f"machine: {machine()}")
+    print(f"MLP: {args.layers} x Linear({args.width}, {args.width}) + ReLU, batch 64, Adam, CPU, 1 thread; "
+          f"{args.rounds} rounds x {args.steps} steps per mode, alternating")
+    targets = {"nan watch armed": 1.0, "grads --every 10": 1.0}
+    print(f"{'nothing on':20s} {base * 1e3:8.3f} ms/step (best round; median {statistics.median(times['nothing on']) * 1e3:.3f})")
+    for mode in list(MODES)[1:]:
+        best = min(times[mode])
+        overhead = (best / base - 1) * 100
+        paired = (statistics.median(t / b for t, b in zip(times[mode], times["nothing on"])) - 1) * 100
+        target = targets.get(mode)
+        verdict = "" if target is None else (f"  target <= {target} %: " + ("met" if overhead <= target else "NOT met"))
+        print(f"{mode:20s} {best * 1e3:8.3f} ms/step  {overhead:+6.2f} % ({(best - base) * 1e6:+6.1f} us/step; paired median {paired:+6.2f} %){verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,286 @@
+"""torch.distributed's collectives as the program calls them
+(``python.collectives``): op, group, its number in the group, sizes, start,
+end, and whether it is still in flight.
+
+The public collective functions of ``torch.distributed`` are wrapped where
+the program looks them up (``torch.distributed`` and ``distributed_c10d``):
+a call opens a row in the run store, shown as ``in flight`` to any reader,
+without the GIL, and closes it when the call returns (an ``async_op``
+call when its work completes, where the backend gives a future). That is
+what ``cluster bt`` reads to say which collective each rank is stuck in.
+
+What is not seen: collectives issued from C++ (DDP's gradient buckets),
+functional collectives, and, in an injected process, a function the
+program bound to a name of its own before the wrapping.
+Numbers are torch's own sequence numbers of the group (every collective
+counts, DDP's too, alike on every rank; Flight Recorder uses the same),
+or, on a backend without them, the wrapped calls counted from when
+recording began.
+
+The wrappers are put in as ``distributed_c10d`` is imported, so that
+``from torch.distributed import all_reduce`` binds them too, and record
+nothing until ``init_process_group`` returns.
+
+Started with the interpreter (``RANKSCOPE=1``, ``rankscope run``), a probe
+records from ``init_process_group`` on, unless ``RANKSCOPE_COLLECTIVES=0``;
+an injected probe records only once asked (``torch collectives on``).
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import sys
+import time
+
+_C10D = "torch.distributed.distributed_c10d"
+# Collectives only: point-to-point calls have no group-wide number.
+OPS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+)
+_WRAPPED = "__rankscope_collective__"
+
+
+class _Group:
+    __slots__ = ("name", "members", "size", "rank", "seq", "last_op", "count")
+
+    def __init__(self, name, members, size, rank):
+        self.name, self.members, self.size, self.rank = name, members, size, rank
+        self.seq = 0
+        self.last_op = None
+        self.count = 0
+
+
+class Recorder:
+    def __init__(self):
+        self.on = False
+        self.originals: dict = {}  # op -> the function wrapped
+        self.groups: dict = {}  # id(process group) -> _Group
+        self.keys = 0
+        self.in_flight: dict = {}  # key -> (op, group name, seq, started, caller)
+        self.lock = _thread.allocate_lock()
+        self.errors = 0
+
+    # ---- on and off
+
+    def turn_on(self) -> dict:
+        c10d = sys.modules.get(_C10D)
+        if c10d is None:
+            raise LookupError("torch.distributed is not imported in this process")
+        self._wrap(c10d)
+        self.on = True
+        return self.describe()
+
+    def turn_off(self) -> dict:
+        self.on = False
+        c10d = sys.modules.get(_C10D)
+        dist = sys.modules.get("torch.distributed")
+        for op, original in self.originals.items():
+            for module in (c10d, dist):
+                current = getattr(module, op, None) if module is not None else None
+                if getattr(current, _WRAPPED, None) is original:
+                    setattr(module, op, original)
+        self.originals.clear()
+        return self.describe()
+
+    def _wrap(self, c10d) -> None:
+        import functools
+        import inspect
+
+        dist = sys.modules.get("torch.distributed")
+        for op in OPS:
+            original = getattr(c10d, op, None)
+            if original is None or getattr(original, _WRAPPED, None) is not None:
+                continue
+            try:
+                parameters = list(inspect.signature(original).parameters)
+            except (TypeError, ValueError):
+                continue
+            wrapper = self._wrapper(op, original, parameters)
+            functools.update_wrapper(wrapper, original)
+            setattr(wrapper, _WRAPPED, original)
+            self.originals[op] = original
+            setattr(c10d, op, wrapper)
+            if dist is not None and getattr(dist, op, None) is original:
+                setattr(dist, op, wrapper)
+
+    def _wrapper(self, op, original, parameters):
+        recorder = self
+        group_at = parameters.index("group") if "group" in parameters else None
+        async_at = parameters.index("async_op") if "async_op" in parameters else None
+
+        def collective(*args, **kwargs):
+            if not recorder.on:
+                return original(*args, **kwargs)
+            try:
+                entry = recorder._enter(op, args, kwargs, group_at, async_at)
+            except Exception:  # noqa: BLE001 - the call goes on unrecorded
+                recorder.errors += 1
+                entry = None
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                recorder._leave(entry, "failed")
+                raise
+            recorder._leave(entry, "done", result)
+            return result
+
+        return collective
+
+    # ---- a call (the program's thread)
+
+    def _group(self, group):
+        c10d = sys.modules[_C10D]
+        if group is None:
+            group = c10d._get_default_group()
+        found = self.groups.get(id(group))
+        if found is not None:
+            return group, found
+        if found is None:
+            try:
+                name = c10d._get_process_group_name(group)
+            except Exception:  # noqa: BLE001
+                name = str(len(self.groups))
+            try:
+                members = c10d.get_process_group_ranks(group)
+            except Exception:  # noqa: BLE001
+                members = []
+            found = _Group(str(name), ",".join(map(str, members)), group.size(), group.rank())
+            self.groups[id(group)] = found
+        return group, found
+
+    def _enter(self, op, args, kwargs, group_at, async_at):
+        import torch
+
+        group = kwargs.get("group") if "group" in kwargs else (args[group_at] if group_at is not None and len(args) > group_at else None)
+        asynchronous = bool(kwargs.get("async_op") if "async_op" in kwargs else (args[async_at] if async_at is not None and len(args) > async_at else False))
+        group, info = self._group(group)
+        try:
+            # torch's own number, which counts every collective of the group
+            # (DDP's too) alike on every rank, and is what Flight Recorder says.
+            seq = group._get_sequence_number_for_group() + 1
+        except Exception:  # noqa: BLE001 - a backend without one: counted here
+            seq = None
+        with self.lock:
+            info.seq = info.seq + 1 if seq is None else seq
+            info.count += 1
+            info.last_op = op
+            self.keys += 1
+            key = self.keys
+        tensors = []
+        for value in list(args[:2]) + [kwargs.get("tensor"), kwargs.get("output"), kwargs.get("input")]:
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, (list, tuple)):
+                tensors.extend(v for v in value[:8] if isinstance(v, torch.Tensor))
+        shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors[:4])
+        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
+        size = sum(t.numel() * t.element_size() for t in tensors[:1]) if tensors else None
+        caller = sys._getframe(2)
+        where = f"{caller.f_code.co_name} ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+        started = time.time()
+        row = [started, info.seq, op, info.name, info.size, info.rank, info.members, "in flight", shapes, dtype, size,
+               asynchronous, None, None, where, str(_thread.get_ident())]
+        from rankscope import _native
+
+        _native.table_open("collectives", key, row)
+        self.in_flight[key] = (op, info.name, info.seq, started, where)
+        return key, row, time.perf_counter()
+
+    def _leave(self, entry, state, result=None):
+        if entry is None:
+            return
+        try:
+            key, row, began = entry
+            if state == "done" and row[11]:
+                future = getattr(result, "get_future", None)
+                if future is not None:
+                    try:
+                        future().add_done_callback(lambda _f: self._close(key, row, began, "done"))
+                        return
+                    except Exception:  # noqa: BLE001 - a backend without futures: closed as issued
+                        pass
+                state = "issued"
+            self._close(key, row, began, state)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+
+    def _close(self, key, row, began, state):
+        try:
+            from rankscope import _native
+
+            row = list(row)
+            row[7] = state
+            row[12] = time.time() * 1e6
+            row[13] = (time.perf_counter() - began) * 1e3
+            self.in_flight.pop(key, None)
+            _native.table_close("collectives", key, row)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+
+    # ---- what `torch collectives` shows
+
+    def describe(self) -> dict:
+        dist = sys.modules.get("torch.distributed")
+        initialized = bool(dist is not None and dist.is_available() and dist.is_initialized())
+        now = time.time()
+        groups = []
+        for info in self.groups.values():
+            flying = [
+                {"op": op, "seq": seq, "waiting_s": now - started, "caller": caller}
+                for op, name, seq, started, caller in list(self.in_flight.values())
+                if name == info.name
+            ]
+            groups.append(
+                {
+                    "group": info.name,
+                    "size": info.size,
+                    "group_rank": info.rank,
+                    "members": info.members,
+                    "count": info.count,
+                    "last_seq": info.seq,
+                    "last_op": info.last_op,
+                    "in_flight": flying,
+                }
+            )
+        return {
+            "on": self.on,
+            "initialized": initialized,
+            "backend": dist.get_backend() if initialized else None,
+            "wrapped": sorted(self.originals),
+            "groups": groups,
+            "errors": self.errors,
+        }
+
+
+RECORDER = Recorder()
+
+
+def by_default() -> bool:
+    return os.environ.get("RANKSCOPE_COLLECTIVES", "1").strip() != "0"
+
+
+def at_import(c10d) -> None:
+    """As the program imports ``distributed_c10d`` (a probe that started
+    with the interpreter): wrapped now, so that every name the program
+    binds is the wrapper; recording starts at ``init_process_group``."""
+    RECORDER._wrap(c10d)
+
+
+def at_init() -> None:
+    if RECORDER.originals:
+        RECORDER.on = True

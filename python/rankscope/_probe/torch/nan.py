@@ -1,0 +1,591 @@
+"""The NaN/Inf watch (``torch nan on``): where a non-finite value first
+appeared, into ``python.nan_events`` and a crash-style record.
+
+Armed, a step costs one forward pre- and post-hook on each model's root
+(they keep a reference to the step's input, the RNG state at its start,
+and the loss, and put a tensor hook on the output for the gradient that
+reaches it) and, at the optimizer's pre-hook, the gradients' norms in one
+fused kernel (``torch._foreach_norm``) and one finiteness check. On a CPU
+that check is read at once. On a GPU it is copied out with a CUDA event and
+read at the next step boundary, never with a device sync; the step it
+names is the one it was computed in, but by then the optimizer has applied
+those gradients, so the search below runs on weights that may already be
+non-finite, and says so.
+
+On a trip, the step is searched while its weights are still the ones it
+ran with (the optimizer's pre-hook, before the update):
+
+* its input: non-finite already (stage ``input``);
+* forward: the step's forward is run again on the same input, from the
+  same RNG state, with a hook on every module; the first module whose
+  output is non-finite while its inputs were finite is the origin. When a
+  module's inputs are non-finite before it ran, its parent's own code made
+  them (stage ``forward``);
+* the loss: forward finite, loss not (stage ``loss``);
+* backward: the same forward again, then ``torch.autograd.grad`` from the
+  output with the gradient the real backward brought to it; the deepest
+  module whose output gradient was finite and whose input or parameter
+  gradients are not is the origin (stage ``backward``).
+
+The re-run touches nothing the program keeps: ``.grad`` is left alone
+(``autograd.grad`` returns its gradients), the RNG state and every buffer
+(BatchNorm's running statistics) are put back as they were. Python side
+effects of a model's own ``forward`` code (a counter it bumps) do happen
+twice; ``torch.autograd.detect_anomaly``, the alternative, catches only
+backward NaNs and slows every step 1.5-3x.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import weakref
+
+import torch
+
+from rankscope._probe.torch import models, tables
+from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors
+
+# Events kept for `torch nan` (the table keeps them all).
+MAX_EVENTS = 16
+# The largest model output whose gradient is kept for the backward search.
+MAX_KEPT_GRAD = 1 << 20
+
+
+def _stats(tensors) -> tuple:
+    """(min, max, non-finite count) over the finite values of `tensors`,
+    floating ones only; Nones when there are none."""
+    low = high = None
+    bad = 0
+    seen = False
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        seen = True
+        flat = tensor.detach()
+        finite = torch.isfinite(flat)
+        count = int(finite.numel() - int(finite.sum()))
+        bad += count
+        values = flat[finite] if count else flat
+        if values.numel():
+            lo, hi = float(values.min()), float(values.max())
+            low = lo if low is None else min(low, lo)
+            high = hi if high is None else max(high, hi)
+    return (low, high, bad) if seen else (None, None, None)
+
+
+def _nonfinite(value) -> int:
+    return sum(_stats([t])[2] or 0 for t in _tensors(value))
+
+
+def _inputs_of(args, kwargs) -> list:
+    out = [t for t in _tensors(tuple(args)) if t.is_floating_point()]
+    out += [t for t in _tensors(dict(kwargs or {})) if t.is_floating_point()]
+    return out
+
+
+class _Step:
+    """What the root hooks keep of the step in progress."""
+
+    __slots__ = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "outputs", "out_grads")
+
+    def __init__(self):
+        self.model = self.args = self.kwargs = self.rng = self.cuda_rng = self.loss = None
+        self.outputs: list = []
+        self.out_grads: dict = {}
+
+
+class NanWatch:
+    def __init__(self):
+        self.armed = False
+        self.checked_steps = 0
+        self.events: list = []
+        self.disabled = None
+        self.handles: list = []
+        self.step = _Step()
+        self.pending = None  # (step, optimizer ref, cpu flag, event) on a GPU
+        self.tripped_at = None
+        self.searching = False
+        self.hooked: set = set()
+
+    # ---- on and off (probe thread)
+
+    def turn_on(self) -> dict:
+        self.turn_off(quiet=True)
+        self.disabled = None
+        self.tripped_at = None
+        TRACER.add_listener(self)
+        self._hook_roots()
+        self.armed = True
+        return self.describe()
+
+    def turn_off(self, quiet: bool = False) -> dict:
+        self.armed = False
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+        TRACER.remove_listener(self)
+        self.step = _Step()
+        self.pending = None
+        return {} if quiet else self.describe()
+
+    def failed(self, reason: str) -> None:
+        self.disabled = reason
+        self.turn_off(quiet=True)
+
+    def _hook_roots(self):
+        """Hooks each model's root (and the loss modules); again whenever
+        the models found change (a watch armed before the model existed)."""
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+        self.hooked = {id(m) for m in TRACER.live_models()}
+        for model in TRACER.live_models():
+            self.handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+            self.handles.append(model.register_forward_hook(self._root_post))
+        for ref in TRACER.losses:
+            module = ref()
+            if module is not None:
+                self.handles.append(module.register_forward_hook(self._loss_post))
+
+    # ---- the cheap part: every step (training thread)
+
+    def _root_pre(self, module, args, kwargs):
+        try:
+            if self.searching:
+                return
+            step = self.step
+            step.model = weakref.ref(module)
+            step.args, step.kwargs = args, kwargs
+            step.rng = torch.get_rng_state()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                step.cuda_rng = torch.cuda.get_rng_state_all()
+            step.outputs = []
+            step.out_grads = {}
+        except Exception as exc:  # noqa: BLE001
+            self.failed(f"the root pre-hook failed: {type(exc).__name__}: {exc}")
+
+    def _root_post(self, module, args, output):
+        try:
+            if self.searching:
+                return
+            step = self.step
+            loss = _scalar_loss(output)
+            if loss is not None:
+                step.loss = loss.detach()
+            outputs = [t for t in _tensors(output) if t.is_floating_point()]
+            step.outputs = [weakref.ref(t) for t in outputs]
+            grads = step.out_grads
+            for index, tensor in enumerate(outputs):
+                # Kept until the next step: only where that costs little
+                # memory (logits of a language model are left out; the
+                # backward search then goes by the parameters' gradients).
+                if tensor.requires_grad and tensor.numel() <= MAX_KEPT_GRAD:
+                    tensor.register_hook(lambda grad, index=index, grads=grads: grads.__setitem__(index, grad))
+        except Exception as exc:  # noqa: BLE001
+            self.failed(f"the root hook failed: {type(exc).__name__}: {exc}")
+
+    def _loss_post(self, module, args, output):
+        try:
+            if not self.searching and isinstance(output, torch.Tensor) and output.dim() == 0:
+                self.step.loss = output.detach()
+        except Exception as exc:  # noqa: BLE001
+            self.failed(f"the loss hook failed: {type(exc).__name__}: {exc}")
+
+    def optimizer_pre(self, optimizer, step_number):
+        if not self.armed:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._check(step_number, optimizer, params)
+
+    def optimizer_post(self, optimizer, step_number):
+        pass
+
+    def boundary(self, step_number):
+        if not self.armed:
+            return
+        if TRACER.marker == "rankscope.step()":
+            # No optimizer marks the step: the gradients are checked here
+            # (the program has applied them already).
+            params = [p for model in TRACER.live_models() for p in model.parameters() if p.grad is not None]
+            self._check(step_number - 1 if step_number else 0, None, params)
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._read_gpu_flag(*pending)
+        if {id(m) for m in TRACER.live_models()} != self.hooked:
+            self._hook_roots()
+
+    def _check(self, step_number, optimizer, params):
+        loss = self.step.loss
+        grads = [p.grad for p in params]
+        values = list(torch._foreach_norm(grads)) if grads else []
+        if loss is not None:
+            values.append(loss.float().reshape(()))
+        if not values:
+            return
+        self.checked_steps += 1
+        with torch.no_grad():
+            total = torch.stack([v.to(values[0].device) for v in values]).sum()
+        if total.device.type == "cpu":
+            if not math.isfinite(float(total)) and self.tripped_at is None:
+                self._trip(step_number, optimizer, params, late=False)
+            return
+        # A GPU: copied out now, read at the next boundary.
+        flag = torch.isfinite(total).to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending = (step_number, weakref.ref(optimizer) if optimizer is not None else None, params, flag, event)
+
+    def _read_gpu_flag(self, step_number, optimizer_ref, params, flag, event):
+        if not event.query():
+            return  # not there yet: this one step goes unchecked rather than sync
+        if not bool(flag) and self.tripped_at is None:
+            self._trip(step_number, optimizer_ref() if optimizer_ref else None, params, late=True)
+
+    # ---- the search, on a trip only
+
+    def _trip(self, step_number, optimizer, params, late):
+        self.tripped_at = step_number
+        self.searching = True
+        try:
+            event = self._search(step_number, params, late)
+        except Exception as exc:  # noqa: BLE001 - the event is still recorded, with why the search stopped
+            event = {"stage": "unknown", "module": None, "what": f"the search failed: {type(exc).__name__}: {exc}"}
+        finally:
+            self.searching = False
+        self._record(step_number, event)
+
+    def _search(self, step_number, params, late) -> dict:
+        step = self.step
+        model = step.model() if step.model is not None else None
+        loss = step.loss
+        loss_value = float(loss) if loss is not None else None
+        if model is None or step.args is None:
+            return self._from_param_grads(params, loss_value, "no forward of a model was seen this step")
+        inputs = _inputs_of(step.args, step.kwargs)
+        low, high, bad = _stats(inputs)
+        if bad:
+            return {
+                "stage": "input",
+                "module": models.root_name(model),
+                "module_type": type(model).__name__,
+                "what": "the model's input",
+                "nonfinite": bad,
+                "inputs": (low, high, bad),
+                "weights": _stats(list(model.parameters())),
+                "loss": loss_value,
+            }
+        found = _Replay(model, step).forward()
+        if found is not None:
+            found["loss"] = loss_value
+            if late:
+                found["detail"] = "seen one step late (GPU): the weights had been updated with this step's gradients"
+            return found
+        if loss_value is not None and not math.isfinite(loss_value):
+            return {
+                "stage": "loss",
+                "module": _loss_name(),
+                "module_type": None,
+                "what": "the loss (the model's outputs were finite)",
+                "nonfinite": 1,
+                "inputs": _stats([r() for r in step.outputs if r() is not None]),
+                "weights": (None, None, None),
+                "loss": loss_value,
+            }
+        grads = {i: g for i, g in step.out_grads.items()}
+        if grads and any(_nonfinite(g) for g in grads.values()):
+            return {
+                "stage": "backward",
+                "module": _loss_name(),
+                "module_type": None,
+                "what": "the gradient the loss sent back to the model's output",
+                "nonfinite": sum(_nonfinite(g) for g in grads.values()),
+                "inputs": _stats([r() for r in step.outputs if r() is not None]),
+                "weights": (None, None, None),
+                "loss": loss_value,
+            }
+        if grads:
+            found = _Replay(model, step).backward(grads)
+            if found is not None:
+                found["loss"] = loss_value
+                return found
+        return self._from_param_grads(params, loss_value, "the replay found no origin")
+
+    def _from_param_grads(self, params, loss_value, why) -> dict:
+        """The module nearest the output whose own parameters got non-finite
+        gradients (backward runs from the output)."""
+        names = {}
+        order = []
+        for model in TRACER.live_models():
+            for name, module in model.named_modules():
+                order.append((name or models.root_name(model), module))
+                for p in module.parameters(recurse=False):
+                    names[id(p)] = (name or models.root_name(model), module)
+        bad = {id(p) for p in params if _nonfinite(p.grad)}
+        culprit = None
+        for name, module in order:
+            if any(id(p) in bad for p in module.parameters(recurse=False)):
+                culprit = (name, module)
+        if culprit is None:
+            return {"stage": "unknown", "module": None, "what": why, "nonfinite": None, "loss": loss_value}
+        name, module = culprit
+        own = list(module.parameters(recurse=False))
+        return {
+            "stage": "backward",
+            "module": name,
+            "module_type": type(module).__name__,
+            "what": "its parameters' gradients",
+            "nonfinite": sum(_nonfinite(p.grad) for p in own),
+            "inputs": (None, None, None),
+            "weights": _stats(own),
+            "loss": loss_value,
+            "detail": f"from the parameters' gradients ({why})",
+        }
+
+    def _record(self, step_number, event) -> None:
+        inputs = event.get("inputs") or (None, None, None)
+        weights = event.get("weights") or (None, None, None)
+        path = _write_record(step_number, event)
+        row = [
+            time.time(),
+            step_number,
+            event.get("stage"),
+            event.get("module"),
+            event.get("module_type"),
+            event.get("what"),
+            event.get("nonfinite"),
+            inputs[0],
+            inputs[1],
+            inputs[2],
+            weights[0],
+            weights[1],
+            weights[2],
+            event.get("loss"),
+            event.get("detail"),
+            path,
+        ]
+        tables.append("nan_events", row)
+        columns = ("ts", "step", "stage", "module", "module_type", "what", "nonfinite", "input_min", "input_max",
+                   "input_nonfinite", "weight_min", "weight_max", "weight_nonfinite", "loss", "detail", "record")
+        self.events.append(dict(zip(columns, row)))
+        del self.events[:-MAX_EVENTS]
+
+    def describe(self) -> dict:
+        return {
+            "armed": self.armed,
+            "checked_steps": self.checked_steps,
+            "tripped_at": self.tripped_at,
+            "events": self.events,
+            "disabled": self.disabled,
+        }
+
+
+def _loss_name() -> str:
+    for ref in TRACER.losses:
+        module = ref()
+        if module is not None:
+            return type(module).__name__
+    return "the loss"
+
+
+class _Replay:
+    """The step's forward run again, with a hook on every module."""
+
+    def __init__(self, model, step):
+        self.model, self.step = model, step
+        self.names = {}
+        for name, module in model.named_modules():
+            self.names[id(module)] = name or models.root_name(model)
+        self.found = None
+        self.running: list = []  # modules whose forward is in progress
+
+    def _module_entry(self, module, name, args):
+        tensors = _inputs_of(args, {})
+        return {
+            "module": name,
+            "module_type": type(module).__name__,
+            "inputs": _stats(tensors),
+            "weights": _stats(list(module.parameters())),
+        }
+
+    def _pre(self, module, args):
+        if self.found is None and self.running:
+            bad = sum(_nonfinite(t) for t in _inputs_of(args, {}))
+            if bad:
+                parent = self.running[-1]
+                name = self.names.get(id(parent), type(parent).__name__)
+                found = self._module_entry(parent, name, ())
+                found.update(
+                    stage="forward",
+                    what=f"its own forward code, before it called {self.names.get(id(module), type(module).__name__)}",
+                    nonfinite=bad,
+                    inputs=_stats(_inputs_of(args, {})),
+                )
+                self.found = found
+        self.running.append(module)
+
+    def _post(self, module, args, output):
+        if self.running and self.running[-1] is module:
+            self.running.pop()
+        if self.found is None:
+            bad = _nonfinite(output)
+            if bad:
+                found = self._module_entry(module, self.names.get(id(module), type(module).__name__), args)
+                found.update(stage="forward", what="its output", nonfinite=bad)
+                self.found = found
+
+    def _run(self, pre, post, grad_enabled: bool):
+        """The forward, as the step ran it (its input, its RNG state), with
+        `pre` and `post` on every module; the RNG state and every buffer
+        are put back as they were."""
+        step = self.step
+        rng_now = torch.get_rng_state()
+        cuda_now = torch.cuda.get_rng_state_all() if step.cuda_rng is not None else None
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        handles = []
+        try:
+            for module in self.model.modules():
+                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_hook(post))
+            torch.set_rng_state(step.rng)
+            if step.cuda_rng is not None:
+                torch.cuda.set_rng_state_all(step.cuda_rng)
+            with torch.set_grad_enabled(grad_enabled):
+                return self.model(*step.args, **(step.kwargs or {}))
+        finally:
+            for handle in handles:
+                handle.remove()
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            torch.set_rng_state(rng_now)
+            if cuda_now is not None:
+                torch.cuda.set_rng_state_all(cuda_now)
+
+    def forward(self):
+        self._run(self._pre, self._post, grad_enabled=False)
+        return self.found
+
+    def backward(self, out_grads: dict):
+        """Per module: was the gradient reaching its output finite, and
+        the ones leaving it (to its inputs and its own parameters)?"""
+        order = list(self.model.named_modules())
+        position = {id(m): i for i, (_, m) in enumerate(order)}
+        record_in, record_out = {}, {}
+
+        def pre(module, args):
+            record_in.setdefault(id(module), []).extend(t for t in _inputs_of(args, {}) if t.requires_grad)
+
+        def post(module, args, out):
+            record_out.setdefault(id(module), []).extend(t for t in _tensors(out) if t.is_floating_point() and t.requires_grad)
+
+        output = self._run(pre, post, grad_enabled=True)
+        outputs = [t for t in _tensors(output) if t.is_floating_point()]
+        pairs = [(outputs[i], g) for i, g in out_grads.items() if i < len(outputs) and outputs[i].requires_grad]
+        watched = []
+        for key, tensors in record_out.items():
+            for t in tensors:
+                watched.append((key, "out", t))
+        for key, tensors in record_in.items():
+            for t in tensors:
+                watched.append((key, "in", t))
+        params = [(id(m), p) for _, m in order for p in m.parameters(recurse=False) if p.requires_grad]
+        reach, leave = {}, {}
+        targets = [t for _, _, t in watched] + [p for _, p in params]
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs], allow_unused=True, retain_graph=False
+        )
+        for (key, side, _), grad in zip(watched, grads[: len(watched)]):
+            if grad is None:
+                continue
+            bad = _nonfinite(grad)
+            table = reach if side == "out" else leave
+            table[key] = table.get(key, 0) + bad
+        for (key, _), grad in zip(params, grads[len(watched):]):
+            if grad is not None:
+                leave[key] = leave.get(key, 0) + _nonfinite(grad)
+        candidates = [(name, m) for name, m in order if reach.get(id(m), 0) == 0 and leave.get(id(m), 0) > 0]
+        # The deepest: a container is a candidate whenever one of its children is.
+        deepest = [
+            (name, m)
+            for name, m in candidates
+            if not any(other is not m and any(sub is other for sub in m.modules()) for _, other in candidates)
+        ]
+        if not deepest:
+            return None
+        name, module = max(deepest, key=lambda c: position[id(c[1])])
+        label = self.names.get(id(module), name)
+        return {
+            "stage": "backward",
+            "module": label,
+            "module_type": type(module).__name__,
+            "what": "the gradient it sent back (its output's gradient was finite)",
+            "nonfinite": leave.get(id(module), 0),
+            "inputs": _stats(record_in.get(id(module), [])),
+            "weights": _stats(list(module.parameters())),
+        }
+
+
+def _write_record(step_number, event) -> str | None:
+    """A crash-style record (``rankscope crashes`` lists it): the training
+    thread's stack at the trip, with its locals, and what was found."""
+    try:
+        from rankscope._probe import crashes
+
+        message = (
+            f"non-finite value first seen at step {step_number} in {event.get('stage')}: "
+            f"{event.get('module')} ({event.get('what')})"
+        )
+
+        class NonFiniteValue(ArithmeticError):
+            pass
+
+        NonFiniteValue.__module__ = "rankscope"
+        exc = NonFiniteValue(message)
+        exc.__traceback__ = _traceback_here()
+        rec = crashes.build_record(exc, "nan-watch", thread_name=_thread_name())
+        rec["nan_event"] = {k: v for k, v in event.items() if k not in ("inputs", "weights")}
+        rec["nan_event"]["step"] = step_number
+        name = f"crash-{int(rec['time'] * 1000)}-rank{rec['rank']}-pid{rec['pid']}.json"
+        import json
+
+        from rankscope._probe.torch import _no_nan
+
+        data = json.dumps(_no_nan(rec), ensure_ascii=False, default=str).encode("utf-8", "backslashreplace")
+        return crashes._write_atomically(crashes.run_dir(), name, data)
+    except Exception as err:  # noqa: BLE001 - the row is still kept
+        try:
+            sys.stderr.write(f"rankscope: NaN record not written: {type(err).__name__}: {err}\n")
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+
+
+def _traceback_here():
+    """A traceback of the calling thread's user frames (rankscope's and
+    torch's own left in: the reader cuts at the user's)."""
+    import types
+
+    frame = sys._getframe(1)
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    tb = None
+    for frame in frames:
+        if os.sep + "rankscope" + os.sep in frame.f_code.co_filename:
+            continue
+        tb = types.TracebackType(tb, frame, frame.f_lasti, frame.f_lineno)
+    return tb
+
+
+def _thread_name() -> str:
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        return threading.current_thread().name
+    return "MainThread"
+
+
+WATCH = NanWatch()

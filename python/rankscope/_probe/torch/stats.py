@@ -1,0 +1,335 @@
+"""Gradient statistics (``torch grads``: ``python.grad_stats``) and
+activation statistics (``torch activations``: ``python.activation_stats``)
+at sampled steps (``step % every == 0``, the same steps on every rank).
+
+Gradients are read at the optimizer's pre-hook, where they are whole and
+the weights not yet updated: norms and max |g| of all of an optimizer's
+gradients in fused kernels (``torch._foreach_norm``), the weights' norms
+likewise, and the update's norm from a copy of the weights taken there and
+compared at the post-hook. That copy is taken only while the parameters
+come to at most ``RANKSCOPE_GRAD_UPDATE_MB`` (256 MB by default), so the
+feature never doubles a large model's memory; past it the ratio is null.
+A non-finite count is computed only for a gradient whose norm is not
+finite (it is 0 otherwise). Everything is read with one transfer per step:
+at once on a CPU, through a CUDA event at a later boundary on a GPU.
+
+Flags compare each parameter with its own history (an exponential average
+of its gradient norm, after three samples): ``exploding`` past 10x,
+``vanishing`` under 1/100 (or exactly 0), ``nonfinite``.
+
+Activations: a forward hook on each chosen module, attached only around
+sampled steps as the trace's are; its first floating output's mean, std,
+max |x|, zero fraction and non-finite count, computed without a gradient
+and read like the gradients'.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import time
+import weakref
+
+import torch
+
+from rankscope._probe.torch import models, tables
+from rankscope._probe.torch.trace import TRACER, _tensors
+
+WARMUP = 3
+EXPLODING, VANISHING = 10.0, 0.01
+DECAY = 0.9
+
+
+def _resolver(values, event):
+    """The host copy of `values` once its CUDA event has passed."""
+
+    def resolve():
+        if event is not None and not event.query():
+            raise LookupError("not yet")
+        return values.tolist()
+
+    return resolve
+
+
+def _to_host(stacked):
+    """(resolver, ready now): a CPU tensor is read at once; a GPU one is
+    copied out without a sync and read once its event has passed."""
+    if stacked.device.type == "cpu":
+        return (lambda: stacked.tolist()), True
+    host = stacked.to("cpu", non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return _resolver(host, event), False
+
+
+def _drain(waiting: list, rows) -> list:
+    """Hands the values that have arrived to `rows`; returns those still
+    on their way (the newest 64: a GPU that never answers costs no memory)."""
+    still = []
+    for resolve, meta in waiting:
+        try:
+            rows(resolve(), meta)
+        except LookupError:
+            still.append((resolve, meta))
+    return still[-64:]
+
+
+class GradStats:
+    def __init__(self):
+        self.on = False
+        self.every = 10
+        self.disabled = None
+        self.history: dict = {}  # param name -> (samples, running norm)
+        self.names: dict = {}  # id(param) -> (name, module name)
+        self.before: dict = {}  # optimizer id -> (params, copies)
+        self.waiting: list = []  # (resolver, rows meta) read at a later boundary
+        self.cap = int(os.environ.get("RANKSCOPE_GRAD_UPDATE_MB", "256") or 256) << 20
+        self.params = 0
+
+    def turn_on(self, every: int) -> dict:
+        if every < 1:
+            raise ValueError("--every must be 1 or more")
+        self.every = every
+        self.disabled = None
+        TRACER.add_listener(self)
+        self._name_params()
+        self.on = True
+        return self.describe()
+
+    def turn_off(self) -> dict:
+        self.on = False
+        TRACER.remove_listener(self)
+        self.before.clear()
+        return self.describe()
+
+    def failed(self, reason: str) -> None:
+        self.disabled = reason
+        self.on = False
+        self.before.clear()
+
+    def _name_params(self):
+        names = {}
+        for model in TRACER.live_models():
+            for name, param in model.named_parameters():
+                module = name.rpartition(".")[0] or models.root_name(model)
+                names[id(param)] = (name, module)
+        self.names = names
+        self.params = len(names)
+
+    def optimizer_pre(self, optimizer, step):
+        if not self.on or step % self.every:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        if any(id(p) not in self.names for p in params):
+            self._name_params()
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            norms = torch._foreach_norm(grads)
+            maxes = torch._foreach_norm(grads, math.inf)
+            weights = torch._foreach_norm([p.detach() for p in params])
+            stacked = torch.stack([torch.stack(list(norms)), torch.stack(list(maxes)), torch.stack(list(weights))]).float()
+            size = sum(p.numel() * p.element_size() for p in params)
+            copies = [p.detach().clone() for p in params] if size <= self.cap else None
+        self.before[id(optimizer)] = (step, params, stacked, copies)
+
+    def optimizer_post(self, optimizer, step):
+        taken = self.before.pop(id(optimizer), None)
+        if taken is None or not self.on:
+            return
+        step, params, stacked, copies = taken
+        with torch.no_grad():
+            if copies is not None:
+                updates = torch.stack(list(torch._foreach_norm(torch._foreach_sub([p.detach() for p in params], copies)))).float()
+            else:
+                updates = torch.full_like(stacked[0], float("nan"))
+            both = torch.cat([stacked, updates.reshape(1, -1).to(stacked.device)])
+        resolve, now = _to_host(both)
+        meta = (time.time(), step, [self.names.get(id(p), (f"param{i}", "?")) for i, p in enumerate(params)],
+                [p.numel() for p in params], copies is not None, params)
+        if now:
+            self._rows(resolve(), meta)
+        else:
+            self.waiting.append((resolve, meta))
+
+    def boundary(self, step):
+        self.waiting = _drain(self.waiting, self._rows)
+
+    def _rows(self, values, meta):
+        wall, step, names, sizes, have_update, params = meta
+        norms, maxes, weights, updates = values
+        rows = []
+        for i, (name, module) in enumerate(names):
+            norm = norms[i]
+            nonfinite = 0
+            if not math.isfinite(norm):
+                grad = params[i].grad
+                nonfinite = int((~torch.isfinite(grad)).sum()) if grad is not None else None
+            ratio = updates[i] / weights[i] if have_update and weights[i] > 0 else None
+            rows.append([wall, step, name, module, sizes[i], norm, maxes[i], nonfinite, weights[i], ratio, self._flag(name, norm)])
+        tables.extend("grad_stats", rows)
+
+    def _flag(self, name, norm) -> str | None:
+        if not math.isfinite(norm):
+            return "nonfinite"
+        samples, running = self.history.get(name, (0, 0.0))
+        flag = None
+        if samples >= WARMUP and running > 0:
+            if norm > EXPLODING * running:
+                flag = "exploding"
+            elif norm < VANISHING * running:
+                flag = "vanishing"
+        self.history[name] = (samples + 1, norm if samples == 0 else DECAY * running + (1 - DECAY) * norm)
+        return flag
+
+    def describe(self) -> dict:
+        return {
+            "on": self.on,
+            "every": self.every,
+            "count": self.params,
+            "rows": tables.sizes().get("grad_stats", 0),
+            "disabled": self.disabled,
+        }
+
+
+class _Watched:
+    __slots__ = ("name", "type", "values", "calls", "shape", "dtype")
+
+    def __init__(self, name, type_name):
+        self.name, self.type = name, type_name
+        self.values: list = []
+        self.calls = 0
+        self.shape = self.dtype = None
+
+
+class ActivationStats:
+    def __init__(self):
+        self.on = False
+        self.every = 1
+        self.glob = "*"
+        self.disabled = None
+        self.plan: list = []  # (module ref, _Watched)
+        self.handles: list = []
+        self.waiting: list = []
+
+    def turn_on(self, glob: str, every: int) -> dict:
+        if every < 1:
+            raise ValueError("--every must be 1 or more")
+        self.turn_off()
+        TRACER.add_listener(self)
+        plan = []
+        for model in TRACER.live_models():
+            for name, module in model.named_modules():
+                qualified = name or models.root_name(model)
+                if glob in ("*", "") or fnmatch.fnmatchcase(qualified, glob):
+                    plan.append((weakref.ref(module), _Watched(qualified, type(module).__name__)))
+        if not plan:
+            TRACER.remove_listener(self)
+            from rankscope._probe.torch.trace import UserError
+
+            names = [name or models.root_name(m) for m in TRACER.live_models() for name, _ in m.named_modules()]
+            raise UserError(f"no module matches {glob!r}; modules: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
+        self.plan, self.glob, self.every = plan, glob, every
+        self.disabled = None
+        self.on = True
+        return self.describe()
+
+    def turn_off(self) -> dict:
+        self.on = False
+        self._detach()
+        TRACER.remove_listener(self)
+        return self.describe()
+
+    def failed(self, reason: str) -> None:
+        self.disabled = reason
+        self.on = False
+        self._detach()
+
+    def _detach(self):
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+
+    def optimizer_pre(self, optimizer, step):
+        pass
+
+    def optimizer_post(self, optimizer, step):
+        pass
+
+    def boundary(self, step):
+        """The step that ended gives its rows; the next one is hooked if sampled."""
+        if self.handles:
+            self._finish(step - 1)
+        self._detach()
+        self.waiting = _drain(self.waiting, self._rows)
+        if self.on and step % self.every == 0:
+            for ref, watched in self.plan:
+                module = ref()
+                if module is not None:
+                    watched.values, watched.calls = [], 0
+                    self.handles.append(module.register_forward_hook(self._hook(watched)))
+
+    def _hook(self, watched):
+        owner = self
+
+        def post(module, args, output):
+            try:
+                tensor = next((t for t in _tensors(output) if t.is_floating_point()), None)
+                if tensor is None:
+                    return
+                with torch.no_grad():
+                    x = tensor.detach()
+                    std, mean = torch.std_mean(x.float()) if x.numel() > 1 else (torch.zeros((), device=x.device), x.float().mean())
+                    finite = torch.isfinite(x)
+                    watched.values.append(
+                        torch.stack(
+                            [
+                                mean,
+                                std,
+                                x.abs().max().float(),
+                                (x == 0).float().mean(),
+                                (finite.numel() - finite.sum()).float(),
+                            ]
+                        )
+                    )
+                watched.calls += 1
+                watched.shape, watched.dtype = "x".join(map(str, tensor.shape)), str(tensor.dtype).removeprefix("torch.")
+            except Exception as exc:  # noqa: BLE001
+                owner.failed(f"the forward hook of {watched.name} failed: {type(exc).__name__}: {exc}")
+
+        return post
+
+    def _finish(self, step):
+        seen = [(w, torch.stack(w.values).mean(0) if len(w.values) > 1 else w.values[0]) for _, w in self.plan if w.values]
+        if not seen:
+            return
+        stacked = torch.stack([v.to(seen[0][1].device) for _, v in seen])
+        resolve, now = _to_host(stacked)
+        meta = (time.time(), step, [(w.name, w.type, w.calls, w.shape, w.dtype) for w, _ in seen])
+        if now:
+            self._rows(resolve(), meta)
+        else:
+            self.waiting.append((resolve, meta))
+
+    def _rows(self, values, meta):
+        wall, step, described = meta
+        rows = []
+        for (name, type_name, calls, shape, dtype), (mean, std, max_abs, zero_frac, nonfinite) in zip(described, values):
+            rows.append([wall, step, name, type_name, calls, shape, dtype, mean, std, max_abs, zero_frac, int(nonfinite)])
+        tables.extend("activation_stats", rows)
+
+    def describe(self) -> dict:
+        return {
+            "on": self.on,
+            "every": self.every,
+            "modules": self.glob,
+            "count": len(self.plan) if self.on else 0,
+            "rows": tables.sizes().get("activation_stats", 0),
+            "disabled": self.disabled,
+        }
+
+
+GRADS = GradStats()
+ACTIVATIONS = ActivationStats()

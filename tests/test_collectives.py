@@ -1,0 +1,112 @@
+"""A hung job: `cluster bt` says which collective the ranks are stuck in and
+which rank never joined it, from the ranks' `python.collectives` (recorded
+from `init_process_group` on) or, where nothing is recorded, from the
+stacks alone. A 4-rank gloo job on CPU in which rank 2 skips one
+all_reduce: its data loader never returns."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+from conftest import kill_tree, launch_torchrun, line_of, require_torch
+
+HANG = """
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def fetch_batch(step):
+    if rank == 2 and step == 5:
+        open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+        while True:
+            time.sleep(0.05)  # @stuck
+    return torch.ones(4) * step
+
+
+for step in range(100):
+    batch = fetch_batch(step)
+    if step == 5:
+        open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+    dist.all_reduce(batch)
+"""
+
+
+def start_hang(python, tmp_path, endpoint_dir, env=None):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = launch_torchrun(python, script, 4, endpoint_dir, tmp_path / "run", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while len(list(marks.iterdir())) < 4:
+        assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+        assert time.monotonic() < deadline, "the ranks did not reach step 5"
+        time.sleep(0.05)
+    return proc, line_of(HANG, "stuck")
+
+
+def stuck_line(cli, run, wanted: str, timeout: float = 60) -> str:
+    """`cluster bt` until its collectives section has a line starting with `wanted`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = cli("cluster", "bt", "--run", run)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.split("collectives:\n", 1)[-1].splitlines() if "collectives:\n" in result.stdout else []
+        found = [line.strip() for line in lines if line.strip().startswith(wanted)]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, result.stdout
+        time.sleep(0.5)
+
+
+def test_cluster_bt_names_the_collective_and_the_rank_that_never_joined(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    proc, stuck_at = start_hang(default_python, tmp_path, endpoint_dir)
+    run = tmp_path / "run"
+    try:
+        # init_process_group is collective #0 of nothing: five all_reduces
+        # ran (#1-#5), the sixth is where ranks 0, 1 and 3 wait.
+        line = stuck_line(cli, run, "all_reduce #6 on group 0:")
+        assert re.match(r"all_reduce #6 on group 0: ranks 0,1,3 waiting since \d\d:\d\d:\d\d UTC \(\d+ s\)", line), line
+        assert f"rank 2 never joined (its last was #5) (it is in fetch_batch, hang.py:{stuck_at})" in line, line
+
+        flying = cli("cluster", "query", "--run", run, "SELECT rank, seq, op, state, process_group, group_size, shapes, bytes, caller FROM python.collectives WHERE state = 'in flight' ORDER BY rank", "--format", "json")
+        assert flying.returncode == 0, flying.stderr
+        rows = json.loads(flying.stdout)
+        assert [(r["rank"], r["seq"], r["op"]) for r in rows] == [(0, 6, "all_reduce"), (1, 6, "all_reduce"), (3, 6, "all_reduce")], rows
+        assert all(r["group_size"] == 4 and r["shapes"] == "4" and r["bytes"] == 16 and r["caller"].startswith("<module> (hang.py:") for r in rows), rows
+        done = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n, max(seq) AS last FROM python.collectives WHERE state = 'done' GROUP BY rank ORDER BY rank", "--format", "csv")
+        assert done.stdout.split() == ["rank,n,last", "0,5,5", "1,5,5", "2,5,5", "3,5,5"], done.stdout
+
+        status = cli("cluster", "torch", "--run", run, "collectives", "--ranks", "0")
+        assert status.returncode == 0, status.stderr
+        assert "collectives: recorded (gloo backend)" in status.stdout, status.stdout
+        assert "in flight: all_reduce #6" in status.stdout, status.stdout
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+
+
+def test_without_records_the_stacks_still_name_the_rank(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    proc, stuck_at = start_hang(default_python, tmp_path, endpoint_dir, env={"RANKSCOPE_COLLECTIVES": "0"})
+    run = tmp_path / "run"
+    try:
+        line = stuck_line(cli, run, "all_reduce: ranks 0,1,3 inside it")
+        assert f"rank 2 never joined (it is in fetch_batch, hang.py:{stuck_at})" in line, line
+        assert "no rank records its collectives" in line
+        # Nothing was wrapped: torch.distributed's functions are torch's own.
+        check = cli("cluster", "eval", "--ranks", "0", "import torch.distributed as d; d.all_reduce.__module__ + ' ' + str(hasattr(d.all_reduce, '__rankscope_collective__'))")
+        assert "torch.distributed.distributed_c10d False" in check.stdout, check.stdout
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+

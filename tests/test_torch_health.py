@@ -1,0 +1,232 @@
+"""The training's health, on a real training loop (torch on CPU): the
+NaN/Inf watch names the module and step where a non-finite value first
+appeared (forward and backward), gradient and activation statistics fill
+their tables, and none of it changes what the model computes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+from conftest import query_json
+from test_torch import run_steps, torch_python  # noqa: F401 - a fixture
+
+# An MLP with two traps: `boom` turns its output to NaN at the step given
+# by --nan-forward, `back` passes values through unchanged but sends NaN
+# gradients back at the step given by --nan-backward. Steps run when told
+# (`budget`), as in test_torch.py.
+TRAIN = """
+import sys, time
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+
+
+def flag(name):
+    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else -1
+
+
+NAN_FORWARD, NAN_BACKWARD = flag("--nan-forward"), flag("--nan-backward")
+done = 0
+
+
+class Boom(nn.Module):
+    def forward(self, x):
+        if done == NAN_FORWARD:
+            return x * float("nan")
+        return x
+
+
+class BadGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class Back(nn.Module):
+    def forward(self, x):
+        return BadGrad.apply(x) if done == NAN_BACKWARD else x
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act1 = nn.ReLU(inplace=True)
+        self.boom = Boom()
+        self.fc2 = nn.Linear(32, 32)
+        self.back = Back()
+        self.act2 = nn.ReLU()
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(self.act2(self.back(self.fc2(self.boom(self.act1(self.fc1(x)))))))
+
+
+model = MLP()
+criterion = nn.MSELoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+data = torch.Generator().manual_seed(1)
+losses = []
+
+
+def train_step():
+    global done
+    x = torch.randn(8, 16, generator=data)
+    target = torch.randn(8, 1, generator=data)
+    loss = criterion(model(x), target)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.detach().clone())
+    done += 1
+
+
+def save(path):
+    torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}, path)
+
+
+if "--steps" in sys.argv:
+    for _ in range(int(sys.argv[sys.argv.index("--steps") + 1])):
+        train_step()
+    save(sys.argv[sys.argv.index("--save") + 1])
+    sys.exit(0)
+
+budget = 0
+print("READY", flush=True)
+while True:
+    if budget > 0:
+        train_step()
+        budget -= 1
+        if budget == 0:
+            print(f"DONE {done}", flush=True)
+    else:
+        time.sleep(0.002)
+"""
+
+
+def on(cli, pid, *args) -> str:
+    result = cli(pid, "torch", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_a_forward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, args=["--nan-forward", "4"])
+    armed = on(cli, target.pid, "nan", "on")
+    assert "nan watch: armed" in armed and "no non-finite value seen" in armed, armed
+    run_steps(cli, target, 3, 3)
+    assert "no non-finite value seen" in on(cli, target.pid, "nan")
+    run_steps(cli, target, 3, 6)
+    text = on(cli, target.pid, "nan")
+    # Steps are numbered from 0: the fifth step is step 4.
+    assert "step 4: first non-finite in forward, module boom (Boom): its output (256 non-finite)" in text, text
+    assert "inputs:  min 0.0000e0 max" in text and ", 0 non-finite" in text, text
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, module_type, input_nonfinite, weight_nonfinite, record FROM python.nan_events")
+    assert len(rows) == 1, rows
+    event = rows[0]
+    assert (event["step"], event["stage"], event["module"], event["module_type"]) == (4, "forward", "boom", "Boom")
+    assert event["input_nonfinite"] == 0 and event["weight_nonfinite"] is None
+    # The crash-style record: the training thread's stack at the trip.
+    record = json.loads(Path(event["record"]).read_text())
+    assert record["source"] == "nan-watch" and record["nan_event"]["module"] == "boom"
+    frames = record["exceptions"][-1]["frames"]
+    assert any(f["func"] == "train_step" for f in frames), [f["func"] for f in frames]
+    listed = cli("crashes", "--format", "json", env={"RANKSCOPE_RUN_DIR": str(Path(event["record"]).parent)})
+    assert listed.returncode == 0, listed.stderr
+    assert "NonFiniteValue" in listed.stdout, listed.stdout
+
+
+def test_a_backward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, args=["--nan-backward", "2"])
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 4, 4)
+    text = on(cli, target.pid, "nan")
+    assert "step 2: first non-finite in backward, module back (Back)" in text, text
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, loss FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "backward", "back")]
+    assert rows[0]["loss"] > 0, "the forward was finite"
+    off = on(cli, target.pid, "nan", "off")
+    assert "nan watch: off" in off
+    hooks = "sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())"
+    assert cli(target.pid, "eval", hooks).stdout.strip() == "0"
+
+
+def reference_run(python, tmp_path, steps: int) -> Path:
+    script = tmp_path / "reference.py"
+    script.write_text(textwrap.dedent(TRAIN))
+    out = tmp_path / "reference.pt"
+    subprocess.run([python, str(script), "--steps", str(steps), "--save", str(out)], check=True, capture_output=True, timeout=120)
+    return out
+
+
+def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python, spawn, cli, tmp_path):
+    target = spawn(torch_python, TRAIN)
+    grads = on(cli, target.pid, "grads", "--every", "2")
+    assert "grads: on, 6 parameters, every 2 steps, into python.grad_stats" in grads, grads
+    acts = on(cli, target.pid, "activations", "--modules", "act*")
+    assert "activations: on, 2 modules, every 1 step, into python.activation_stats" in acts, acts
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 6, 6)
+
+    rows = query_json(cli, target.pid, "SELECT step, param, module, numel, norm, max_abs, nonfinite, weight_norm, update_ratio, flag FROM python.grad_stats ORDER BY step, param")
+    assert sorted({r["step"] for r in rows}) == [0, 2, 4]
+    assert {r["param"] for r in rows} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "head.weight", "head.bias"}
+    for r in rows:
+        assert r["norm"] > 0 and 0 < r["max_abs"] <= r["norm"] and r["nonfinite"] == 0, r
+        assert r["weight_norm"] > 0 and 0 < r["update_ratio"] < 1, r
+        assert r["module"] == r["param"].rsplit(".", 1)[0]
+    assert next(r for r in rows if r["param"] == "fc1.weight")["numel"] == 16 * 32
+
+    acts = query_json(cli, target.pid, "SELECT step, module, module_type, calls, shape, mean, std, max_abs, zero_frac, nonfinite FROM python.activation_stats ORDER BY step, module")
+    # Hooked from the first step that starts after `on` (step 1) to the
+    # last that ended (step 5).
+    assert [(r["step"], r["module"]) for r in acts] == [(s, m) for s in range(1, 6) for m in ("act1", "act2")], acts
+    for r in acts:
+        assert r["module_type"] == "ReLU" and r["calls"] == 1 and r["shape"] == "8x32" and r["nonfinite"] == 0
+        assert r["mean"] > 0 and r["std"] > 0 and r["max_abs"] > 0 and 0 < r["zero_frac"] < 1, r
+
+    for feature in ("grads", "activations", "nan"):
+        on(cli, target.pid, feature, "off")
+    status = json.loads(cli(target.pid, "torch", "--format", "json").stdout)
+    assert not status["features"]["grads"]["on"] and not status["features"]["activations"]["on"]
+    assert not status["features"]["nan"]["armed"] and status["features"]["nan"]["checked_steps"] == 6
+    no_hooks = (
+        "import torch.optim.optimizer as o; "
+        "(all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules()), "
+        "len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))"
+    )
+    assert cli(target.pid, "eval", no_hooks).stdout.strip() == "(True, 0, 0)"
+    run_steps(cli, target, 2, 8)
+    probed = tmp_path / "probed.pt"
+    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
+    check = (
+        "import sys, torch; a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2]); "
+        "assert len(a['losses']) == len(b['losses']) == 8; "
+        "assert all(torch.equal(x, y) for x, y in zip(a['losses'], b['losses'])), 'losses differ'; "
+        "assert all(torch.equal(a['params'][k], b['params'][k]) for k in a['params']), 'parameters differ'; "
+        "print('EQUAL')"
+    )
+    result = subprocess.run([torch_python, "-c", check, str(probed), str(reference_run(torch_python, tmp_path, 8))], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "EQUAL", result.stderr
+
+
+def test_bad_requests_say_what_to_do(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN)
+    bad = cli(target.pid, "torch", "activations", "--modules", "nope*")
+    assert bad.returncode != 0
+    assert "no module matches 'nope*'" in bad.stderr and "hint:" in bad.stderr, bad.stderr
+    zero = cli(target.pid, "torch", "grads", "--every", "0")
+    assert zero.returncode != 0 and "--every must be 1 or more" in zero.stderr
+    # No process group here: recording waits for one, and says so.
+    collectives = cli(target.pid, "torch", "collectives", "on")
+    assert collectives.returncode == 0, collectives.stderr
+    assert "collectives: on; torch.distributed is not initialised yet" in collectives.stdout
+    assert "collectives: off" in cli(target.pid, "torch", "collectives", "off").stdout
