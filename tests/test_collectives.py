@@ -44,13 +44,19 @@ def start_hang(python, tmp_path, endpoint_dir, env=None):
     script.write_text(HANG)
     marks = tmp_path / "marks"
     marks.mkdir()
+    stuck_at = line_of(HANG, "stuck")
     proc = launch_torchrun(python, script, 4, endpoint_dir, tmp_path / "run", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 180
-    while len(list(marks.iterdir())) < 4:
-        assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
-        assert time.monotonic() < deadline, "the ranks did not reach step 5"
-        time.sleep(0.05)
-    return proc, line_of(HANG, "stuck")
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(marks.iterdir())) < 4:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the ranks did not reach step 5"
+            time.sleep(0.05)
+    except BaseException:
+        kill_tree(proc.pid)
+        proc.wait()
+        raise
+    return proc, stuck_at
 
 
 def stuck_line(cli, run, wanted: str, timeout: float = 60) -> str:

@@ -230,3 +230,16 @@ def test_bad_requests_say_what_to_do(torch_python, spawn, cli):
     assert collectives.returncode == 0, collectives.stderr
     assert "collectives: on; torch.distributed is not initialised yet" in collectives.stdout
     assert "collectives: off" in cli(target.pid, "torch", "collectives", "off").stdout
+
+
+def test_rankscope_torch_env_arms_the_watch_and_grads_before_the_model_exists(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, args=["--nan-forward", "3"], env={"RANKSCOPE_TORCH": "nan,grads,every=2"})
+    run_steps(cli, target, 5, 5)
+    text = on(cli, target.pid, "nan")
+    assert "nan watch: armed (5 steps checked" in text, text
+    assert "step 3: first non-finite in forward, module boom (Boom): its output" in text, text
+    rows = query_json(cli, target.pid, "SELECT step, count(*) AS n, sum(nonfinite) AS bad, max(flag) AS flag FROM python.grad_stats GROUP BY step ORDER BY step")
+    # Step 3's update spread the NaN into every weight: step 4's gradients are all non-finite.
+    assert [(r["step"], r["n"]) for r in rows] == [(0, 6), (2, 6), (4, 6)], rows
+    assert rows[1]["bad"] == 0 and rows[1]["flag"] is None
+    assert rows[2]["bad"] > 0 and rows[2]["flag"] == "nonfinite", rows

@@ -262,6 +262,30 @@ fn status_text(status: &Value) -> String {
         out += &format!("loss modules: {}\n", words(&Value::from(losses.clone())));
     }
     out += &trace_line(&status["trace"]);
+    out += &features_lines(&status["features"]);
+    out
+}
+
+/// One line per other feature that was ever switched on in the process.
+fn features_lines(features: &Value) -> String {
+    let mut out = String::new();
+    if let Some(nan) = features.get("nan") {
+        let state = if nan["armed"].as_bool() == Some(true) { "armed" } else { "off" };
+        let found = match nan["tripped_at"].as_i64() {
+            Some(step) => format!("first non-finite at step {step} (`torch nan` says where)"),
+            None => "no non-finite value seen".to_string(),
+        };
+        out += &format!("nan watch: {state}, {} steps checked, {found}\n", nan["checked_steps"]);
+    }
+    for (name, what) in [("grads", "parameters"), ("activations", "modules")] {
+        if let Some(f) = features.get(name).filter(|f| f["on"].as_bool() == Some(true)) {
+            out += &format!("{name}: on, {} {what}, every {}, {} rows\n", f["count"], f["every"], f["rows"]);
+        }
+    }
+    if let Some(c) = features.get("collectives").filter(|c| c["on"].as_bool() == Some(true)) {
+        let groups = c["groups"].as_array().map(Vec::len).unwrap_or(0);
+        out += &format!("collectives: recorded, {groups} group{}\n", if groups == 1 { "" } else { "s" });
+    }
     out
 }
 

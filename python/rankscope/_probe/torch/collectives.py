@@ -33,6 +33,8 @@ import os
 import sys
 import time
 
+from rankscope import _native
+
 _C10D = "torch.distributed.distributed_c10d"
 # Collectives only: point-to-point calls have no group-wide number.
 OPS = (
@@ -74,6 +76,7 @@ class Recorder:
         self.in_flight: dict = {}  # key -> (op, group name, seq, started, caller)
         self.lock = _thread.allocate_lock()
         self.errors = 0
+        self.sites: dict = {}  # (code, line) -> "func (file:line)"
 
     # ---- on and off
 
@@ -164,10 +167,15 @@ class Recorder:
         return group, found
 
     def _enter(self, op, args, kwargs, group_at, async_at):
-        import torch
-
-        group = kwargs.get("group") if "group" in kwargs else (args[group_at] if group_at is not None and len(args) > group_at else None)
-        asynchronous = bool(kwargs.get("async_op") if "async_op" in kwargs else (args[async_at] if async_at is not None and len(args) > async_at else False))
+        tensor_type = sys.modules["torch"].Tensor
+        if kwargs:
+            group = kwargs["group"] if "group" in kwargs else (args[group_at] if group_at is not None and len(args) > group_at else None)
+            asynchronous = bool(kwargs["async_op"] if "async_op" in kwargs else (args[async_at] if async_at is not None and len(args) > async_at else False))
+            first = args[0] if args else next((kwargs[k] for k in ("tensor", "output", "input", "tensor_list", "object_list") if k in kwargs), None)
+        else:
+            group = args[group_at] if group_at is not None and len(args) > group_at else None
+            asynchronous = bool(args[async_at]) if async_at is not None and len(args) > async_at else False
+            first = args[0] if args else None
         group, info = self._group(group)
         try:
             # torch's own number, which counts every collective of the group
@@ -181,22 +189,29 @@ class Recorder:
             info.last_op = op
             self.keys += 1
             key = self.keys
-        tensors = []
-        for value in list(args[:2]) + [kwargs.get("tensor"), kwargs.get("output"), kwargs.get("input")]:
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-            elif isinstance(value, (list, tuple)):
-                tensors.extend(v for v in value[:8] if isinstance(v, torch.Tensor))
-        shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors[:4])
-        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
-        size = sum(t.numel() * t.element_size() for t in tensors[:1]) if tensors else None
+        # The first argument: the tensor, or the list of tensors, it moves.
+        if isinstance(first, tensor_type):
+            tensors = (first,)
+        elif isinstance(first, (list, tuple)):
+            tensors = [v for v in first[:4] if isinstance(v, tensor_type)]
+        else:
+            tensors = ()
+        if tensors:
+            shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
+            dtype = str(tensors[0].dtype)[6:]
+            size = tensors[0].numel() * tensors[0].element_size()
+        else:
+            shapes = dtype = size = None
         caller = sys._getframe(2)
-        where = f"{caller.f_code.co_name} ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+        site = (caller.f_code, caller.f_lineno)
+        where = self.sites.get(site)
+        if where is None:
+            where = f"{caller.f_code.co_name} ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+            if len(self.sites) < 4096:
+                self.sites[site] = where
         started = time.time()
         row = [started, info.seq, op, info.name, info.size, info.rank, info.members, "in flight", shapes, dtype, size,
-               asynchronous, None, None, where, str(_thread.get_ident())]
-        from rankscope import _native
-
+               asynchronous, None, None, where, _thread_name()]
         _native.table_open("collectives", key, row)
         self.in_flight[key] = (op, info.name, info.seq, started, where)
         return key, row, time.perf_counter()
@@ -221,8 +236,6 @@ class Recorder:
 
     def _close(self, key, row, began, state):
         try:
-            from rankscope import _native
-
             row = list(row)
             row[7] = state
             row[12] = time.time() * 1e6
@@ -265,6 +278,11 @@ class Recorder:
             "groups": groups,
             "errors": self.errors,
         }
+
+
+def _thread_name() -> str:
+    threading = sys.modules.get("threading")  # torch imported it
+    return threading.current_thread().name if threading is not None else str(_thread.get_ident())
 
 
 RECORDER = Recorder()

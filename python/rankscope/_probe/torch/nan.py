@@ -52,6 +52,12 @@ from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors
 MAX_EVENTS = 16
 # The largest model output whose gradient is kept for the backward search.
 MAX_KEPT_GRAD = 1 << 20
+# Every step checks the loss and the gradients of each model's first
+# module with parameters (a non-finite gradient made anywhere after it
+# reaches them on its way back); every FULL_EVERY-th step checks every
+# gradient. Reading all gradients every step costs a small CPU model 2-3 %.
+FULL_EVERY = 8
+MAX_SENTINEL = 1 << 16
 
 
 def _stats(tensors) -> tuple:
@@ -105,10 +111,11 @@ class NanWatch:
         self.disabled = None
         self.handles: list = []
         self.step = _Step()
-        self.pending = None  # (step, optimizer ref, cpu flag, event) on a GPU
+        self.pending: list = []  # (step number, _Step, params, host flag, event) on a GPU
         self.tripped_at = None
         self.searching = False
         self.hooked: set = set()
+        self.sentinels: set = set()
 
     # ---- on and off (probe thread)
 
@@ -128,7 +135,7 @@ class NanWatch:
             handle.remove()
         TRACER.remove_listener(self)
         self.step = _Step()
-        self.pending = None
+        self.pending = []
         return {} if quiet else self.describe()
 
     def failed(self, reason: str) -> None:
@@ -142,7 +149,18 @@ class NanWatch:
         for handle in handles:
             handle.remove()
         self.hooked = {id(m) for m in TRACER.live_models()}
+        self.sentinels = set()
         for model in TRACER.live_models():
+            # The smallest trainable parameter of the first module with
+            # parameters (upstream of everything after it), or of the next
+            # ones while it is large (a language model's embedding).
+            candidates = []
+            for module in model.modules():
+                candidates += [p for p in module.parameters(recurse=False) if p.requires_grad]
+                if candidates and min(p.numel() for p in candidates) <= MAX_SENTINEL:
+                    break
+            if candidates:
+                self.sentinels.add(id(min(candidates, key=lambda p: p.numel())))
             self.handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
             self.handles.append(model.register_forward_hook(self._root_post))
         for ref in TRACER.losses:
@@ -156,14 +174,14 @@ class NanWatch:
         try:
             if self.searching:
                 return
-            step = self.step
+            # A new object each step: a GPU's check is read a step later,
+            # with the step it was made for.
+            step = self.step = _Step()
             step.model = weakref.ref(module)
             step.args, step.kwargs = args, kwargs
             step.rng = torch.get_rng_state()
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if torch.cuda.is_initialized():
                 step.cuda_rng = torch.cuda.get_rng_state_all()
-            step.outputs = []
-            step.out_grads = {}
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root pre-hook failed: {type(exc).__name__}: {exc}")
 
@@ -211,54 +229,60 @@ class NanWatch:
             # (the program has applied them already).
             params = [p for model in TRACER.live_models() for p in model.parameters() if p.grad is not None]
             self._check(step_number - 1 if step_number else 0, None, params)
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self._read_gpu_flag(*pending)
+        # A check that has not arrived waits for a later boundary (four at most).
+        pending, self.pending = self.pending, []
+        for entry in pending:
+            if not self._read_gpu_flag(*entry):
+                self.pending.append(entry)
+        del self.pending[:-4]
         if {id(m) for m in TRACER.live_models()} != self.hooked:
             self._hook_roots()
 
     def _check(self, step_number, optimizer, params):
         loss = self.step.loss
-        grads = [p.grad for p in params]
+        full = self.checked_steps % FULL_EVERY == 0 or not self.sentinels
+        grads = [p.grad for p in params if full or id(p) in self.sentinels]
         values = list(torch._foreach_norm(grads)) if grads else []
         if loss is not None:
-            values.append(loss.float().reshape(()))
+            values.append(loss)
         if not values:
             return
         self.checked_steps += 1
-        with torch.no_grad():
-            total = torch.stack([v.to(values[0].device) for v in values]).sum()
-        if total.device.type == "cpu":
-            if not math.isfinite(float(total)) and self.tripped_at is None:
-                self._trip(step_number, optimizer, params, late=False)
+        if values[0].device.type == "cpu":
+            # One read per value: cheaper than stacking a few scalars.
+            if not all(math.isfinite(v.item()) for v in values) and self.tripped_at is None:
+                self._trip(step_number, self.step, params, late=False)
             return
+        with torch.no_grad():
+            total = torch.stack([v.float().reshape(()).to(values[0].device) for v in values]).sum()
         # A GPU: copied out now, read at the next boundary.
         flag = torch.isfinite(total).to("cpu", non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.pending = (step_number, weakref.ref(optimizer) if optimizer is not None else None, params, flag, event)
+        self.pending.append((step_number, self.step, params, flag, event))
 
-    def _read_gpu_flag(self, step_number, optimizer_ref, params, flag, event):
+    def _read_gpu_flag(self, step_number, step, params, flag, event) -> bool:
+        """False while the flag is still on its way (never a sync)."""
         if not event.query():
-            return  # not there yet: this one step goes unchecked rather than sync
+            return False
         if not bool(flag) and self.tripped_at is None:
-            self._trip(step_number, optimizer_ref() if optimizer_ref else None, params, late=True)
+            self._trip(step_number, step, params, late=True)
+        return True
 
     # ---- the search, on a trip only
 
-    def _trip(self, step_number, optimizer, params, late):
+    def _trip(self, step_number, step, params, late):
         self.tripped_at = step_number
         self.searching = True
         try:
-            event = self._search(step_number, params, late)
+            event = self._search(step, params, late)
         except Exception as exc:  # noqa: BLE001 - the event is still recorded, with why the search stopped
             event = {"stage": "unknown", "module": None, "what": f"the search failed: {type(exc).__name__}: {exc}"}
         finally:
             self.searching = False
         self._record(step_number, event)
 
-    def _search(self, step_number, params, late) -> dict:
-        step = self.step
+    def _search(self, step, params, late) -> dict:
         model = step.model() if step.model is not None else None
         loss = step.loss
         loss_value = float(loss) if loss is not None else None
