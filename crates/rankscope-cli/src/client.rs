@@ -255,11 +255,21 @@ impl Probe {
     /// A torch request (`{"action": "status" | "trace_on" | "trace_off", ...}`);
     /// the probe answers `{"ok": ...}` or `{"error": ..., "hint": ...}`.
     pub fn torch(&self, request: &serde_json::Value) -> Result<serde_json::Value> {
-        let body = serde_json::to_vec(request)?;
         // Turning hooks on or off may wait for the training thread to leave an optimizer step.
-        let mut reply: serde_json::Value = self.request("POST", "/v1/torch", &body, Duration::from_secs(15))?;
+        self.helper("/v1/torch", request, Duration::from_secs(15), "`rankscope PID torch` shows what the probe found")
+    }
+
+    /// `POST /v1/memory`: the probe's memory helper (a tensor scan may take its budget of seconds).
+    pub fn memory(&self, request: &serde_json::Value) -> Result<serde_json::Value> {
+        self.helper("/v1/memory", request, Duration::from_secs(60), "`rankscope PID memory` shows what the probe sees")
+    }
+
+    /// A helper's `{"ok": ...}`, or its `{"error": ..., "hint": ...}` as an error that keeps the hint.
+    fn helper(&self, path: &str, request: &serde_json::Value, timeout: Duration, default_hint: &str) -> Result<serde_json::Value> {
+        let body = serde_json::to_vec(request)?;
+        let mut reply: serde_json::Value = self.request("POST", path, &body, timeout)?;
         if let Some(error) = reply.get("error").and_then(|e| e.as_str()) {
-            let hint = reply.get("hint").and_then(|h| h.as_str()).unwrap_or("`rankscope PID torch` shows what the probe found");
+            let hint = reply.get("hint").and_then(|h| h.as_str()).unwrap_or(default_hint);
             return Err(Hinted::new(error.to_string(), hint.to_string()).into());
         }
         Ok(reply.get_mut("ok").map(serde_json::Value::take).unwrap_or_default())

@@ -307,6 +307,27 @@ pub enum TorchAction {
 }
 
 #[derive(Subcommand)]
+pub enum MemoryAction {
+    /// Record allocation sites: tracemalloc for Python (--python, the default), torch's CUDA memory history (--cuda)
+    Track {
+        switch: Switch,
+        #[arg(long)]
+        python: bool,
+        #[arg(long)]
+        cuda: bool,
+    },
+    /// What grew since the last look (or since tracking began), by allocation site, with its stack
+    Diff,
+    /// A snapshot of CUDA's allocations that PyTorch's memory_viz opens (`export cuda OUT.pickle`)
+    Export {
+        /// What to export: cuda
+        what: String,
+        /// Where to write it (a path on the target's machine)
+        path: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
 pub enum TraceAction {
     /// Hook the models' modules around every Nth step (the same steps on every rank)
     On {
@@ -408,6 +429,16 @@ pub enum Action {
     Torch {
         #[command(subcommand)]
         action: Option<TorchAction>,
+        #[arg(long, value_enum, default_value = "text", global = true)]
+        format: BtFormat,
+    },
+    /// Memory: RSS/USS, the Python heap, CUDA, the largest tensors and who holds them, growth since the last look; `memory track|diff|export`
+    Memory {
+        #[command(subcommand)]
+        action: Option<MemoryAction>,
+        /// How many of the largest tensors (or growing sites) to show
+        #[arg(long, default_value_t = 5, global = true)]
+        top: usize,
         #[arg(long, value_enum, default_value = "text", global = true)]
         format: BtFormat,
     },

@@ -69,6 +69,10 @@ pub struct CrashRecord {
     /// [`CrashRecord::is_launcher`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launcher: Option<bool>,
+    /// The process's memory at the crash (`rss_mb`, `uss_mb`, ...); for an
+    /// out-of-memory error also `cuda` and `largest_tensors`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<serde_json::Value>,
 }
 
 /// Launchers' own processes: torchrun's console script, and the modules

@@ -288,9 +288,55 @@ pub const COLLECTIVES: TableDef = TableDef {
     ],
 };
 
+pub const MEMORY: TableDef = TableDef {
+    schema: "python",
+    name: "memory",
+    description: "the process's memory over time: RSS, USS, PSS and swap from /proc every interval (and at each look), CUDA's allocator at torch steps where CUDA is in use",
+    columns: &[
+        col("step", Int64),
+        col("source", Utf8),
+        col("rss_mb", Float64),
+        col("rss_peak_mb", Float64),
+        col("uss_mb", Float64),
+        col("pss_mb", Float64),
+        col("swap_mb", Float64),
+        col("python_traced_mb", Float64),
+        col("cuda_allocated_mb", Float64),
+        col("cuda_reserved_mb", Float64),
+        col("cuda_peak_mb", Float64),
+        col("cuda_alloc_retries", Int64),
+        col("cuda_ooms", Int64),
+    ],
+};
+
+pub const TENSORS: TableDef = TableDef {
+    schema: "python",
+    name: "tensors",
+    description: "the live torch tensors, found on demand (storages counted once): shape, dtype, device, size, what they are and the best path that holds them",
+    columns: &[
+        col("shape", Utf8),
+        col("dtype", Utf8),
+        col("device", Utf8),
+        col("mb", Float64),
+        col("bytes", Int64),
+        col("requires_grad", Bool),
+        col("kind", Utf8),
+        col("holder", Utf8),
+        col("views", Int64),
+        col("scan_complete", Bool),
+    ],
+};
+
+pub const OBJECTS: TableDef = TableDef {
+    schema: "python",
+    name: "objects",
+    description: "Python objects by type, found on demand: count, size, and growth since the last look",
+    columns: &[col("type", Utf8), col("count", Int64), col("mb", Float64), col("count_growth", Int64), col("mb_growth", Float64)],
+};
+
 /// Tables whose rows a probe keeps itself (bounded rings), read through
 /// `GET /v1/table?name=...`.
-pub const PROBE_TABLES: &[TableDef] = &[TORCH_TRACE, TORCH_STEPS, NAN_EVENTS, GRAD_STATS, ACTIVATION_STATS, COLLECTIVES];
+pub const PROBE_TABLES: &[TableDef] = &[TORCH_TRACE, TORCH_STEPS, NAN_EVENTS, GRAD_STATS, ACTIVATION_STATS, COLLECTIVES, MEMORY];
 
 pub const ALL_TABLES: &[TableDef] = &[
     BACKTRACE,
@@ -306,6 +352,9 @@ pub const ALL_TABLES: &[TableDef] = &[
     GRAD_STATS,
     ACTIVATION_STATS,
     COLLECTIVES,
+    MEMORY,
+    TENSORS,
+    OBJECTS,
 ];
 
 pub fn is_probe_table(def: &TableDef) -> bool {

@@ -60,6 +60,10 @@ impl Handler for ProbeHandler {
                 Ok(body) => call_helper("rankscope._probe.torch", "handle", (body.to_string(),)),
                 Err(_) => Response::error(400, "a torch request is JSON text"),
             },
+            ("POST", "/v1/memory") => match std::str::from_utf8(&request.body) {
+                Ok(body) => call_helper("rankscope._probe.memory", "handle", (body.to_string(),)),
+                Err(_) => Response::error(400, "a memory request is JSON text"),
+            },
             ("GET", "/v1/table") => match request.query_param("name").map(percent_decode) {
                 Some(name) => {
                     let columns = request.query_param("columns").map(percent_decode);
@@ -73,7 +77,7 @@ impl Handler for ProbeHandler {
                 }
                 None => Response::error(400, "which table? /v1/table?name=python.torch_trace"),
             },
-            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt" | "/v1/breakpoints" | "/v1/job" | "/v1/torch" | "/v1/table") => {
+            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt" | "/v1/breakpoints" | "/v1/job" | "/v1/torch" | "/v1/memory" | "/v1/table") => {
                 Response::error(405, &format!("{} is not allowed on {}", request.method, request.path))
             }
             _ => Response::error(404, &format!("no endpoint {}", request.path)),

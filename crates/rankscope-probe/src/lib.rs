@@ -10,6 +10,7 @@ mod frame_trace;
 mod gil;
 mod handler;
 mod injected;
+mod memory;
 mod meta;
 mod pyjson;
 mod quiet_edit;
@@ -79,6 +80,7 @@ fn start_server(python_version: &str, listen: Option<&str>) -> PyResult<Running>
         // The probe answers anyway; only `cluster` commands miss this rank.
         eprintln!("rankscope: not registered in the job: {e}");
     }
+    memory::start_sampler();
     Ok(Running { server, handler, dir, pid })
 }
 
@@ -213,6 +215,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::table_append, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_extend, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_open, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::set_step, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::memory_now, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::memory_row, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_close, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;

@@ -122,6 +122,11 @@ pub fn table_close(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()>
     store().close_row(name, key, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// A row from Rust (the memory sampler), without the GIL.
+pub fn append_row(name: &str, ts: f64, cells: Vec<Cell>) -> Result<(), String> {
+    store().append(name, ts, cells).map_err(|e| e.to_string())
+}
+
 /// What the store holds and where it spills, as JSON text.
 #[pyfunction]
 pub fn store_describe() -> String {

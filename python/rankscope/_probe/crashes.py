@@ -177,7 +177,36 @@ def build_record(exc: BaseException, source: str, thread_name: str | None = None
         "argv": [str(a) for a in sys.argv],
         "python_version": sys.version.split()[0],
         "exceptions": _chain(exc, Budget(tensor_stats=True)),
+        "memory": _memory_picture(exc),
     }
+
+
+def _memory_picture(exc: BaseException) -> dict | None:
+    """The process's memory at the crash (one read of /proc); for an
+    out-of-memory error also CUDA's allocator and the largest tensors with
+    their holders (``_probe/memory.py``)."""
+    try:
+        from rankscope import _native
+
+        now = _native.memory_now()
+        picture = {key + "_mb": value / float(1 << 20) for key, value in now.items()}
+    except Exception:  # noqa: BLE001 - a record without it is still a record
+        return None
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        try:
+            from rankscope._probe import memory
+
+            torch = memory._torch()
+            picture["cuda"] = memory._cuda(torch)
+            if torch is not None:
+                from rankscope._probe.torch import tensors
+
+                scan = tensors.scan(budget_s=0.5)
+                largest = sorted(scan["rows"], key=lambda r: -r[4])[:10]
+                picture["largest_tensors"] = [dict(zip(memory.TENSOR_COLUMNS, row)) for row in largest]
+        except Exception as err:  # noqa: BLE001
+            picture["error"] = f"{type(err).__name__}: {err}"
+    return picture
 
 
 def _write_atomically(directory: str, name: str, data: bytes) -> str:

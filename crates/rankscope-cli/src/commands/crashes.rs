@@ -485,6 +485,41 @@ fn render(id: usize, count: usize, record: &CrashRecord, path: &Path) -> String 
             let _ = writeln!(out, "{}: {}", exception.type_name, exception.message);
         }
     }
+    if let Some(memory) = &record.memory {
+        out += &memory_text(memory);
+    }
+    out
+}
+
+/// The memory picture a record carries, as `crashes show` prints it.
+fn memory_text(memory: &serde_json::Value) -> String {
+    let mb = |key: &str| memory[key].as_f64().map(|v| format!("{v:.1} MB")).unwrap_or_else(|| "?".into());
+    let mut out = format!("\nMemory at the crash: RSS {} (peak {}), USS {}, swap {}\n", mb("rss_mb"), mb("rss_peak_mb"), mb("uss_mb"), mb("swap_mb"));
+    for device in memory["cuda"].as_array().into_iter().flatten() {
+        let f = |key: &str| device[key].as_f64().map(|v| format!("{v:.1} MB")).unwrap_or_else(|| "?".into());
+        out += &format!(
+            "  {}: allocated {}, reserved {}, peak {}, {} OOMs\n",
+            device["device"].as_str().unwrap_or("cuda"),
+            f("allocated_mb"),
+            f("reserved_mb"),
+            f("peak_mb"),
+            device["ooms"]
+        );
+    }
+    let tensors = memory["largest_tensors"].as_array().cloned().unwrap_or_default();
+    if !tensors.is_empty() {
+        out += "  largest tensors:\n";
+    }
+    for t in &tensors {
+        out += &format!(
+            "    {:>9.1} MB  {} {} on {}  {}\n",
+            t["mb"].as_f64().unwrap_or(0.0),
+            t["shape"].as_str().unwrap_or("?"),
+            t["dtype"].as_str().unwrap_or("?"),
+            t["device"].as_str().unwrap_or("?"),
+            t["holder"].as_str().unwrap_or("(no name found)")
+        );
+    }
     out
 }
 

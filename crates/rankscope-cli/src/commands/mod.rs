@@ -5,6 +5,7 @@ pub mod debug;
 pub mod inject;
 pub mod demo;
 pub mod list;
+pub mod memory;
 pub mod query;
 pub mod repl;
 pub mod run;
@@ -60,6 +61,7 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
         Action::Watch { spec, name, tensor } => breakpoints::watch(&probe, &spec, &name, tensor),
         Action::Attach { thread, wait } => breakpoints::attach(&probe, thread.as_deref(), seconds(wait, "--wait")?),
         Action::Torch { action, format } => torch::run(&probe, action, format),
+        Action::Memory { action, top, format } => memory::run(&probe, action, top, format),
     }
 }
 

@@ -96,6 +96,11 @@ impl RowSource for LiveProbe {
                 let snaps = self.probe.breakpoints(&serde_json::json!({"op": "snapshots"})).map_err(|e| format!("{e:#}"))?;
                 Ok(snapshot_rows(table.name, Some(&meta), snaps.as_array().map(Vec::as_slice).unwrap_or_default()))
             }
+            ("python", "tensors") | ("python", "objects") => {
+                let reply = self.probe.memory(&serde_json::json!({"action": table.name})).map_err(|e| format!("{e:#}"))?;
+                let reply: rankscope_core::protocol::ProbeTableReply = serde_json::from_value(reply).map_err(|e| e.to_string())?;
+                Ok(tables::probe_table_rows(table, &meta, &reply))
+            }
             _ if tables::is_probe_table(table) => match self.probe_table(table, &Scan::default())? {
                 Fetched::Rows(rows) => Ok(rows),
                 Fetched::Counts(_) | Fetched::Batches(_) => Err("a full scan came back as counts".into()),

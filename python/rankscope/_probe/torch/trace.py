@@ -36,6 +36,7 @@ import weakref
 
 import torch
 
+from rankscope import _native
 from rankscope._probe.torch import models, tables
 
 _perf = time.perf_counter_ns
@@ -460,6 +461,7 @@ class Tracer:
             if completed is None:
                 completed = 1 if self.step is None else self.step + 1
             self.step = completed
+            _native.set_step(completed)  # the memory timeline's rows carry it
             self.last_end = now
             self._reset_step()
             if self.tracing and self.step % self.every == 0:

@@ -1,0 +1,158 @@
+//! `rankscope PID memory ...`: the process's memory now, and allocation
+//! sites. The work is the probe's (`rankscope._probe.memory`, and
+//! `_probe/torch/tensors.py` for the tensors); this file asks and prints.
+
+use anyhow::Result;
+use serde_json::{json, Value};
+
+use crate::client::Probe;
+use crate::{BtFormat, MemoryAction, Switch};
+
+pub fn request_of(action: Option<&MemoryAction>, top: usize) -> Value {
+    match action {
+        None => json!({"action": "summary", "top": top}),
+        Some(MemoryAction::Track { switch, python, cuda }) => json!({
+            "action": "track", "switch": if *switch == Switch::On { "on" } else { "off" }, "python": python, "cuda": cuda,
+        }),
+        Some(MemoryAction::Diff) => json!({"action": "diff", "top": top}),
+        Some(MemoryAction::Export { what, path }) => {
+            // The probe writes it: a relative path is the CLI's, made absolute here.
+            let path = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+            json!({"action": "export", "what": what, "path": path})
+        }
+    }
+}
+
+pub fn run(probe: &Probe, action: Option<MemoryAction>, top: usize, format: BtFormat) -> Result<u8> {
+    let reply = probe.memory(&request_of(action.as_ref(), top))?;
+    if let BtFormat::Json = format {
+        println!("{}", serde_json::to_string_pretty(&reply)?);
+        return Ok(0);
+    }
+    print!("{}", text_of(action.as_ref(), &reply));
+    Ok(0)
+}
+
+pub fn text_of(action: Option<&MemoryAction>, reply: &Value) -> String {
+    match action {
+        None => summary_text(reply),
+        Some(MemoryAction::Track { .. }) => tracking_text(reply),
+        Some(MemoryAction::Diff) => diff_text(reply),
+        Some(MemoryAction::Export { .. }) => format!("written: {}\n", reply["path"].as_str().unwrap_or("?")),
+    }
+}
+
+fn mb(v: &Value) -> String {
+    match v.as_f64() {
+        Some(x) if x.abs() >= 1024.0 => format!("{:.2} GB", x / 1024.0),
+        Some(x) => format!("{x:.1} MB"),
+        None => "?".to_string(),
+    }
+}
+
+fn signed_mb(v: &Value) -> String {
+    match v.as_f64() {
+        Some(x) => format!("{}{}", if x >= 0.0 { "+" } else { "-" }, mb(&json!(x.abs()))),
+        None => "?".to_string(),
+    }
+}
+
+fn summary_text(r: &Value) -> String {
+    let mut out = format!(
+        "process: RSS {} (peak {}), USS {}, PSS {}, swap {}\n",
+        mb(&r["rss_mb"]),
+        mb(&r["rss_peak_mb"]),
+        mb(&r["uss_mb"]),
+        mb(&r["pss_mb"]),
+        mb(&r["swap_mb"])
+    );
+    out += &format!("python: {} objects tracked by gc, {} allocated blocks", r["gc_objects"], r["python_blocks"]);
+    if !r["python_traced_mb"].is_null() {
+        out += &format!(", {} traced by tracemalloc (peak {})", mb(&r["python_traced_mb"]), mb(&r["python_traced_peak_mb"]));
+    }
+    out += "\n";
+    for d in r["cuda"].as_array().into_iter().flatten() {
+        out += &format!(
+            "{}: allocated {}, reserved {}, peak {}, {} allocation retries, {} OOMs\n",
+            d["device"].as_str().unwrap_or("cuda"),
+            mb(&d["allocated_mb"]),
+            mb(&d["reserved_mb"]),
+            mb(&d["peak_mb"]),
+            d["alloc_retries"],
+            d["ooms"]
+        );
+    }
+    if let Some(t) = r.get("tensors").filter(|t| !t.is_null()) {
+        out += &format!(
+            "tensors: {} storages, {}{}\n",
+            t["count"],
+            mb(&t["mb"]),
+            if t["complete"].as_bool() == Some(false) { " (scan cut short)" } else { "" }
+        );
+        for row in t["largest"].as_array().into_iter().flatten() {
+            out += &format!(
+                "  {:>10}  {} {} on {}  {}\n",
+                mb(&row["mb"]),
+                row["shape"].as_str().unwrap_or("?"),
+                row["dtype"].as_str().unwrap_or("?"),
+                row["device"].as_str().unwrap_or("?"),
+                row["holder"].as_str().unwrap_or("(no name found)")
+            );
+        }
+    } else if r["torch"].as_bool() != Some(true) {
+        out += "tensors: torch is not imported in this process\n";
+    }
+    let g = &r["growth"];
+    if let Some(seconds) = g["seconds"].as_f64() {
+        out += &format!(
+            "since the last look ({seconds:.0} s ago): RSS {}, USS {}, {:+} gc objects\n",
+            signed_mb(&g["rss_mb"]),
+            signed_mb(&g["uss_mb"]),
+            g["gc_objects"].as_i64().unwrap_or(0)
+        );
+    }
+    out += &tracking_line(&r["tracking"]);
+    out
+}
+
+fn tracking_line(t: &Value) -> String {
+    let on: Vec<&str> = [("python", "Python (tracemalloc)"), ("cuda", "CUDA (memory history)")]
+        .iter()
+        .filter(|(k, _)| t[*k].as_bool() == Some(true))
+        .map(|(_, name)| *name)
+        .collect();
+    if on.is_empty() {
+        "tracking: off (`memory track on` records allocation sites)\n".to_string()
+    } else {
+        format!("tracking: {}\n", on.join(", "))
+    }
+}
+
+fn tracking_text(r: &Value) -> String {
+    let mut out = tracking_line(r);
+    if let Some(overhead) = r["overhead_mb"].as_f64() {
+        out += &format!("tracemalloc's own memory: {overhead:.1} MB\n");
+    }
+    out
+}
+
+fn diff_text(r: &Value) -> String {
+    let sites = r["sites"].as_array().cloned().unwrap_or_default();
+    let mut out = format!("RSS now {}, traced {}; what grew since the last look, by allocation site:\n", mb(&r["rss_mb"]), mb(&r["traced_mb"]));
+    if sites.is_empty() {
+        out += "  nothing grew\n";
+    }
+    for s in &sites {
+        out += &format!(
+            "  {:>10}  {:+} blocks  {}:{}\n",
+            signed_mb(&s["size_diff_mb"]),
+            s["count_diff"].as_i64().unwrap_or(0),
+            s["file"].as_str().unwrap_or("?"),
+            s["lineno"]
+        );
+        for frame in s["stack"].as_array().into_iter().flatten().skip(1).take(4) {
+            out += &format!("              from {}\n", frame.as_str().unwrap_or("?"));
+        }
+    }
+    out
+}

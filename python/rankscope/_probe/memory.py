@@ -1,0 +1,306 @@
+"""``rankscope PID memory ...`` (``POST /v1/memory``): the process's memory
+now, its tensors and who holds them, its objects by type, and allocation
+sites (``memory track``, ``memory diff``).
+
+The timeline (``python.memory``) is the probe's native sampler's (reading
+``/proc`` without the GIL); a look here adds a row of its own. Nothing here
+imports torch: the tensor scan (``_probe/torch/tensors.py``) and CUDA's
+figures are asked for only once the program has imported torch.
+``tracemalloc`` is imported only by ``memory track on --python``.
+"""
+
+import gc
+import sys
+import time
+
+MB = float(1 << 20)
+TENSOR_COLUMNS = ["shape", "dtype", "device", "mb", "bytes", "requires_grad", "kind", "holder", "views", "scan_complete"]
+# What the last look saw, for "growth since": numbers and type names only,
+# never the objects (a look must not keep anything alive).
+_last: dict = {}
+_last_types: dict = {}
+
+
+class _Tracking:
+    python = False
+    cuda = False
+    since = None
+    base = None  # the tracemalloc snapshot diffs start from
+    started_at = None
+
+
+TRACKING = _Tracking()
+
+
+def _torch():
+    from rankscope._probe.torch import torch_ready
+
+    return sys.modules["torch"] if torch_ready() else None
+
+
+def _cuda(torch) -> list:
+    """Per device: CUDA's caching allocator as torch counts it (host-side
+    counters: no device sync)."""
+    if torch is None or not torch.cuda.is_initialized():
+        return []
+    out = []
+    for device in range(torch.cuda.device_count()):
+        stats = torch.cuda.memory_stats(device)
+        out.append(
+            {
+                "device": f"cuda:{device}",
+                "allocated_mb": stats.get("allocated_bytes.all.current", 0) / MB,
+                "reserved_mb": stats.get("reserved_bytes.all.current", 0) / MB,
+                "peak_mb": stats.get("allocated_bytes.all.peak", 0) / MB,
+                "alloc_retries": stats.get("num_alloc_retries", 0),
+                "ooms": stats.get("num_ooms", 0),
+            }
+        )
+    return out
+
+
+def cuda_row(source: str) -> None:
+    """A ``python.memory`` row with CUDA's figures (device 0) and tracemalloc's."""
+    from rankscope import _native
+
+    torch = sys.modules.get("torch")
+    devices = _cuda(torch) if torch is not None else []
+    first = devices[0] if devices else {}
+    traced = None
+    if TRACKING.python:
+        tracemalloc = sys.modules.get("tracemalloc")
+        if tracemalloc is not None and tracemalloc.is_tracing():
+            traced = tracemalloc.get_traced_memory()[0] / MB
+    _native.memory_row(
+        source,
+        traced,
+        first.get("allocated_mb"),
+        first.get("reserved_mb"),
+        first.get("peak_mb"),
+        first.get("alloc_retries"),
+        first.get("ooms"),
+    )
+
+
+def handle(request_text: str):
+    import json
+
+    try:
+        request = json.loads(request_text)
+    except ValueError as err:
+        return {"error": f"bad memory request: {err}", "hint": "send JSON with an action"}
+    action = request.get("action", "summary")
+    try:
+        if action == "summary":
+            return {"ok": summary(int(request.get("top") or 5))}
+        if action == "tensors":
+            return {"ok": tensors(float(request.get("budget_s") or 2.0))}
+        if action == "objects":
+            return {"ok": objects()}
+        if action == "track":
+            return {"ok": track(request.get("switch"), bool(request.get("python")), bool(request.get("cuda")))}
+        if action == "diff":
+            return {"ok": diff(int(request.get("top") or 10))}
+        if action == "export":
+            return {"ok": export(str(request.get("what") or ""), str(request.get("path") or ""))}
+    except UserError as err:
+        return {"error": str(err), "hint": err.hint}
+    return {"error": f"unknown memory action {action!r}", "hint": "summary, tensors, objects, track, diff or export"}
+
+
+class UserError(Exception):
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
+def summary(top: int) -> dict:
+    from rankscope import _native
+
+    now = dict(_native.memory_now())
+    torch = _torch()
+    out = {
+        "rss_mb": now["rss"] / MB,
+        "rss_peak_mb": now["rss_peak"] / MB,
+        "uss_mb": now["uss"] / MB,
+        "pss_mb": now["pss"] / MB,
+        "swap_mb": now["swap"] / MB,
+        "python_blocks": sys.getallocatedblocks(),
+        "gc_objects": len(gc.get_objects()),
+        "torch": torch is not None,
+        "cuda": _cuda(torch),
+        "tracking": describe_tracking(),
+    }
+    if TRACKING.python:
+        tracemalloc = sys.modules["tracemalloc"]
+        current, peak = tracemalloc.get_traced_memory()
+        out["python_traced_mb"], out["python_traced_peak_mb"] = current / MB, peak / MB
+    if torch is not None:
+        from rankscope._probe.torch import tensors as tensor_scan
+
+        scan = tensor_scan.scan(budget_s=1.0)
+        out["tensors"] = {
+            "count": len(scan["rows"]),
+            "mb": sum(r[3] for r in scan["rows"]),
+            "complete": scan["complete"],
+            "largest": [dict(zip(TENSOR_COLUMNS, r)) for r in sorted(scan["rows"], key=lambda r: -r[4])[:top]],
+        }
+    then = dict(_last)
+    growth = {}
+    for key in ("rss_mb", "uss_mb", "gc_objects", "python_blocks"):
+        if key in then:
+            growth[key] = out[key] - then[key]
+    if then:
+        growth["seconds"] = time.time() - then["at"]
+    out["growth"] = growth
+    _last.update({k: out[k] for k in ("rss_mb", "uss_mb", "gc_objects", "python_blocks")}, at=time.time())
+    cuda_row("look")
+    return out
+
+
+def tensors(budget_s: float) -> dict:
+    """``python.tensors``: rows in the table's column order."""
+    torch = _torch()
+    if torch is None:
+        return {"columns": ["ts", *TENSOR_COLUMNS], "rows": []}
+    from rankscope._probe.torch import tensors as tensor_scan
+
+    scan = tensor_scan.scan(budget_s=budget_s)
+    now = time.time()
+    return {"columns": ["ts", *TENSOR_COLUMNS], "rows": [[now, *row] for row in scan["rows"]]}
+
+
+def objects() -> dict:
+    """``python.objects``: counts and shallow sizes by type, and growth since
+    the last look (type names and numbers are kept, never objects)."""
+    counts: dict = {}
+    sizes: dict = {}
+    getsizeof = sys.getsizeof
+    for obj in gc.get_objects():
+        kind = type(obj)
+        name = f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ not in ("builtins", None) else kind.__qualname__
+        counts[name] = counts.get(name, 0) + 1
+        try:
+            sizes[name] = sizes.get(name, 0) + getsizeof(obj)
+        except Exception:  # noqa: BLE001 - a type whose __sizeof__ fails counts 0 bytes
+            pass
+    now = time.time()
+    rows = []
+    # Growth only from a second look on; a type new since then grew from 0.
+    looked = bool(_last_types)
+    for name, count in counts.items():
+        mb = sizes.get(name, 0) / MB
+        before = _last_types.get(name, (0, 0.0))
+        rows.append([now, name, count, mb, count - before[0] if looked else None, mb - before[1] if looked else None])
+    _last_types.clear()
+    _last_types.update({name: (count, sizes.get(name, 0) / MB) for name, count in counts.items()})
+    return {"columns": ["ts", "type", "count", "mb", "count_growth", "mb_growth"], "rows": rows}
+
+
+def describe_tracking() -> dict:
+    return {
+        "python": TRACKING.python,
+        "cuda": TRACKING.cuda,
+        "since": TRACKING.started_at,
+    }
+
+
+def track(switch, python: bool, cuda: bool) -> dict:
+    if switch not in ("on", "off"):
+        return describe_tracking()
+    if not python and not cuda:
+        python = True
+    if switch == "on":
+        if python and not TRACKING.python:
+            import tracemalloc
+
+            if not tracemalloc.is_tracing():
+                # 16 frames: enough stack to tell two callers of one line apart.
+                tracemalloc.start(16)
+            TRACKING.python = True
+            TRACKING.base = tracemalloc.take_snapshot()
+        if cuda and not TRACKING.cuda:
+            torch = _torch()
+            if torch is None or not torch.cuda.is_available():
+                raise UserError(
+                    "no CUDA here: --cuda records CUDA allocations (torch's memory history)",
+                    "use --python for Python allocations; CUDA needs a GPU and a program that uses it",
+                )
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            TRACKING.cuda = True
+        TRACKING.started_at = TRACKING.started_at or time.time()
+    else:
+        if python and TRACKING.python:
+            tracemalloc = sys.modules["tracemalloc"]
+            tracemalloc.stop()
+            TRACKING.python = False
+            TRACKING.base = None
+        if cuda and TRACKING.cuda:
+            sys.modules["torch"].cuda.memory._record_memory_history(enabled=None)
+            TRACKING.cuda = False
+        if not TRACKING.python and not TRACKING.cuda:
+            TRACKING.started_at = None
+    out = describe_tracking()
+    if TRACKING.python:
+        tracemalloc = sys.modules["tracemalloc"]
+        out["overhead_mb"] = tracemalloc.get_tracemalloc_memory() / MB
+    return out
+
+
+def _own_file(filename: str) -> bool:
+    return "/rankscope/" in filename or filename.endswith("tracemalloc.py")
+
+
+def diff(top: int) -> dict:
+    """What grew since the last look (or since tracking began), by
+    allocation site, with the stack that led there."""
+    if not TRACKING.python:
+        raise UserError("memory tracking is off", "`rankscope PID memory track on --python` first, then `memory diff` after a while")
+    tracemalloc = sys.modules["tracemalloc"]
+    now = tracemalloc.take_snapshot()
+    mine = [tracemalloc.Filter(False, "*/rankscope/*"), tracemalloc.Filter(False, tracemalloc.__file__)]
+    base = TRACKING.base.filter_traces(mine)
+    stats = now.filter_traces(mine).compare_to(base, "traceback")
+    sites = []
+    for stat in stats:
+        if stat.size_diff <= 0:
+            continue
+        frames = [f for f in stat.traceback if not _own_file(f.filename)]
+        if not frames:
+            continue
+        # tracemalloc lists the most recent frame last.
+        site = frames[-1]
+        sites.append(
+            {
+                "file": site.filename,
+                "lineno": site.lineno,
+                "size_diff_mb": stat.size_diff / MB,
+                "count_diff": stat.count_diff,
+                "size_mb": stat.size / MB,
+                "stack": [f"{f.filename}:{f.lineno}" for f in reversed(frames)][:8],
+            }
+        )
+        if len(sites) >= top:
+            break
+    TRACKING.base = now
+    from rankscope import _native
+
+    proc = dict(_native.memory_now())
+    return {
+        "sites": sites,
+        "rss_mb": proc["rss"] / MB,
+        "traced_mb": tracemalloc.get_traced_memory()[0] / MB,
+        "tracemalloc_overhead_mb": tracemalloc.get_tracemalloc_memory() / MB,
+    }
+
+
+def export(what: str, path: str) -> dict:
+    if what != "cuda":
+        raise UserError(f"cannot export {what!r}", "rankscope PID memory export cuda OUT.pickle (a snapshot PyTorch's memory_viz opens)")
+    torch = _torch()
+    if torch is None or not torch.cuda.is_initialized():
+        raise UserError("CUDA is not in use in this process", "an export needs a program that has used CUDA")
+    if not TRACKING.cuda:
+        raise UserError("CUDA allocations are not being recorded", "`memory track on --cuda` first, so the snapshot has allocation sites")
+    torch.cuda.memory._dump_snapshot(path)
+    return {"path": path}

@@ -1,0 +1,179 @@
+"""`rankscope PID memory`: the process's memory now and over time, the
+tensors and who holds them, what grew and where it was allocated, and what
+an out-of-memory error leaves behind; on real processes (torch on CPU)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from conftest import line_of, query_json, require_torch
+from test_torch import run_steps, torch_python  # noqa: F401 - a fixture
+
+LEAK = """
+import time
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+kept = []
+done = 0
+
+
+def train_step():
+    global done
+    x = torch.randn(32, 64)
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    kept.append(torch.randn(256))  # @leak
+    done += 1
+
+
+def hold():
+    stray = torch.ones(1000, 10)
+    global budget
+    print("READY", flush=True)
+    while True:
+        if budget > 0:
+            train_step()
+            budget -= 1
+            if budget == 0:
+                print(f"DONE {done}", flush=True)
+        else:
+            time.sleep(0.002)
+
+
+budget = 0
+hold()
+"""
+
+
+def memory_json(cli, pid, *args) -> dict:
+    result = cli(pid, "memory", *args, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_a_leak_is_named_by_its_line_and_its_holder(torch_python, spawn, cli):
+    target = spawn(torch_python, LEAK)
+    run_steps(cli, target, 2, 2)
+    on = cli(target.pid, "memory", "track", "on", "--python")
+    assert on.returncode == 0, on.stderr
+    assert "tracking: Python (tracemalloc)" in on.stdout
+    run_steps(cli, target, 50, 52)
+    diff = cli(target.pid, "memory", "diff")
+    assert diff.returncode == 0, diff.stderr
+    leak_line = line_of(LEAK, "leak")
+    first_site = next(line for line in diff.stdout.splitlines() if " blocks " in line)
+    assert first_site.rstrip().endswith(f"target.py:{leak_line}"), diff.stdout
+    sites = memory_json(cli, target.pid, "diff")["sites"]
+    assert sites == [] or sites[0]["lineno"] != leak_line or sites[0]["count_diff"] == 0, "a second diff starts from the first"
+
+    kept = query_json(cli, target.pid, "SELECT holder, shape, dtype, device, kind, bytes FROM python.tensors WHERE holder LIKE 'kept[%' ORDER BY bytes")
+    assert len(kept) == 52, kept
+    assert {(r["shape"], r["dtype"], r["device"], r["kind"], r["bytes"]) for r in kept} == {("256", "float32", "cpu", "global", 1024)}
+    assert {r["holder"] for r in kept} == {f"kept[{i}]" for i in range(52)}
+    off = cli(target.pid, "memory", "track", "off")
+    assert off.returncode == 0 and "tracking: off" in off.stdout
+    again = cli(target.pid, "memory", "diff")
+    assert again.returncode != 0 and "memory tracking is off" in again.stderr and "hint:" in again.stderr
+
+
+def test_model_optimizer_and_a_local_are_named_as_holders(torch_python, spawn, cli):
+    target = spawn(torch_python, LEAK)
+    run_steps(cli, target, 3, 3)
+    rows = query_json(cli, target.pid, "SELECT holder, kind, shape, requires_grad FROM python.tensors WHERE holder IS NOT NULL")
+    by_holder = {r["holder"]: r for r in rows}
+    assert by_holder["model.0.weight"]["kind"] == "parameter" and by_holder["model.0.weight"]["shape"] == "64x64"
+    assert by_holder["model.0.weight"]["requires_grad"] is True
+    assert by_holder["model.2.bias.grad"]["kind"] == "gradient"
+    assert by_holder["optimizer.state[0.weight]['exp_avg']"]["kind"] == "optimizer state"
+    assert by_holder["optimizer.state[2.bias]['exp_avg_sq']"]["shape"] == "8"
+    assert by_holder["hold:stray"] == {"holder": "hold:stray", "kind": "local", "shape": "1000x10", "requires_grad": False}
+    # Storages are counted once: a view adds to `views`, not a row.
+    assert cli(target.pid, "eval", "view = kept[0][:10]").returncode == 0
+    first = query_json(cli, target.pid, "SELECT holder, views, bytes FROM python.tensors WHERE holder = 'kept[0]' OR holder = 'view'")
+    assert first == [{"holder": "kept[0]", "views": 2, "bytes": 1024}], first
+
+    text = cli(target.pid, "memory")
+    assert text.returncode == 0, text.stderr
+    assert "process: RSS" in text.stdout and "USS" in text.stdout
+    assert "tensors: " in text.stdout and "hold:stray" in text.stdout, text.stdout
+    assert "since the last look" not in text.stdout
+    again = cli(target.pid, "memory").stdout
+    assert "since the last look" in again, again
+
+
+def test_the_timeline_is_sampled_without_torch_and_objects_show_growth(python, spawn, cli):
+    source = """
+import time
+
+
+class Sample:
+    def __init__(self, i):
+        self.i = i
+
+
+grown = []
+print("READY", flush=True)
+while True:
+    if len(grown) < 20000 and globals().get("grow"):
+        grown.extend(Sample(i) for i in range(20000))
+    time.sleep(0.01)
+"""
+    target = spawn(python, source, env={"RANKSCOPE_MEMORY_INTERVAL_S": "0.2"})
+    deadline = time.monotonic() + 30
+    while True:
+        rows = query_json(cli, target.pid, "SELECT source, rss_mb, uss_mb, step FROM python.memory WHERE source = 'interval'")
+        if len(rows) >= 3:
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.2)
+    assert all(r["rss_mb"] > 1 and 0 < r["uss_mb"] <= r["rss_mb"] and r["step"] is None for r in rows), rows
+    summary = memory_json(cli, target.pid)
+    assert summary["torch"] is False and summary["rss_mb"] > 1
+    assert "torch is not imported" in cli(target.pid, "memory").stdout
+    looks = query_json(cli, target.pid, "SELECT count(*) AS n FROM python.memory WHERE source = 'look'")
+    assert looks[0]["n"] == 2
+
+    query_json(cli, target.pid, "SELECT type, count FROM python.objects")  # the first look
+    assert cli(target.pid, "eval", "grow = True").returncode == 0
+    deadline = time.monotonic() + 30
+    while cli(target.pid, "eval", "len(grown)").stdout.strip() != "20000":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    samples = query_json(cli, target.pid, "SELECT count, count_growth, mb_growth FROM python.objects WHERE type = '__main__.Sample'")
+    assert samples == [{"count": 20000, "count_growth": 20000, "mb_growth": samples[0]["mb_growth"]}], samples
+    assert samples[0]["mb_growth"] > 0.5
+    assert query_json(cli, target.pid, "SELECT count(*) AS n FROM python.tensors") == [{"n": 0}]
+
+
+def test_an_out_of_memory_error_leaves_the_memory_picture_in_its_record(python, spawn, cli):
+    source = """
+import resource, time
+print("READY", flush=True)
+while not globals().get("go"):
+    time.sleep(0.01)
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), hard))
+hog = []
+while True:
+    hog.append(bytearray(16 << 20))
+"""
+    target = spawn(python, source)
+    assert cli(target.pid, "eval", "go = True").returncode == 0
+    assert target.proc.wait(timeout=60) == 1
+    run_dir = target.script.parent / "run"
+    listed = cli("crashes", "--format", "json", env={"RANKSCOPE_RUN_DIR": str(run_dir)})
+    assert listed.returncode == 0, listed.stderr
+    records = json.loads(listed.stdout)
+    assert [r["type"] for r in records] == ["MemoryError"], records
+    record = json.loads(next(run_dir.glob("crash-*.json")).read_text())
+    memory = record["memory"]
+    assert memory["rss_mb"] > 100 and memory["rss_peak_mb"] >= memory["rss_mb"] * 0.9, memory
