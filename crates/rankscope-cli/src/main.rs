@@ -223,6 +223,14 @@ enum ClusterAction {
         #[command(flatten)]
         at: FrameArgs,
     },
+    /// One line per rank: RSS, USS, CUDA peak, growth since the last look; the outlier marked
+    Memory {
+        /// Only these ranks (e.g. 2 or 0,4-7)
+        #[arg(long)]
+        ranks: Option<String>,
+        #[arg(long, value_enum, default_value = "text")]
+        format: BtFormat,
+    },
     /// Crashes recorded by the job's ranks [default job: the running one, else the one that ran last]
     Crashes {
         /// Also the job launcher's records (torchrun's own exit), marked `launcher`
@@ -468,6 +476,7 @@ fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: 
         ClusterAction::Bt { ranks, ignore_lines, all_frames } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, all_frames, deadline),
         ClusterAction::Eval { code, ranks, eval_timeout, at } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout, at),
         ClusterAction::Crashes { all, format } => cluster::crashes(job, run, all, format),
+        ClusterAction::Memory { ranks, format } => cluster::memory(job, run, ranks.as_deref(), format),
         ClusterAction::Torch { ranks, action, format } => cluster::torch(job, run, ranks.as_deref(), action.as_ref(), format),
         ClusterAction::Break { ranks, action } => cluster::breakpoints(job, run, ranks.as_deref(), &action),
         ClusterAction::Query { sql, ranks, format, all_frames } => cluster::query(job, run, ranks.as_deref(), &sql, format, all_frames),

@@ -142,6 +142,11 @@ fn stop(py: Python<'_>) -> bool {
         registry::leave();
         server.stop();
         paths::remove_endpoint_files(&dir, pid);
+        // No thread of the probe's outlives it: the sampler ends, and the
+        // store writes what waits and ends its writer (a later row starts
+        // it again).
+        memory::stop_sampler();
+        store::close();
     });
     true
 }

@@ -6,7 +6,9 @@
 //! Python adds rows of its own (`memory_row`) where it knows more: at each
 //! `memory` look, and at torch steps where CUDA's allocator is in use.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -16,7 +18,10 @@ use rankscope_store::Cell;
 
 const NO_STEP: i64 = i64::MIN;
 static STEP: AtomicI64 = AtomicI64::new(NO_STEP);
-static STARTED: AtomicBool = AtomicBool::new(false);
+/// The sampler's thread, and whether it should end (`stop_sampler`).
+static SAMPLER: Mutex<Option<(u32, JoinHandle<()>)>> = Mutex::new(None);
+static STOPPING: Mutex<bool> = Mutex::new(false);
+static WAKE: Condvar = Condvar::new();
 
 fn mb(bytes: u64) -> Cell {
     Cell::Float(bytes as f64 / (1 << 20) as f64)
@@ -40,25 +45,47 @@ fn now() -> f64 {
     rankscope_core::host::now_seconds()
 }
 
-/// Starts the sampler once per process (a child after fork starts none
-/// until it starts a probe of its own).
+/// Starts the sampler (once; again after `stop_sampler`). A child after
+/// fork has no thread: it starts one with a probe of its own.
 pub fn start_sampler() {
     let seconds = std::env::var("RANKSCOPE_MEMORY_INTERVAL_S").ok().and_then(|v| v.trim().parse::<f64>().ok()).unwrap_or(1.0);
-    if !(seconds.is_finite() && seconds > 0.0) || STARTED.swap(true, Ordering::SeqCst) {
+    if !(seconds.is_finite() && seconds > 0.0) {
         return;
     }
-    let interval = Duration::from_secs_f64(seconds.max(0.01));
     let pid = std::process::id();
-    let _ = std::thread::Builder::new().name("rankscope-memory".into()).spawn(move || loop {
-        std::thread::sleep(interval);
-        if std::process::id() != pid {
+    let mut sampler = SAMPLER.lock().unwrap_or_else(|e| e.into_inner());
+    if sampler.as_ref().is_some_and(|(owner, _)| *owner == pid) {
+        return;
+    }
+    *STOPPING.lock().unwrap_or_else(|e| e.into_inner()) = false;
+    let interval = Duration::from_secs_f64(seconds.max(0.01));
+    let spawned = std::thread::Builder::new().name("rankscope-memory".into()).spawn(move || loop {
+        let stopping = STOPPING.lock().unwrap_or_else(|e| e.into_inner());
+        let (stopping, _) = WAKE.wait_timeout_while(stopping, interval, |stop| !*stop).unwrap_or_else(|e| e.into_inner());
+        if *stopping {
             return;
         }
+        drop(stopping);
         if let Ok(proc) = rankscope_memory::read_process(pid) {
             let nulls = [Cell::Null, Cell::Null, Cell::Null, Cell::Null, Cell::Null, Cell::Null];
             let _ = crate::store::append_row("memory", now(), cells("interval", &proc, nulls));
         }
     });
+    if let Ok(handle) = spawned {
+        *sampler = Some((pid, handle));
+    }
+}
+
+/// Ends the sampler's thread and waits for it (the probe stops).
+pub fn stop_sampler() {
+    let taken = SAMPLER.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some((pid, handle)) = taken {
+        *STOPPING.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        WAKE.notify_all();
+        if pid == std::process::id() {
+            let _ = handle.join();
+        }
+    }
 }
 
 /// The torch step the clock is in (rows are tagged with it).

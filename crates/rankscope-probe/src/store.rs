@@ -122,6 +122,13 @@ pub fn table_close(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()>
     store().close_row(name, key, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// Writes what waits and ends the store's thread (the probe stops).
+pub fn close() {
+    if let Some(store) = existing() {
+        store.close();
+    }
+}
+
 /// A row from Rust (the memory sampler), without the GIL.
 pub fn append_row(name: &str, ts: f64, cells: Vec<Cell>) -> Result<(), String> {
     store().append(name, ts, cells).map_err(|e| e.to_string())

@@ -239,6 +239,8 @@ impl Store {
         if thread.is_some() {
             return;
         }
+        // After `close`, a new row starts a new writer.
+        lock(&self.state).stopping = false;
         let store = Arc::downgrade(self);
         let spawned = std::thread::Builder::new().name("rankscope-store".into()).spawn(move || spill_loop(store));
         // Without the thread the rows stay in memory; `flush` still writes.

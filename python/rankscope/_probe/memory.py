@@ -92,7 +92,7 @@ def handle(request_text: str):
     action = request.get("action", "summary")
     try:
         if action == "summary":
-            return {"ok": summary(int(request.get("top") or 5))}
+            return {"ok": summary(int(request.get("top") or 5), light=bool(request.get("light")))}
         if action == "tensors":
             return {"ok": tensors(float(request.get("budget_s") or 2.0))}
         if action == "objects":
@@ -114,7 +114,9 @@ class UserError(Exception):
         self.hint = hint
 
 
-def summary(top: int) -> dict:
+def summary(top: int, light: bool = False) -> dict:
+    """A look; `light` (one line per rank in `cluster memory`) leaves out
+    what walks the heap: the tensor scan and the count of gc's objects."""
     from rankscope import _native
 
     now = dict(_native.memory_now())
@@ -126,7 +128,7 @@ def summary(top: int) -> dict:
         "pss_mb": now["pss"] / MB,
         "swap_mb": now["swap"] / MB,
         "python_blocks": sys.getallocatedblocks(),
-        "gc_objects": len(gc.get_objects()),
+        "gc_objects": None if light else len(gc.get_objects()),
         "torch": torch is not None,
         "cuda": _cuda(torch),
         "tracking": describe_tracking(),
@@ -135,7 +137,7 @@ def summary(top: int) -> dict:
         tracemalloc = sys.modules["tracemalloc"]
         current, peak = tracemalloc.get_traced_memory()
         out["python_traced_mb"], out["python_traced_peak_mb"] = current / MB, peak / MB
-    if torch is not None:
+    if torch is not None and not light:
         from rankscope._probe.torch import tensors as tensor_scan
 
         scan = tensor_scan.scan(budget_s=1.0)
@@ -148,7 +150,7 @@ def summary(top: int) -> dict:
     then = dict(_last)
     growth = {}
     for key in ("rss_mb", "uss_mb", "gc_objects", "python_blocks"):
-        if key in then:
+        if then.get(key) is not None and out[key] is not None:
             growth[key] = out[key] - then[key]
     if then:
         growth["seconds"] = time.time() - then["at"]
@@ -251,17 +253,29 @@ def _own_file(filename: str) -> bool:
     return "/rankscope/" in filename or filename.endswith("tracemalloc.py")
 
 
+def _library_file(filename: str) -> bool:
+    """An installed package's, the standard library's, or a frozen module's."""
+    return (
+        "/site-packages/" in filename
+        or "/dist-packages/" in filename
+        or filename.startswith("<")
+        or filename.startswith(sys.base_prefix + "/lib/python")
+        or filename.startswith(sys.prefix + "/lib/python")
+    )
+
+
 def diff(top: int) -> dict:
     """What grew since the last look (or since tracking began), by
-    allocation site, with the stack that led there."""
+    allocation site: each growing allocation is put at the innermost frame
+    of the user's own code in its stack (torch's internals allocate on the
+    user's behalf), with the stack of the largest that went there."""
     if not TRACKING.python:
         raise UserError("memory tracking is off", "`rankscope PID memory track on --python` first, then `memory diff` after a while")
     tracemalloc = sys.modules["tracemalloc"]
     now = tracemalloc.take_snapshot()
     mine = [tracemalloc.Filter(False, "*/rankscope/*"), tracemalloc.Filter(False, tracemalloc.__file__)]
-    base = TRACKING.base.filter_traces(mine)
-    stats = now.filter_traces(mine).compare_to(base, "traceback")
-    sites = []
+    stats = now.filter_traces(mine).compare_to(TRACKING.base.filter_traces(mine), "traceback")
+    sites: dict = {}
     for stat in stats:
         if stat.size_diff <= 0:
             continue
@@ -269,25 +283,27 @@ def diff(top: int) -> dict:
         if not frames:
             continue
         # tracemalloc lists the most recent frame last.
-        site = frames[-1]
-        sites.append(
-            {
-                "file": site.filename,
-                "lineno": site.lineno,
-                "size_diff_mb": stat.size_diff / MB,
-                "count_diff": stat.count_diff,
-                "size_mb": stat.size / MB,
-                "stack": [f"{f.filename}:{f.lineno}" for f in reversed(frames)][:8],
-            }
-        )
-        if len(sites) >= top:
-            break
+        users = [f for f in frames if not _library_file(f.filename)]
+        site = users[-1] if users else frames[-1]
+        key = (site.filename, site.lineno)
+        entry = sites.get(key)
+        if entry is None:
+            entry = sites[key] = {"file": site.filename, "lineno": site.lineno, "size_diff_mb": 0.0, "count_diff": 0, "size_mb": 0.0, "largest": -1}
+        entry["size_diff_mb"] += stat.size_diff / MB
+        entry["count_diff"] += stat.count_diff
+        entry["size_mb"] += stat.size / MB
+        if stat.size_diff > entry["largest"]:
+            entry["largest"] = stat.size_diff
+            entry["stack"] = [f"{f.filename}:{f.lineno}" for f in reversed(frames)][:8]
+    ranked = sorted(sites.values(), key=lambda e: (-e["size_diff_mb"], -e["count_diff"]))[:top]
+    for entry in ranked:
+        del entry["largest"]
     TRACKING.base = now
     from rankscope import _native
 
     proc = dict(_native.memory_now())
     return {
-        "sites": sites,
+        "sites": ranked,
         "rss_mb": proc["rss"] / MB,
         "traced_mb": tracemalloc.get_traced_memory()[0] / MB,
         "tracemalloc_overhead_mb": tracemalloc.get_tracemalloc_memory() / MB,

@@ -623,6 +623,56 @@ pub fn torch(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, actio
     })
 }
 
+/// `cluster memory`: a light look at every rank at once, one line each,
+/// the rank whose RSS stands out from the others' median marked.
+pub fn memory(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, format: crate::BtFormat) -> Result<u8> {
+    let request = serde_json::json!({"action": "summary", "light": true});
+    if let crate::BtFormat::Json = format {
+        return json_per_rank(job, run, ranks, "memory", |probe| probe.memory(&request));
+    }
+    let job = find_job(job, run)?;
+    let answers = ask_ranks(&job, ranks, |probe| probe.memory(&request))?;
+    let rss: Vec<f64> = answers.iter().filter_map(|(_, a)| a.as_ref().ok()?["rss_mb"].as_f64()).collect();
+    let mut sorted = rss.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    let mut table = Table::new(Style::Plain)
+        .whole_column("RANK", Align::Right)
+        .whole_column("PID", Align::Right)
+        .whole_column("RSS", Align::Right)
+        .whole_column("USS", Align::Right)
+        .whole_column("CUDA PEAK", Align::Right)
+        .whole_column("RSS GROWTH", Align::Left)
+        .column("", Align::Left);
+    let mut code = 0;
+    for (entry, answer) in &answers {
+        let mb = |v: &serde_json::Value| v.as_f64().map(|x| format!("{x:.0} MB")).unwrap_or_else(|| "-".into());
+        match answer {
+            Ok(r) => {
+                let peak = r["cuda"].as_array().and_then(|d| d.iter().filter_map(|x| x["peak_mb"].as_f64()).reduce(f64::max));
+                let growth = r["growth"]["rss_mb"].as_f64().map(|g| format!("{g:+.0} MB in {:.0} s", r["growth"]["seconds"].as_f64().unwrap_or(0.0)));
+                let this = r["rss_mb"].as_f64().unwrap_or(0.0);
+                let outlier = rss.len() > 2 && median > 0.0 && this > median * 1.2 && this == sorted[sorted.len() - 1];
+                table.row(vec![
+                    entry.meta.rank.to_string(),
+                    entry.meta.pid.to_string(),
+                    mb(&r["rss_mb"]),
+                    mb(&r["uss_mb"]),
+                    peak.map(|p| format!("{p:.0} MB")).unwrap_or_else(|| "-".into()),
+                    growth.unwrap_or_else(|| "-".into()),
+                    if outlier { format!("<-- {:.1}x the median", this / median) } else { String::new() },
+                ]);
+            }
+            Err(why) => {
+                code = 1;
+                table.row(vec![entry.meta.rank.to_string(), entry.meta.pid.to_string(), format!("error: {why}"), String::new(), String::new(), String::new(), String::new()]);
+            }
+        }
+    }
+    crate::term::print(&table);
+    Ok(code)
+}
+
 /// One JSON array, an object per rank: its rank, pid, and its answer under
 /// `key` (or why there is none under `error`); exit 1 if any rank failed.
 fn json_per_rank(

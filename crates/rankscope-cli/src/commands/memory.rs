@@ -138,7 +138,11 @@ fn tracking_text(r: &Value) -> String {
 
 fn diff_text(r: &Value) -> String {
     let sites = r["sites"].as_array().cloned().unwrap_or_default();
-    let mut out = format!("RSS now {}, traced {}; what grew since the last look, by allocation site:\n", mb(&r["rss_mb"]), mb(&r["traced_mb"]));
+    let mut out = format!(
+        "RSS now {}, traced {}; what grew since the last look, by the line of your code that allocated it (with the stack below it):\n",
+        mb(&r["rss_mb"]),
+        mb(&r["traced_mb"])
+    );
     if sites.is_empty() {
         out += "  nothing grew\n";
     }
@@ -150,8 +154,9 @@ fn diff_text(r: &Value) -> String {
             s["file"].as_str().unwrap_or("?"),
             s["lineno"]
         );
-        for frame in s["stack"].as_array().into_iter().flatten().skip(1).take(4) {
-            out += &format!("              from {}\n", frame.as_str().unwrap_or("?"));
+        let site = format!("{}:{}", s["file"].as_str().unwrap_or("?"), s["lineno"]);
+        for frame in s["stack"].as_array().into_iter().flatten().filter_map(Value::as_str).filter(|f| *f != site).take(4) {
+            out += &format!("              via {frame}\n");
         }
     }
     out

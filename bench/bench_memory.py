@@ -1,0 +1,155 @@
+"""What the memory features cost.
+
+1. The timeline: the same MLP training step as bench_torch_trace.py, in two
+   targets started together, one with the memory sampler at its default
+   (`RANKSCOPE_MEMORY_INTERVAL_S=1`, here 0.1 to make it ten times as
+   busy) and one without it (`=0`); rounds alternate between them. Target:
+   <= 0.5 % of step time.
+2. `python.tensors` over a process holding --tensors live tensors (a list
+   of small tensors and a model): the query's time through the installed
+   CLI, and the target's peak RSS growth while it scans (VmHWM read before
+   and after, the process having first been brought to a steady peak).
+   Targets: <= 1 s and <= 5 MB.
+3. `memory track on --python` (tracemalloc, 16 frames) on an
+   allocation-heavy pure-Python loop: slowdown against tracking off, in one
+   target, alternating. tracemalloc's own cost is the figure: reported.
+
+    .venv/bin/python bench/bench_memory.py [--rounds 10] [--tensors 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+from _common import BenchError, base_env, machine, private_dir, run_main, start_target, stop_target, tool
+from bench_torch_trace import TARGET as MLP
+
+HOLDER = r"""
+import sys, time
+import torch
+n = int(sys.argv[1])
+kept = [torch.zeros(4) for _ in range(n)]
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
+print("ready", flush=True)
+for line in sys.stdin:
+    print(hwm(), flush=True)
+"""
+
+ALLOCS = r"""
+import json, sys, time
+def work(n):
+    out = []
+    for i in range(n):
+        out.append({"i": i, "s": str(i), "t": (i, i + 1)})
+    return len(out)
+print("ready", flush=True)
+for line in sys.stdin:
+    n = int(line)
+    t0 = time.perf_counter()
+    work(n)
+    print(json.dumps(time.perf_counter() - t0), flush=True)
+"""
+
+
+def ask(proc, text):
+    proc.stdin.write(f"{text}\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise BenchError("the target exited")
+    return json.loads(line)
+
+
+def timeline(rounds, steps, endpoint):
+    procs = {}
+    for label, interval in (("sampler off", "0"), ("sampler every 0.1 s", "0.1")):
+        env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"),
+                       OMP_NUM_THREADS="1", RANKSCOPE_MEMORY_INTERVAL_S=interval)
+        procs[label], _ = start_target(MLP, env, ("256", "4"))
+    times = {label: [] for label in procs}
+    try:
+        for _ in range(rounds):
+            for label, proc in procs.items():
+                ask(proc, 20)
+                times[label].append(ask(proc, steps))
+    finally:
+        for proc in procs.values():
+            stop_target(proc)
+    base, sampled = min(times["sampler off"]), min(times["sampler every 0.1 s"])
+    print(f"timeline: MLP step {base * 1e3:.3f} ms without the sampler, {sampled * 1e3:.3f} ms with it every 0.1 s: "
+          f"{(sampled / base - 1) * 100:+.2f} % (paired median {(statistics.median(s / b for s, b in zip(times['sampler every 0.1 s'], times['sampler off'])) - 1) * 100:+.2f} %; target <= 0.5 %)")
+
+
+def tensors(n, endpoint, rankscope):
+    env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"), OMP_NUM_THREADS="1")
+    proc, _ = start_target(HOLDER, env, (str(n),), timeout=120)
+    cli_env = base_env(RANKSCOPE_DIR=endpoint)
+    try:
+        sql = "SELECT count(*) AS n, sum(bytes) AS b, count(holder) AS named FROM python.tensors"
+        # A first scan brings the process to its steady peak (imports, caches).
+        subprocess.run([rankscope, str(proc.pid), "query", sql], env=cli_env, capture_output=True, timeout=120, check=True)
+        before = ask(proc, "hwm")
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            result = subprocess.run([rankscope, str(proc.pid), "query", sql, "--format", "json"], env=cli_env, capture_output=True, text=True, timeout=120)
+            walls.append(time.perf_counter() - t0)
+            if result.returncode != 0:
+                raise BenchError(result.stderr)
+        after = ask(proc, "hwm")
+        row = json.loads(result.stdout)[0]
+    finally:
+        stop_target(proc)
+    print(f"python.tensors over {row['n']} storages ({row['named']} named): {min(walls) * 1e3:.0f} ms for the whole query "
+          f"(median {statistics.median(walls) * 1e3:.0f} ms; target <= 1 s); peak RSS growth during the scans: {(after - before) / 1024:.1f} MB (target <= 5 MB)")
+
+
+def tracking(rounds, endpoint, rankscope):
+    env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"))
+    proc, _ = start_target(ALLOCS, env)
+    cli_env = base_env(RANKSCOPE_DIR=endpoint)
+
+    def cli(*words):
+        result = subprocess.run([rankscope, str(proc.pid), *words], env=cli_env, capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise BenchError(result.stderr)
+
+    times = {"off": [], "on": []}
+    try:
+        for _ in range(rounds):
+            for mode in ("off", "on"):
+                cli("memory", "track", mode, "--python")
+                ask(proc, 20000)
+                times[mode].append(ask(proc, 200000))
+        cli("memory", "track", "off", "--python")
+    finally:
+        stop_target(proc)
+    print(f"memory track on --python: {min(times['on']) / min(times['off']):.2f}x on an allocation-heavy loop "
+          f"({min(times['off']) * 1e3:.1f} -> {min(times['on']) * 1e3:.1f} ms; that is tracemalloc's own cost, 16 frames)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--tensors", type=int, default=100_000)
+    args = ap.parse_args()
+    rankscope = tool("rankscope")
+    endpoint = private_dir("rs-bench-memory-")
+    print(f"machine: {machine()}")
+    timeline(args.rounds, args.steps, endpoint)
+    tensors(args.tensors, endpoint, rankscope)
+    tracking(args.rounds, endpoint, rankscope)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
