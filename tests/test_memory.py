@@ -138,7 +138,9 @@ while True:
             break
         assert time.monotonic() < deadline, rows
         time.sleep(0.2)
-    assert all(r["rss_mb"] > 1 and 0 < r["uss_mb"] <= r["rss_mb"] and r["step"] is None for r in rows), rows
+    assert all(r["rss_mb"] > 1 and r["step"] is None for r in rows), rows
+    # USS (smaps_rollup, dear) is read one sample in ten, the first included.
+    assert 0 < rows[0]["uss_mb"] <= rows[0]["rss_mb"] and all(r["uss_mb"] is None for r in rows[1:3]), rows
     summary = memory_json(cli, target.pid)
     assert summary["torch"] is False and summary["rss_mb"] > 1
     assert "torch is not imported" in cli(target.pid, "memory").stdout

@@ -17,6 +17,8 @@ use rankscope_memory::ProcMemory;
 use rankscope_store::Cell;
 
 const NO_STEP: i64 = i64::MIN;
+/// One interval sample in this many reads USS and PSS too.
+const USS_EVERY: u64 = 10;
 static STEP: AtomicI64 = AtomicI64::new(NO_STEP);
 /// The sampler's thread, and whether it should end (`stop_sampler`).
 static SAMPLER: Mutex<Option<(u32, JoinHandle<()>)>> = Mutex::new(None);
@@ -36,7 +38,10 @@ fn step_cell() -> Cell {
 
 /// The row's cells after `ts`, with what Python knows (CUDA, tracemalloc) or nulls.
 fn cells(source: &str, proc: &ProcMemory, python: [Cell; 6]) -> Vec<Cell> {
-    let mut out = vec![step_cell(), Cell::Str(source.to_string()), mb(proc.rss), mb(proc.rss_peak), mb(proc.uss), mb(proc.pss), mb(proc.swap)];
+    // USS and PSS are 0 when only /proc/PID/status was read: null then.
+    let private = |bytes: u64| if proc.uss == 0 { Cell::Null } else { mb(bytes) };
+    let mut out =
+        vec![step_cell(), Cell::Str(source.to_string()), mb(proc.rss), mb(proc.rss_peak), private(proc.uss), private(proc.pss), mb(proc.swap)];
     out.extend(python);
     out
 }
@@ -59,16 +64,22 @@ pub fn start_sampler() {
     }
     *STOPPING.lock().unwrap_or_else(|e| e.into_inner()) = false;
     let interval = Duration::from_secs_f64(seconds.max(0.01));
-    let spawned = std::thread::Builder::new().name("rankscope-memory".into()).spawn(move || loop {
-        let stopping = STOPPING.lock().unwrap_or_else(|e| e.into_inner());
-        let (stopping, _) = WAKE.wait_timeout_while(stopping, interval, |stop| !*stop).unwrap_or_else(|e| e.into_inner());
-        if *stopping {
-            return;
-        }
-        drop(stopping);
-        if let Ok(proc) = rankscope_memory::read_process(pid) {
-            let nulls = [Cell::Null, Cell::Null, Cell::Null, Cell::Null, Cell::Null, Cell::Null];
-            let _ = crate::store::append_row("memory", now(), cells("interval", &proc, nulls));
+    let spawned = std::thread::Builder::new().name("rankscope-memory".into()).spawn(move || {
+        for sample in 0u64.. {
+            let stopping = STOPPING.lock().unwrap_or_else(|e| e.into_inner());
+            let (stopping, _) = WAKE.wait_timeout_while(stopping, interval, |stop| !*stop).unwrap_or_else(|e| e.into_inner());
+            if *stopping {
+                return;
+            }
+            drop(stopping);
+            // RSS every time (/proc/PID/status, ~20 µs); USS and PSS one
+            // sample in ten: smaps_rollup walks every mapping under the
+            // process's mmap lock, milliseconds for a process with torch.
+            let read = if sample % USS_EVERY == 0 { rankscope_memory::read_process(pid) } else { rankscope_memory::read_status(pid) };
+            if let Ok(proc) = read {
+                let nulls = [Cell::Null, Cell::Null, Cell::Null, Cell::Null, Cell::Null, Cell::Null];
+                let _ = crate::store::append_row("memory", now(), cells("interval", &proc, nulls));
+            }
         }
     });
     if let Ok(handle) = spawned {

@@ -202,8 +202,8 @@ def _memory_picture(exc: BaseException) -> dict | None:
                 from rankscope._probe.torch import tensors
 
                 scan = tensors.scan(budget_s=0.5)
-                largest = sorted(scan["rows"], key=lambda r: -r[4])[:10]
-                picture["largest_tensors"] = [dict(zip(memory.TENSOR_COLUMNS, row)) for row in largest]
+                largest = sorted(scan["rows"], key=lambda r: -r[5])[:10]
+                picture["largest_tensors"] = [dict(zip(memory.TENSOR_COLUMNS, row[1:])) for row in largest]
         except Exception as err:  # noqa: BLE001
             picture["error"] = f"{type(err).__name__}: {err}"
     return picture

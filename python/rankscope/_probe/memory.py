@@ -143,9 +143,9 @@ def summary(top: int, light: bool = False) -> dict:
         scan = tensor_scan.scan(budget_s=1.0)
         out["tensors"] = {
             "count": len(scan["rows"]),
-            "mb": sum(r[3] for r in scan["rows"]),
+            "mb": sum(r[4] for r in scan["rows"]),
             "complete": scan["complete"],
-            "largest": [dict(zip(TENSOR_COLUMNS, r)) for r in sorted(scan["rows"], key=lambda r: -r[4])[:top]],
+            "largest": [dict(zip(TENSOR_COLUMNS, r[1:])) for r in sorted(scan["rows"], key=lambda r: -r[5])[:top]],
         }
     then = dict(_last)
     growth = {}
@@ -167,9 +167,7 @@ def tensors(budget_s: float) -> dict:
         return {"columns": ["ts", *TENSOR_COLUMNS], "rows": []}
     from rankscope._probe.torch import tensors as tensor_scan
 
-    scan = tensor_scan.scan(budget_s=budget_s)
-    now = time.time()
-    return {"columns": ["ts", *TENSOR_COLUMNS], "rows": [[now, *row] for row in scan["rows"]]}
+    return {"columns": ["ts", *TENSOR_COLUMNS], "rows": tensor_scan.scan(budget_s=budget_s)["rows"]}
 
 
 def objects() -> dict:

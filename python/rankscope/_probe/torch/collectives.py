@@ -190,10 +190,11 @@ class Recorder:
             self.keys += 1
             key = self.keys
         # The first argument: the tensor, or the list of tensors, it moves.
-        if isinstance(first, tensor_type):
+        # type(), not isinstance(): an object list's items may be anything.
+        if issubclass(type(first), tensor_type):
             tensors = (first,)
-        elif isinstance(first, (list, tuple)):
-            tensors = [v for v in first[:4] if isinstance(v, tensor_type)]
+        elif type(first) in (list, tuple):
+            tensors = [v for v in first[:4] if issubclass(type(v), tensor_type)]
         else:
             tensors = ()
         if tensors:

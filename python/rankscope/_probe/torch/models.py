@@ -27,19 +27,22 @@ def _roots(modules: list) -> list:
     return [module for module in modules if id(module) not in children]
 
 
-def discover() -> tuple[list, list, list]:
-    """(models, optimizers, loss modules) of the program as it is now."""
-    modules, found_optimizers = [], []
+def discover(objects: list | None = None) -> tuple[list, list, list]:
+    """(models, optimizers, loss modules) of the program as it is now
+    (`objects`: what ``gc.get_objects()`` gave the caller already)."""
     module_type, optimizer_type = torch.nn.Module, torch.optim.Optimizer
+    if objects is None:
+        objects = gc.get_objects()
     # type(), not isinstance(): isinstance falls back to an object's
     # __class__, which some objects answer with a warning (torch's own
-    # deprecated `reduce_op`) or with code of their own.
-    for obj in gc.get_objects():
-        kind = type(obj)
-        if issubclass(kind, module_type):
-            modules.append(obj)
-        elif issubclass(kind, optimizer_type):
-            found_optimizers.append(obj)
+    # deprecated `reduce_op`) or with code of their own. Each type is
+    # asked once (set(map(type, ...)) runs in C), then a comprehension keeps
+    # the objects of the types that matter.
+    kinds = set(map(type, objects))
+    module_kinds = {kind for kind in kinds if issubclass(kind, module_type)}
+    optimizer_kinds = {kind for kind in kinds if issubclass(kind, optimizer_type)}
+    modules = [obj for obj in objects if type(obj) in module_kinds]
+    found_optimizers = [obj for obj in objects if type(obj) in optimizer_kinds]
     roots = _roots(modules)
     loss_type = torch.nn.modules.loss._Loss
     losses = [root for root in roots if isinstance(root, loss_type)]

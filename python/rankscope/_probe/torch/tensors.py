@@ -28,7 +28,7 @@ import torch
 from rankscope._probe.torch import models
 
 # Container items looked into, per container, for holder names.
-MAX_ITEMS = 10_000
+MAX_ITEMS = 1_000_000
 # Unnamed tensors whose referrer's type is looked up (largest first).
 MAX_REFERRER_LOOKUPS = 20
 
@@ -41,10 +41,10 @@ def _label_in_main(obj) -> str | None:
     return None
 
 
-def _names() -> dict:
+def _names(objects: list) -> dict:
     """id(tensor) -> (holder path, kind), best names first (setdefault)."""
     names: dict = {}
-    found, optimizers, _ = models.discover()
+    found, optimizers, _ = models.discover(objects)
     param_names = {}
     for model in found:
         root = _label_in_main(model) or models.root_name(model)
@@ -61,7 +61,7 @@ def _names() -> dict:
         for param, state in list(opt.state.items()):
             pname = param_names.get(id(param), f"param@{id(param):x}")
             for key, value in list(state.items()) if isinstance(state, dict) else ():
-                if isinstance(value, torch.Tensor):
+                if _is_tensor(value):
                     names.setdefault(id(value), (f"{label}.state[{pname}][{key!r}]", "optimizer state"))
     own = ("/rankscope/",)
     for frame in list(sys._current_frames().values()):
@@ -79,18 +79,25 @@ def _names() -> dict:
     return names
 
 
+def _is_tensor(value) -> bool:
+    # type(), not isinstance(): isinstance asks an object's __class__, and
+    # some objects answer with a warning or code of their own.
+    return issubclass(type(value), torch.Tensor)
+
+
 def _name_value(names: dict, path: str, value, kind: str) -> None:
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         names.setdefault(id(value), (path, kind))
-    elif isinstance(value, (list, tuple)):
+    elif type(value) in (list, tuple):
+        tensor_type = torch.Tensor
         for i, item in enumerate(value[:MAX_ITEMS]):
-            if isinstance(item, torch.Tensor):
+            if issubclass(type(item), tensor_type):
                 names.setdefault(id(item), (f"{path}[{i}]", kind))
-    elif isinstance(value, dict):
+    elif type(value) is dict:
         for i, (key, item) in enumerate(list(value.items())):
             if i >= MAX_ITEMS:
                 break
-            if isinstance(item, torch.Tensor):
+            if _is_tensor(item):
                 names.setdefault(id(item), (f"{path}[{key!r}]", kind))
 
 
@@ -103,19 +110,21 @@ def _storage_key(tensor):
 
 
 def scan(budget_s: float = 2.0) -> dict:
-    """{"rows": [[shape, dtype, device, mb, bytes, requires_grad, kind,
-    holder, views, complete], ...], "complete": bool}."""
+    """{"rows": [[ts, shape, dtype, device, mb, bytes, requires_grad,
+    kind, holder, views, complete], ...], "complete": bool}."""
     deadline = time.monotonic() + budget_s
-    names = _names()
+    objects = gc.get_objects()
+    names = _names(objects)
     tensor_type = torch.Tensor
+    kinds = {kind for kind in set(map(type, objects)) if issubclass(kind, tensor_type)}
+    found = [obj for obj in objects if type(obj) in kinds]
+    del objects
     groups: dict = {}
     complete = True
-    for index, obj in enumerate(gc.get_objects()):
+    for index, obj in enumerate(found):
         if index % 4096 == 0 and time.monotonic() > deadline:
             complete = False
             break
-        if not issubclass(type(obj), tensor_type):
-            continue
         key, nbytes = _storage_key(obj)
         group = groups.get(key)
         if group is None:
@@ -128,6 +137,18 @@ def scan(budget_s: float = 2.0) -> dict:
                 group[0], group[3] = obj, named if named is not None else group[3]
     rows = []
     unnamed = []
+    now = time.time()
+    # Many tensors share a shape, a dtype and a device: each is spelled once.
+    spelled: dict = {}
+
+    def spell(value, text):
+        out = spelled.get(value)
+        if out is None:
+            out = spelled[value] = text(value)
+        return out
+
+    shape_text = lambda shape: "x".join(map(str, shape)) or "scalar"  # noqa: E731
+    dtype_text = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
     for tensor, nbytes, views, named in groups.values():
         if named is None:
             kind, holder = "tensor", None
@@ -136,12 +157,13 @@ def scan(budget_s: float = 2.0) -> dict:
             holder, kind = named
         rows.append(
             [
-                "x".join(map(str, tensor.shape)) or "scalar",
-                str(tensor.dtype).removeprefix("torch."),
-                str(tensor.device),
+                now,
+                spell(tensor.shape, shape_text),
+                spell(tensor.dtype, dtype_text),
+                spell(tensor.device, str),
                 nbytes / float(1 << 20),
                 nbytes,
-                bool(tensor.requires_grad),
+                tensor.requires_grad,
                 kind,
                 holder,
                 views,
@@ -149,21 +171,30 @@ def scan(budget_s: float = 2.0) -> dict:
             ]
         )
     shown = list(groups.values())
-    for _, row_index in sorted(unnamed, reverse=True)[:MAX_REFERRER_LOOKUPS]:
-        if time.monotonic() > deadline:
-            break
-        rows[row_index][7] = _referrer(shown, row_index)
-    del groups, names, shown
+    lookups = sorted(unnamed, reverse=True)[:MAX_REFERRER_LOOKUPS]
+    if lookups and time.monotonic() < deadline:
+        for row_index, holder in _referrers(shown, [i for _, i in lookups]).items():
+            rows[row_index][8] = holder
+    del groups, names, shown, found
     return {"rows": rows, "complete": complete}
 
 
-def _referrer(shown: list, row_index: int) -> str | None:
-    """The type of something that refers to the tensor (the scan's own
-    lists and frames left out)."""
-    tensor = shown[row_index][0]
+def _referrers(shown: list, row_indexes: list) -> dict:
+    """row index -> "referrer: TYPE" for the given rows' tensors, in one
+    walk of the heap (``gc.get_referrers`` of all of them at once); the
+    scan's own lists and frames are left out."""
+    tensors = {id(shown[i][0]): i for i in row_indexes}
     frame_type = type(sys._getframe())
-    for ref in gc.get_referrers(tensor):
-        if type(ref) is frame_type or ref is shown or any(ref is group for group in shown):
+    own = {id(group) for group in shown}
+    own.add(id(shown))
+    found: dict = {}
+    for ref in gc.get_referrers(*(shown[i][0] for i in row_indexes)):
+        if type(ref) is frame_type or id(ref) in own:
             continue
-        return f"referrer: {type(ref).__qualname__}"
-    return None
+        for item in gc.get_referents(ref):
+            row_index = tensors.get(id(item))
+            if row_index is not None and row_index not in found:
+                found[row_index] = f"referrer: {type(ref).__qualname__}"
+        if len(found) == len(tensors):
+            break
+    return found
