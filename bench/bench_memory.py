@@ -7,8 +7,9 @@
    <= 0.5 % of step time.
 2. `python.tensors` over a process holding --tensors live tensors (a list
    of small tensors and a model): the query's time through the installed
-   CLI, and the target's peak RSS growth while it scans (VmHWM read before
-   and after, the process having first been brought to a steady peak).
+   CLI, and the target's peak RSS growth over three scans (VmHWM read
+   before the first and after the last; it includes the first request's
+   imports).
    Targets: <= 1 s and <= 5 MB.
 3. `memory track on --python` (tracemalloc, 16 frames) on an
    allocation-heavy pure-Python loop: slowdown against tracking off, in one
@@ -83,12 +84,13 @@ def timeline(rounds, steps, endpoint):
         # What one sample costs, whoever pays: the two reads of /proc, for a
         # process as big as this one (torch imported).
         pid = procs["sampler off"].pid
-        t0 = time.perf_counter()
-        for _ in range(50):
-            for name in ("status", "smaps_rollup"):
+        cost = {}
+        for name in ("status", "smaps_rollup"):
+            t0 = time.perf_counter()
+            for _ in range(50):
                 with open(f"/proc/{pid}/{name}") as f:
                     f.read()
-        sample = (time.perf_counter() - t0) / 50
+            cost[name] = (time.perf_counter() - t0) / 50
     finally:
         for proc in procs.values():
             stop_target(proc)
@@ -96,7 +98,9 @@ def timeline(rounds, steps, endpoint):
     paired = (statistics.median(s / b for s, b in zip(times["sampler on"], times["sampler off"])) - 1) * 100
     print(f"timeline: MLP step {base * 1e3:.3f} ms without the sampler, {sampled * 1e3:.3f} ms with it (every 1 s, the default): "
           f"{(sampled / base - 1) * 100:+.2f} % (paired median {paired:+.2f} %; target <= 0.5 %; two processes side by side, so noisy)")
-    print(f"timeline: one sample reads /proc in {sample * 1e6:.0f} us, on the sampler's own thread: {sample * 100:.3f} % of a core at 1 s")
+    average = cost["status"] + cost["smaps_rollup"] / 10
+    print(f"timeline: /proc/PID/status {cost['status'] * 1e6:.0f} us, smaps_rollup {cost['smaps_rollup'] * 1e6:.0f} us (one sample in ten): "
+          f"{average * 1e6:.0f} us a sample on the sampler's own thread, {average * 100:.3f} % of a core at 1 s")
 
 
 def tensors(n, endpoint, rankscope):
@@ -105,8 +109,6 @@ def tensors(n, endpoint, rankscope):
     cli_env = base_env(RANKSCOPE_DIR=endpoint)
     try:
         sql = "SELECT count(*) AS n, sum(bytes) AS b, count(holder) AS named FROM python.tensors"
-        # A first scan brings the process to its steady peak (imports, caches).
-        subprocess.run([rankscope, str(proc.pid), "query", sql], env=cli_env, capture_output=True, timeout=120, check=True)
         before = ask(proc, "hwm")
         walls = []
         for _ in range(3):

@@ -224,3 +224,32 @@ def test_cluster_memory_marks_the_rank_that_holds_more(default_python, cli, endp
     finally:
         kill_tree(proc.pid)
         proc.wait()
+
+
+def test_a_rank_killed_from_outside_is_named_with_its_last_rss(python, spawn, cli):
+    # As the kernel's OOM killer leaves it: SIGKILL, no record, the registry
+    # entry still "running"; the memory timeline on disk says how big it was.
+    source = """
+import time
+hog = b"x" * (200 << 20)
+print("READY", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "RANKSCOPE_MEMORY_INTERVAL_S": "0.1", "RANKSCOPE_STORE_FLUSH_S": "0.1"}
+    target = spawn(python, source, env=env)
+    run_dir = target.script.parent / "run"
+    deadline = time.monotonic() + 30
+    while not list((run_dir / "tables" / "memory").glob("*.arrows")) or target.pid not in [
+        r["pid"] for r in json.loads(cli("query", "--run", run_dir, "SELECT DISTINCT pid FROM python.memory", "--format", "json").stdout or "[]")
+    ]:
+        assert time.monotonic() < deadline, "no memory row reached the disk"
+        time.sleep(0.1)
+    target.kill()
+    listed = cli("crashes", "--run", run_dir)
+    assert listed.returncode == 0, listed.stderr
+    line = next((l for l in listed.stdout.splitlines() if "vanished" in l), "")
+    assert line.startswith(f"rank 1 (pid {target.pid}) vanished without a record: last seen at "), listed.stdout
+    rss = float(line.split("with RSS ")[1].split(" MB")[0])
+    assert rss > 200, line
+    assert "OOM killer" in line

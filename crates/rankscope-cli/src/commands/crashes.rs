@@ -323,7 +323,77 @@ pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>, launcher: bool) -> Res
     Ok(rows)
 }
 
+/// A rank whose registry entry still says "running" while its process is
+/// gone from this machine: killed from outside (the kernel's OOM killer,
+/// SIGKILL), which no record can catch. Its memory timeline in the run
+/// store says how big it was last.
+struct Vanished {
+    rank: i64,
+    pid: u32,
+    /// The last `python.memory` row's time and RSS.
+    last: Option<(f64, f64)>,
+}
+
+fn vanished(run: Option<PathBuf>) -> Vec<Vanished> {
+    let dirs = match crash::explicit_run_dir(run) {
+        Some(dir) => vec![dir],
+        None => crash::run_dirs(None),
+    };
+    let here = rankscope_core::host::hostname();
+    let mut out = Vec::new();
+    for dir in dirs {
+        let Ok(read) = std::fs::read_dir(dir.join("ranks")) else { continue };
+        for path in read.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "json")) {
+            let Some(entry) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()) else { continue };
+            let (Some(pid), Some(rank)) = (entry["pid"].as_u64(), entry["rank"].as_i64()) else { continue };
+            if entry["state"].as_str() != Some("running") || entry["host"].as_str() != Some(here.as_str()) || paths::pid_alive(pid as u32) {
+                continue;
+            }
+            out.push(Vanished { rank, pid: pid as u32, last: last_memory(&dir, pid as i64) });
+        }
+    }
+    out.sort_by_key(|v| (v.rank, v.pid));
+    out
+}
+
+/// The time and RSS (MB) of a process's last `python.memory` row on disk.
+fn last_memory(dir: &Path, pid: i64) -> Option<(f64, f64)> {
+    use arrow_array::{Array, Float64Array, Int64Array, TimestampMicrosecondArray};
+    let batches = rankscope_store::read_table(&[dir.to_path_buf()], &rankscope_core::tables::MEMORY, Some(&["pid", "ts", "rss_mb"])).ok()?;
+    let mut last: Option<(f64, f64)> = None;
+    for batch in &batches {
+        let pids = batch.column(0).as_any().downcast_ref::<Int64Array>()?;
+        let times = batch.column(1).as_any().downcast_ref::<TimestampMicrosecondArray>()?;
+        let rss = batch.column(2).as_any().downcast_ref::<Float64Array>()?;
+        for i in 0..batch.num_rows() {
+            if pids.is_valid(i) && pids.value(i) == pid && rss.is_valid(i) {
+                let at = times.value(i) as f64 / 1e6;
+                if last.is_none_or(|(t, _)| at >= t) {
+                    last = Some((at, rss.value(i)));
+                }
+            }
+        }
+    }
+    last
+}
+
+fn vanished_text(gone: &[Vanished]) -> String {
+    let mut out = String::new();
+    for v in gone {
+        let last = match v.last {
+            Some((at, rss)) => format!("last seen at {} with RSS {rss:.1} MB (python.memory)", local_time(at)),
+            None => "no memory timeline on disk".to_string(),
+        };
+        out += &format!(
+            "rank {} (pid {}) vanished without a record: {last}; killed from outside, by the kernel's OOM killer or a SIGKILL (`dmesg` names the OOM killer's victims)\n",
+            v.rank, v.pid
+        );
+    }
+    out
+}
+
 pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result<u8> {
+    let gone = if matches!(format, ListFormat::Json) { Vec::new() } else { vanished(run.clone()) };
     let (entries, several) = collect(run)?;
     // Ids are positions among every entry, launcher's included, so an id
     // means the same with and without --all.
@@ -390,6 +460,7 @@ pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result
             }
         }
     }
+    print!("{}", vanished_text(&gone));
     if hidden > 0 {
         let records = if hidden == 1 { "1 record".to_string() } else { format!("{hidden} records") };
         eprintln!("note: {records} of the job launcher (torchrun's own exit) left out; --all shows them");
