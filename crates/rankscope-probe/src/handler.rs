@@ -132,7 +132,7 @@ where
                 Ok(text) => Ok(text),
                 // Plain dicts and lists: turned into JSON here, so the
                 // helper needs no `json` import in the program.
-                Err(_) => Ok(crate::pyjson::to_json(&reply)?.to_string()),
+                Err(_) => crate::pyjson::to_json_string(&reply),
             }
         });
         if !had_threading && threading_imported(py) {

@@ -125,9 +125,14 @@ class Recorder:
         recorder = self
         group_at = parameters.index("group") if "group" in parameters else None
         async_at = parameters.index("async_op") if "async_op" in parameters else None
+        # torch may still be importing (the wrapping happens as it imports
+        # distributed_c10d): its `compiler` is looked up at call time.
+        torch = sys.modules["torch"]
 
         def collective(*args, **kwargs):
-            if not recorder.on:
+            # Under torch.compile's tracing, the call is torch's own: dynamo
+            # folds this test and traces the original, with no graph break.
+            if not recorder.on or torch.compiler.is_compiling():
                 return original(*args, **kwargs)
             try:
                 entry = recorder._enter(op, args, kwargs, group_at, async_at)
