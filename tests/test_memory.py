@@ -5,6 +5,7 @@ an out-of-memory error leaves behind; on real processes (torch on CPU)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 
@@ -86,6 +87,32 @@ def test_a_leak_is_named_by_its_line_and_its_holder(torch_python, spawn, cli):
     assert off.returncode == 0 and "tracking: off" in off.stdout
     again = cli(target.pid, "memory", "diff")
     assert again.returncode != 0 and "memory tracking is off" in again.stderr and "hint:" in again.stderr
+
+
+def test_a_leak_between_two_steps(torch_python, spawn, cli, rankscope_bin, endpoint_dir):
+    target = spawn(torch_python, LEAK)
+    run_steps(cli, target, 2, 2)
+    assert cli(target.pid, "memory", "track", "on", "--python").returncode == 0
+    bad = cli(target.pid, "memory", "diff", "--steps", "9..5")
+    assert bad.returncode != 0 and "is not a span" in bad.stderr and "hint:" in bad.stderr
+    # The diff waits for step 30 to end while the training runs.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env["RANKSCOPE_DIR"] = endpoint_dir
+    waiting = subprocess.Popen([rankscope_bin, str(target.pid), "memory", "diff", "--steps", "10..30", "--format", "json"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "waiting for step 30" not in (line := waiting.stderr.readline()):
+            assert line and time.monotonic() < deadline, line
+        run_steps(cli, target, 40, 42)
+        out, err = waiting.communicate(timeout=60)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 0, err
+    reply = json.loads(out)
+    assert reply["state"] == "done" and reply["steps"] == [10, 30], reply
+    leak = next(s for s in reply["sites"] if s["file"].endswith("target.py") and s["lineno"] == line_of(LEAK, "leak"))
+    assert 20 <= leak["count_diff"] <= 24, leak  # 20 steps' tensors (and the list's growth)
 
 
 def test_model_optimizer_and_a_local_are_named_as_holders(torch_python, spawn, cli):

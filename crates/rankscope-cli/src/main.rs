@@ -325,7 +325,14 @@ pub enum MemoryAction {
         cuda: bool,
     },
     /// What grew since the last look (or since tracking began), by allocation site, with its stack
-    Diff,
+    Diff {
+        /// Between two torch steps instead: A..B, from the end of step A to the end of step B (waits for them)
+        #[arg(long)]
+        steps: Option<String>,
+        /// With --steps: how long to wait for step B, in seconds
+        #[arg(long, default_value_t = 600.0)]
+        wait: f64,
+    },
     /// A snapshot of CUDA's allocations that PyTorch's memory_viz opens (`export cuda OUT.pickle`)
     Export {
         /// What to export: cuda

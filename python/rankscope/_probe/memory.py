@@ -100,6 +100,9 @@ def handle(request_text: str):
         if action == "track":
             return {"ok": track(request.get("switch"), bool(request.get("python")), bool(request.get("cuda")))}
         if action == "diff":
+            if request.get("steps"):
+                first, last = (int(v) for v in request["steps"])
+                return {"ok": diff_steps(first, last, int(request.get("top") or 10))}
             return {"ok": diff(int(request.get("top") or 10))}
         if action == "export":
             return {"ok": export(str(request.get("what") or ""), str(request.get("path") or ""))}
@@ -271,8 +274,81 @@ def diff(top: int) -> dict:
         raise UserError("memory tracking is off", "`rankscope PID memory track on --python` first, then `memory diff` after a while")
     tracemalloc = sys.modules["tracemalloc"]
     now = tracemalloc.take_snapshot()
+    out = _compare(TRACKING.base, now, top)
+    TRACKING.base = now
+    return out
+
+
+class _StepSpan:
+    """``memory diff --steps A..B``: tracemalloc snapshots taken by the
+    training thread at two step boundaries (the first at or after the end
+    of step A, the second at or after the end of step B), through the torch
+    step clock's listeners."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self.base = self.base_step = self.result = self.error = None
+
+    def optimizer_pre(self, optimizer, step):
+        pass
+
+    def optimizer_post(self, optimizer, step):
+        pass
+
+    def failed(self, reason: str) -> None:
+        self.error = reason
+
+    def boundary(self, step):
+        ended = step - 1  # the step that just ended; `step` begins
+        if self.result is not None or not TRACKING.python:
+            return
+        tracemalloc = sys.modules["tracemalloc"]
+        if self.base is None and ended >= self.first:
+            self.base, self.base_step = tracemalloc.take_snapshot(), ended
+        elif self.base is not None and ended >= self.last:
+            self.result = _compare(self.base, tracemalloc.take_snapshot(), 50)
+            self.result["steps"] = [self.base_step, ended]
+            self.base = None
+            from rankscope._probe.torch.trace import TRACER
+
+            TRACER.remove_listener(self, wait_s=0)
+
+
+_span: list = []  # the armed _StepSpan, if any
+
+
+def diff_steps(first: int, last: int, top: int) -> dict:
+    if not TRACKING.python:
+        raise UserError("memory tracking is off", "`rankscope PID memory track on --python` first")
+    if not 0 <= first < last:
+        raise UserError(f"--steps {first}..{last} is not a span", "e.g. --steps 100..200: from the end of step 100 to the end of step 200")
+    if _torch() is None:
+        raise UserError("steps come from torch's optimizer, and torch is not imported here", "use `memory diff` between two looks instead")
+    from rankscope._probe.torch.trace import TRACER
+
+    span = _span[0] if _span else None
+    if span is None or (span.first, span.last) != (first, last):
+        if span is not None:
+            TRACER.remove_listener(span, wait_s=0)
+        span = _StepSpan(first, last)
+        _span[:] = [span]
+        TRACER.add_listener(span)
+    if span.error is not None:
+        _span.clear()
+        raise UserError(f"the span's snapshots failed: {span.error}", "try again, or use `memory diff` between two looks")
+    if span.result is None:
+        return {"state": "waiting", "steps": [first, last], "base_step": span.base_step, "step": TRACER.step}
+    _span.clear()
+    result = dict(span.result)
+    result["sites"] = result["sites"][:top]
+    result["state"] = "done"
+    return result
+
+
+def _compare(base, now, top: int) -> dict:
+    tracemalloc = sys.modules["tracemalloc"]
     mine = [tracemalloc.Filter(False, "*/rankscope/*"), tracemalloc.Filter(False, tracemalloc.__file__)]
-    stats = now.filter_traces(mine).compare_to(TRACKING.base.filter_traces(mine), "traceback")
+    stats = now.filter_traces(mine).compare_to(base.filter_traces(mine), "traceback")
     sites: dict = {}
     for stat in stats:
         if stat.size_diff <= 0:
@@ -296,7 +372,6 @@ def diff(top: int) -> dict:
     ranked = sorted(sites.values(), key=lambda e: (-e["size_diff_mb"], -e["count_diff"]))[:top]
     for entry in ranked:
         del entry["largest"]
-    TRACKING.base = now
     from rankscope import _native
 
     proc = dict(_native.memory_now())

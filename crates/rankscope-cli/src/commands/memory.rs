@@ -6,6 +6,7 @@ use anyhow::Result;
 use serde_json::{json, Value};
 
 use crate::client::Probe;
+use crate::hint::Hinted;
 use crate::{BtFormat, MemoryAction, Switch};
 
 pub fn request_of(action: Option<&MemoryAction>, top: usize) -> Value {
@@ -14,7 +15,7 @@ pub fn request_of(action: Option<&MemoryAction>, top: usize) -> Value {
         Some(MemoryAction::Track { switch, python, cuda }) => json!({
             "action": "track", "switch": if *switch == Switch::On { "on" } else { "off" }, "python": python, "cuda": cuda,
         }),
-        Some(MemoryAction::Diff) => json!({"action": "diff", "top": top}),
+        Some(MemoryAction::Diff { .. }) => json!({"action": "diff", "top": top}),
         Some(MemoryAction::Export { what, path }) => {
             // The probe writes it: a relative path is the CLI's, made absolute here.
             let path = std::path::absolute(path).unwrap_or_else(|_| path.clone());
@@ -23,8 +24,48 @@ pub fn request_of(action: Option<&MemoryAction>, top: usize) -> Value {
     }
 }
 
+/// `A..B` -> (A, B).
+fn span(text: &str) -> Result<(u64, u64)> {
+    let parsed = text.split_once("..").and_then(|(a, b)| Some((a.trim().parse::<u64>().ok()?, b.trim().parse::<u64>().ok()?)));
+    match parsed {
+        Some((a, b)) if a < b => Ok((a, b)),
+        _ => Err(Hinted::new(format!("--steps {text} is not a span of steps"), "e.g. --steps 100..200: from the end of step 100 to the end of step 200").into()),
+    }
+}
+
+/// `memory diff --steps A..B`: arms the span, then asks again until the
+/// training has passed step B (the probe's snapshots are taken by the
+/// training thread at the two boundaries).
+fn diff_steps(probe: &Probe, text: &str, wait: f64, top: usize) -> Result<Value> {
+    let (first, last) = span(text)?;
+    let request = json!({"action": "diff", "steps": [first, last], "top": top});
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(wait.max(0.0));
+    let mut told = false;
+    loop {
+        let reply = probe.memory(&request)?;
+        if reply["state"].as_str() != Some("waiting") {
+            return Ok(reply);
+        }
+        if !told {
+            eprintln!("waiting for step {last} (now at step {}); Ctrl-C leaves the span armed", reply["step"]);
+            told = true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(Hinted::new(
+                format!("step {last} did not end within {wait:.0} s (the training is at step {})", reply["step"]),
+                "ask again later with the same --steps: the span stays armed",
+            )
+            .into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+}
+
 pub fn run(probe: &Probe, action: Option<MemoryAction>, top: usize, format: BtFormat) -> Result<u8> {
-    let reply = probe.memory(&request_of(action.as_ref(), top))?;
+    let reply = match &action {
+        Some(MemoryAction::Diff { steps: Some(steps), wait }) => diff_steps(probe, steps, *wait, top)?,
+        _ => probe.memory(&request_of(action.as_ref(), top))?,
+    };
     if let BtFormat::Json = format {
         println!("{}", serde_json::to_string_pretty(&reply)?);
         return Ok(0);
@@ -37,7 +78,7 @@ pub fn text_of(action: Option<&MemoryAction>, reply: &Value) -> String {
     match action {
         None => summary_text(reply),
         Some(MemoryAction::Track { .. }) => tracking_text(reply),
-        Some(MemoryAction::Diff) => diff_text(reply),
+        Some(MemoryAction::Diff { .. }) => diff_text(reply),
         Some(MemoryAction::Export { .. }) => format!("written: {}\n", reply["path"].as_str().unwrap_or("?")),
     }
 }
@@ -138,8 +179,12 @@ fn tracking_text(r: &Value) -> String {
 
 fn diff_text(r: &Value) -> String {
     let sites = r["sites"].as_array().cloned().unwrap_or_default();
+    let since = match r["steps"].as_array() {
+        Some(steps) if steps.len() == 2 => format!("from the end of step {} to the end of step {}", steps[0], steps[1]),
+        _ => "since the last look".to_string(),
+    };
     let mut out = format!(
-        "RSS now {}, traced {}; what grew since the last look, by the line of your code that allocated it (with the stack below it):\n",
+        "RSS now {}, traced {}; what grew {since}, by the line of your code that allocated it (with the stack below it):\n",
         mb(&r["rss_mb"]),
         mb(&r["traced_mb"])
     );
