@@ -68,8 +68,8 @@ def _json_value(value):
 
 def _no_nan(value):
     """JSON has no NaN or infinities: they travel as text ("nan", "inf")."""
-    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
-        return str(value)
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
     if isinstance(value, dict):
         return {k: _no_nan(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
