@@ -8,6 +8,7 @@ interpreter first, then on PATH.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -117,3 +118,25 @@ def run_main(main) -> None:
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def ask(proc, line) -> object:
+    """Send one line to a target that answers each with one JSON line."""
+    proc.stdin.write(f"{line}\n")
+    proc.stdin.flush()
+    answer = proc.stdout.readline()
+    if not answer:
+        raise BenchError("the target exited")
+    return json.loads(answer)
+
+
+def probe_cli(rankscope: str, pids, env: dict[str, str]):
+    """`cli(*words)`: `rankscope PID *words` for each of `pids`; a failure is a BenchError."""
+
+    def cli(*words):
+        for pid in pids:
+            result = subprocess.run([rankscope, str(pid), *words], capture_output=True, text=True, env=env, timeout=60)
+            if result.returncode != 0:
+                raise BenchError(f"rankscope {' '.join(words)}: {result.stderr.strip()}")
+
+    return cli

@@ -20,14 +20,13 @@ all_reduce gloo has.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
 
-from _common import BenchError, base_env, machine, private_dir, run_main, stop_target, tool
+from _common import BenchError, ask, probe_cli, base_env, machine, private_dir, run_main, stop_target, tool
 
 TARGET = r"""
 import json, sys, time
@@ -80,21 +79,10 @@ def main() -> int:
         )
         procs.append(subprocess.Popen([sys.executable, "-c", TARGET], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1))
     rank0 = procs[0]
-    cli_env = base_env(RANKSCOPE_DIR=endpoint)
-
-    def cli(*words):
-        for proc in procs:
-            result = subprocess.run([rankscope, str(proc.pid), *words], capture_output=True, text=True, env=cli_env, timeout=60)
-            if result.returncode != 0:
-                raise BenchError(f"rankscope {' '.join(words)}: {result.stderr.strip()}")
+    cli = probe_cli(rankscope, [p.pid for p in procs], base_env(RANKSCOPE_DIR=endpoint))
 
     def measure(n):
-        rank0.stdin.write(f"{n}\n")
-        rank0.stdin.flush()
-        line = rank0.stdout.readline()
-        if not line:
-            raise BenchError("rank 0 exited")
-        return json.loads(line)
+        return ask(rank0, n)
 
     modes = {"not recorded": "off", "recorded": "on"}
     times: dict[str, list[float]] = {mode: [] for mode in modes}

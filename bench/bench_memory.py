@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import time
 
-from _common import BenchError, base_env, machine, private_dir, run_main, start_target, stop_target, tool
+from _common import BenchError, ask, base_env, machine, private_dir, run_main, start_target, stop_target, tool
 from bench_torch_trace import TARGET as MLP
 
 HOLDER = r"""
@@ -59,14 +59,6 @@ for line in sys.stdin:
     print(json.dumps(time.perf_counter() - t0), flush=True)
 """
 
-
-def ask(proc, text):
-    proc.stdin.write(f"{text}\n")
-    proc.stdin.flush()
-    line = proc.stdout.readline()
-    if not line:
-        raise BenchError("the target exited")
-    return json.loads(line)
 
 
 def timeline(rounds, steps, endpoint):

@@ -20,12 +20,10 @@ detect_anomaly: reported, for comparison.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 
-from _common import BenchError, base_env, machine, private_dir, run_main, start_target, stop_target, tool
+from _common import ask, probe_cli, base_env, machine, private_dir, run_main, start_target, stop_target, tool
 from bench_torch_trace import TARGET  # the same model and loop
 
 OFF = [("torch", "nan", "off"), ("torch", "grads", "off"), ("eval", "torch.autograd.set_detect_anomaly(False)")]
@@ -48,20 +46,10 @@ def main() -> int:
     endpoint = private_dir("rs-bench-health-")
     env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"), OMP_NUM_THREADS="1")
     proc, _ = start_target(TARGET, env, (str(args.width), str(args.layers)))
-    cli_env = base_env(RANKSCOPE_DIR=endpoint)
-
-    def cli(*words):
-        result = subprocess.run([rankscope, str(proc.pid), *words], capture_output=True, text=True, env=cli_env, timeout=60)
-        if result.returncode != 0:
-            raise BenchError(f"rankscope {' '.join(words)}: {result.stderr.strip()}")
+    cli = probe_cli(rankscope, [proc.pid], base_env(RANKSCOPE_DIR=endpoint))
 
     def measure(n):
-        proc.stdin.write(f"{n}\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        if not line:
-            raise BenchError("the target exited")
-        return json.loads(line)
+        return ask(proc, n)
 
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
