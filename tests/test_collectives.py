@@ -103,7 +103,8 @@ def test_cluster_bt_names_the_collective_and_the_rank_that_never_joined(default_
 
 def test_without_records_the_stacks_still_name_the_rank(default_python, cli, endpoint_dir, tmp_path):
     require_torch(default_python)
-    proc, stuck_at = start_hang(default_python, tmp_path, endpoint_dir, env={"RANKSCOPE_COLLECTIVES": "0"})
+    # Neither the wrappers nor torch's Flight Recorder (on by default in recent torch).
+    proc, stuck_at = start_hang(default_python, tmp_path, endpoint_dir, env={"RANKSCOPE_COLLECTIVES": "0", "TORCH_FR_BUFFER_SIZE": "0"})
     run = tmp_path / "run"
     try:
         line = stuck_line(cli, run, "all_reduce: ranks 0,1,3 inside it")
@@ -116,3 +117,70 @@ def test_without_records_the_stacks_still_name_the_rank(default_python, cli, end
         kill_tree(proc.pid)
         proc.wait()
 
+
+
+HANG_DDP = """
+import os, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+HERE = os.path.dirname(os.path.abspath(__file__))
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def fetch_batch(step):
+    if rank == 2 and step == 5:
+        open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+        while True:
+            time.sleep(0.05)  # @stuck
+    return torch.randn(8, 16)
+
+
+for step in range(100):
+    batch = fetch_batch(step)
+    if step == 5:
+        open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+    optimizer.zero_grad()
+    model(batch).square().mean().backward()  # DDP's all_reduce of the gradients is issued from C++ here
+    optimizer.step()
+"""
+
+
+def test_flight_recorder_names_ddps_collective_issued_from_cpp(default_python, cli, endpoint_dir, tmp_path):
+    """DDP reduces gradients from C++, where no Python wrapper sees it;
+    torch's Flight Recorder does, when the job runs with it."""
+    require_torch(default_python)
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_DDP)
+    (tmp_path / "marks").mkdir()
+    stuck_at = line_of(HANG_DDP, "stuck")
+    proc = launch_torchrun(default_python, script, 4, endpoint_dir, tmp_path / "run", env={"TORCH_FR_BUFFER_SIZE": "2000"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = tmp_path / "run"
+    try:
+        deadline = time.monotonic() + 180
+        while len(list((tmp_path / "marks").iterdir())) < 4:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the ranks did not reach step 5"
+            time.sleep(0.05)
+        status = cli("cluster", "torch", "--run", run, "collectives", "--ranks", "0")
+        assert status.returncode == 0, status.stderr
+        if "flight recorder: on" not in status.stdout:
+            import pytest
+
+            pytest.skip(f"this torch's Flight Recorder keeps nothing for gloo: {status.stdout}")
+        line = stuck_line(cli, run, "all_reduce #")
+        found = re.match(r"all_reduce #(\d+) on group 0: ranks 0,1,3 waiting since \d\d:\d\d:\d\d UTC \(\d+ s\)", line)
+        assert found, line
+        seq = int(found.group(1))
+        assert f"rank 2 never joined (its last was #{seq - 1}) (it is in fetch_batch, hang.py:{stuck_at})" in line, line
+        status = cli("cluster", "torch", "--run", run, "collectives", "--ranks", "0")
+        assert re.search(rf"in flight: all_reduce #{seq} on group 0 for [\d.]+ s \(Flight Recorder\)", status.stdout), status.stdout
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()

@@ -11,7 +11,8 @@ use anyhow::Result;
 use rankscope_core::http;
 use rankscope_core::paths;
 use rankscope_core::protocol::{
-    EnvReply, EvalInterrupt, EvalInterruptReply, EvalReply, EvalRequest, ProbeTableReply, ProcessMeta, StacksQuery, StacksReply,
+    EnvReply, EvalInterrupt, EvalInterruptReply, EvalReply, EvalRequest, ProbeTableReply,
+    ProcessMeta, StacksQuery, StacksReply,
 };
 use serde::de::DeserializeOwned;
 
@@ -30,7 +31,10 @@ pub struct Probe {
 enum Endpoint {
     Unix(PathBuf),
     /// `host:port` and the bearer token the probe wrote for its clients.
-    Tcp { addr: String, token: String },
+    Tcp {
+        addr: String,
+        token: String,
+    },
 }
 
 /// A connected stream of either kind.
@@ -116,14 +120,23 @@ impl Probe {
             )
             .into());
         }
-        Ok(Probe { pid, endpoint: Endpoint::Unix(socket) })
+        Ok(Probe {
+            pid,
+            endpoint: Endpoint::Unix(socket),
+        })
     }
 
     /// The probe of a process on another machine, at `addr` (`host:port`,
     /// or `tcp://host:port`), with its token.
     pub fn remote(pid: u32, addr: &str, token: &str) -> Probe {
         let addr = addr.strip_prefix("tcp://").unwrap_or(addr).to_string();
-        Probe { pid, endpoint: Endpoint::Tcp { addr, token: token.to_string() } }
+        Probe {
+            pid,
+            endpoint: Endpoint::Tcp {
+                addr,
+                token: token.to_string(),
+            },
+        }
     }
 
     fn connect(&self, timeout: Duration) -> Result<Stream> {
@@ -132,10 +145,16 @@ impl Probe {
             Endpoint::Tcp { addr, .. } => return self.connect_tcp(addr, timeout),
         };
         let stream = UnixStream::connect(socket).map_err(|e| {
-            let stale = matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound);
+            let stale = matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
+            );
             if stale {
                 Hinted::new(
-                    format!("the probe socket of {} does not accept connections", describe(self.pid)),
+                    format!(
+                        "the probe socket of {} does not accept connections",
+                        describe(self.pid)
+                    ),
                     "the probe was stopped, or the socket is left from an earlier process; \
                      `rankscope list` cleans up stale sockets",
                 )
@@ -145,7 +164,10 @@ impl Probe {
                     "run rankscope as the user that owns the target process",
                 )
             } else {
-                Hinted::new(format!("cannot connect to {}: {e}", socket.display()), "`rankscope list` shows live probes")
+                Hinted::new(
+                    format!("cannot connect to {}: {e}", socket.display()),
+                    "`rankscope list` shows live probes",
+                )
             }
         })?;
         stream.set_read_timeout(Some(timeout))?;
@@ -166,7 +188,8 @@ impl Probe {
             .map_err(|e| unreachable(e.to_string()))?
             .next()
             .ok_or_else(|| unreachable("the name has no address".into()))?;
-        let stream = TcpStream::connect_timeout(&target, timeout.min(Duration::from_secs(5))).map_err(|e| unreachable(e.to_string()))?;
+        let stream = TcpStream::connect_timeout(&target, timeout.min(Duration::from_secs(5)))
+            .map_err(|e| unreachable(e.to_string()))?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(Duration::from_secs(5)))?;
         let _ = stream.set_nodelay(true);
@@ -174,7 +197,13 @@ impl Probe {
     }
 
     /// One request, one answer; `timeout` bounds the wait for the answer.
-    fn request<T: DeserializeOwned>(&self, method: &str, path: &str, body: &[u8], timeout: Duration) -> Result<T> {
+    fn request<T: DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<T> {
         let mut stream = self.connect(timeout)?;
         let bearer;
         let headers: &[(&str, &str)] = match &self.endpoint {
@@ -186,9 +215,18 @@ impl Probe {
         };
         http::write_request(&mut stream, method, path, headers, body)?;
         let response = http::read_response(&mut stream, MAX_REPLY_BYTES).map_err(|e| match e {
-            http::HttpError::Io(io) if matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            http::HttpError::Io(io)
+                if matches!(
+                    io.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 Hinted::new(
-                    format!("the probe of {} did not answer within {:.1}s", describe(self.pid), timeout.as_secs_f64()),
+                    format!(
+                        "the probe of {} did not answer within {:.1}s",
+                        describe(self.pid),
+                        timeout.as_secs_f64()
+                    ),
                     "a thread may be holding the GIL in native code; try again, or raise --timeout",
                 )
                 .into()
@@ -200,10 +238,15 @@ impl Probe {
                 .ok()
                 .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
                 .unwrap_or_else(|| String::from_utf8_lossy(&response.body).into_owned());
-            anyhow::bail!("the probe of PID {} answered {}: {message}", self.pid, response.status);
+            anyhow::bail!(
+                "the probe of PID {} answered {}: {message}",
+                self.pid,
+                response.status
+            );
         }
-        serde_json::from_slice(&response.body)
-            .map_err(|e| anyhow::anyhow!("unreadable answer from the probe of PID {}: {e}", self.pid))
+        serde_json::from_slice(&response.body).map_err(|e| {
+            anyhow::anyhow!("unreadable answer from the probe of PID {}: {e}", self.pid)
+        })
     }
 
     pub fn meta(&self, timeout: Duration) -> Result<ProcessMeta> {
@@ -224,8 +267,20 @@ impl Probe {
         Ok(meta)
     }
 
-    pub fn stacks(&self, with_locals: bool, all_frames: bool, timeout: Duration) -> Result<StacksReply> {
-        self.stacks_query(&StacksQuery { locals: with_locals, all_frames, ..StacksQuery::default() }, timeout)
+    pub fn stacks(
+        &self,
+        with_locals: bool,
+        all_frames: bool,
+        timeout: Duration,
+    ) -> Result<StacksReply> {
+        self.stacks_query(
+            &StacksQuery {
+                locals: with_locals,
+                all_frames,
+                ..StacksQuery::default()
+            },
+            timeout,
+        )
     }
 
     pub fn stacks_query(&self, query: &StacksQuery, timeout: Duration) -> Result<StacksReply> {
@@ -245,39 +300,92 @@ impl Probe {
     /// "snapshots", ...}`); the probe answers `{"ok": ...}` or `{"error": ...}`.
     pub fn breakpoints(&self, request: &serde_json::Value) -> Result<serde_json::Value> {
         let body = serde_json::to_vec(request)?;
-        let mut reply: serde_json::Value = self.request("POST", "/v1/breakpoints", &body, Duration::from_secs(10))?;
+        let mut reply: serde_json::Value =
+            self.request("POST", "/v1/breakpoints", &body, Duration::from_secs(10))?;
         if let Some(error) = reply.get("error").and_then(|e| e.as_str()) {
-            return Err(Hinted::new(error.to_string(), "`rankscope PID break list` shows what is set").into());
+            return Err(Hinted::new(
+                error.to_string(),
+                "`rankscope PID break list` shows what is set",
+            )
+            .into());
         }
-        Ok(reply.get_mut("ok").map(serde_json::Value::take).unwrap_or_default())
+        Ok(reply
+            .get_mut("ok")
+            .map(serde_json::Value::take)
+            .unwrap_or_default())
     }
 
     /// A torch request (`{"action": "status" | "trace_on" | "trace_off", ...}`);
     /// the probe answers `{"ok": ...}` or `{"error": ..., "hint": ...}`.
     pub fn torch(&self, request: &serde_json::Value) -> Result<serde_json::Value> {
         // Turning hooks on or off may wait for the training thread to leave an optimizer step.
-        self.helper("/v1/torch", request, Duration::from_secs(15), "`rankscope PID torch` shows what the probe found")
+        self.helper(
+            "/v1/torch",
+            request,
+            Duration::from_secs(15),
+            "`rankscope PID torch` shows what the probe found",
+        )
+    }
+
+    /// The tail of torch's Flight Recorder (`cluster bt`), as rows of `stuck::COLUMNS`.
+    pub fn flight_recorder(&self, timeout: Duration) -> Result<ProbeTableReply> {
+        let reply = self.helper(
+            "/v1/torch",
+            &serde_json::json!({"action": "collectives", "switch": "flight"}),
+            timeout,
+            "",
+        )?;
+        Ok(serde_json::from_value(reply)?)
     }
 
     /// `POST /v1/memory`: the probe's memory helper (a tensor scan may take its budget of seconds).
     pub fn memory(&self, request: &serde_json::Value) -> Result<serde_json::Value> {
-        self.helper("/v1/memory", request, Duration::from_secs(60), "`rankscope PID memory` shows what the probe sees")
+        self.helper(
+            "/v1/memory",
+            request,
+            Duration::from_secs(60),
+            "`rankscope PID memory` shows what the probe sees",
+        )
     }
 
     /// A helper's `{"ok": ...}`, or its `{"error": ..., "hint": ...}` as an error that keeps the hint.
-    fn helper(&self, path: &str, request: &serde_json::Value, timeout: Duration, default_hint: &str) -> Result<serde_json::Value> {
+    fn helper(
+        &self,
+        path: &str,
+        request: &serde_json::Value,
+        timeout: Duration,
+        default_hint: &str,
+    ) -> Result<serde_json::Value> {
         let body = serde_json::to_vec(request)?;
         let mut reply: serde_json::Value = self.request("POST", path, &body, timeout)?;
         if let Some(error) = reply.get("error").and_then(|e| e.as_str()) {
-            let hint = reply.get("hint").and_then(|h| h.as_str()).unwrap_or(default_hint);
+            let hint = reply
+                .get("hint")
+                .and_then(|h| h.as_str())
+                .unwrap_or(default_hint);
             return Err(Hinted::new(error.to_string(), hint.to_string()).into());
         }
-        Ok(reply.get_mut("ok").map(serde_json::Value::take).unwrap_or_default())
+        Ok(reply
+            .get_mut("ok")
+            .map(serde_json::Value::take)
+            .unwrap_or_default())
     }
 
     /// The rows of a table the probe keeps in memory (`python.torch_trace`).
-    pub fn probe_table(&self, name: &str, columns: Option<&[&str]>, filters: &[serde_json::Value], count: bool, timeout: Duration) -> Result<ProbeTableReply> {
-        self.request("GET", &rankscope_core::protocol::probe_table_path(name, columns, filters, count), b"", timeout)
+    pub fn probe_table(
+        &self,
+        name: &str,
+        columns: Option<&[&str]>,
+        filters: &[serde_json::Value],
+        count: bool,
+        timeout: Duration,
+    ) -> Result<ProbeTableReply> {
+        self.request(
+            "GET",
+            &rankscope_core::protocol::probe_table_path(name, columns, filters, count),
+            b"",
+            timeout,
+        )
     }
 
     /// The CLI waits a little longer than the probe's own deadline, so that
@@ -292,7 +400,8 @@ impl Probe {
     /// runs; false when it had already ended.
     pub fn interrupt_eval(&self, id: &str, timeout: Duration) -> Result<bool> {
         let body = serde_json::to_vec(&EvalInterrupt { id: id.to_string() })?;
-        let reply: EvalInterruptReply = self.request("POST", "/v1/eval/interrupt", &body, timeout)?;
+        let reply: EvalInterruptReply =
+            self.request("POST", "/v1/eval/interrupt", &body, timeout)?;
         Ok(reply.interrupted)
     }
 }

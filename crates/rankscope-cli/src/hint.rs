@@ -11,7 +11,10 @@ pub struct Hinted {
 
 impl Hinted {
     pub fn new(message: impl Into<String>, hint: impl Into<String>) -> Self {
-        Hinted { message: message.into(), hint: hint.into() }
+        Hinted {
+            message: message.into(),
+            hint: hint.into(),
+        }
     }
 }
 

@@ -471,22 +471,60 @@ pub enum Action {
     },
 }
 
-fn run_cluster(job: Option<String>, run: Option<PathBuf>, timeout: f64, action: ClusterAction) -> anyhow::Result<u8> {
+fn run_cluster(
+    job: Option<String>,
+    run: Option<PathBuf>,
+    timeout: f64,
+    action: ClusterAction,
+) -> anyhow::Result<u8> {
     use commands::cluster;
     if !(timeout.is_finite() && timeout > 0.0) {
-        return Err(hint::Hinted::new(format!("--timeout must be a positive number of seconds, not {timeout}"), "e.g. --timeout 2").into());
+        return Err(hint::Hinted::new(
+            format!("--timeout must be a positive number of seconds, not {timeout}"),
+            "e.g. --timeout 2",
+        )
+        .into());
     }
     let deadline = std::time::Duration::from_secs_f64(timeout);
     let job = job.as_deref();
     match action {
         ClusterAction::List { format } => cluster::list(job, run, deadline, format),
-        ClusterAction::Bt { ranks, ignore_lines, all_frames } => cluster::bt(job, run, ranks.as_deref(), ignore_lines, all_frames, deadline),
-        ClusterAction::Eval { code, ranks, eval_timeout, at } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout, at),
+        ClusterAction::Bt {
+            ranks,
+            ignore_lines,
+            all_frames,
+        } => cluster::bt(
+            job,
+            run,
+            ranks.as_deref(),
+            ignore_lines,
+            all_frames,
+            deadline,
+        ),
+        ClusterAction::Eval {
+            code,
+            ranks,
+            eval_timeout,
+            at,
+        } => cluster::eval(job, run, ranks.as_deref(), &code, eval_timeout, at),
         ClusterAction::Crashes { all, format } => cluster::crashes(job, run, all, format),
-        ClusterAction::Memory { ranks, format } => cluster::memory(job, run, ranks.as_deref(), format),
-        ClusterAction::Torch { ranks, action, format } => cluster::torch(job, run, ranks.as_deref(), action.as_ref(), format),
-        ClusterAction::Break { ranks, action } => cluster::breakpoints(job, run, ranks.as_deref(), &action),
-        ClusterAction::Query { sql, ranks, format, all_frames } => cluster::query(job, run, ranks.as_deref(), &sql, format, all_frames),
+        ClusterAction::Memory { ranks, format } => {
+            cluster::memory(job, run, ranks.as_deref(), format)
+        }
+        ClusterAction::Torch {
+            ranks,
+            action,
+            format,
+        } => cluster::torch(job, run, ranks.as_deref(), action.as_ref(), format),
+        ClusterAction::Break { ranks, action } => {
+            cluster::breakpoints(job, run, ranks.as_deref(), &action)
+        }
+        ClusterAction::Query {
+            sql,
+            ranks,
+            format,
+            all_frames,
+        } => cluster::query(job, run, ranks.as_deref(), &sql, format, all_frames),
     }
 }
 
@@ -498,7 +536,11 @@ fn rewrite_pid_form(mut args: Vec<String>) -> Vec<String> {
     }
     let job_args = match args.get(1).map(String::as_str) {
         Some("--job") if args.get(3).map(String::as_str) == Some("cluster") => 2,
-        Some(flag) if flag.starts_with("--job=") && args.get(2).map(String::as_str) == Some("cluster") => 1,
+        Some(flag)
+            if flag.starts_with("--job=") && args.get(2).map(String::as_str) == Some("cluster") =>
+        {
+            1
+        }
         _ => 0,
     };
     if job_args > 0 {
@@ -517,13 +559,30 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::List { format } => commands::list::run(format),
         Command::Run { listen, command } => commands::run::run(listen, command),
-        Command::Query { sql, run, all, format } => commands::query::run_offline(run, all, &sql, format),
-        Command::Cluster { job, run, timeout, action } => run_cluster(job, run, timeout, action),
+        Command::Query {
+            sql,
+            run,
+            all,
+            format,
+        } => commands::query::run_offline(run, all, &sql, format),
+        Command::Cluster {
+            job,
+            run,
+            timeout,
+            action,
+        } => run_cluster(job, run, timeout, action),
         Command::Debug { rank, pid, run } => commands::debug::run(rank, pid, run),
         Command::Inject { pid, timeout } => commands::inject::run(pid, timeout),
         Command::Demo { python } => commands::demo::run(python),
-        Command::Crashes { run, all, format, action } => match action {
-            None => commands::crashes::list(run, format, &commands::crashes::Select { all, keep: None }),
+        Command::Crashes {
+            run,
+            all,
+            format,
+            action,
+        } => match action {
+            None => {
+                commands::crashes::list(run, format, &commands::crashes::Select { all, keep: None })
+            }
             Some(CrashesAction::Show { id }) => commands::crashes::show(id, run, format),
         },
         Command::Pid { pid, action } => commands::on_pid(pid, action),
@@ -544,10 +603,22 @@ mod tests {
 
     #[test]
     fn a_leading_pid_becomes_the_pid_subcommand() {
-        assert_eq!(rewrite_pid_form(args("rankscope 42 bt")), args("rankscope pid 42 bt"));
-        assert_eq!(rewrite_pid_form(args("rankscope list")), args("rankscope list"));
-        assert_eq!(rewrite_pid_form(args("rankscope --job n7:4000 cluster bt")), args("rankscope cluster --job n7:4000 bt"));
-        assert_eq!(rewrite_pid_form(args("rankscope --job=n7:4000 cluster bt")), args("rankscope cluster --job=n7:4000 bt"));
+        assert_eq!(
+            rewrite_pid_form(args("rankscope 42 bt")),
+            args("rankscope pid 42 bt")
+        );
+        assert_eq!(
+            rewrite_pid_form(args("rankscope list")),
+            args("rankscope list")
+        );
+        assert_eq!(
+            rewrite_pid_form(args("rankscope --job n7:4000 cluster bt")),
+            args("rankscope cluster --job n7:4000 bt")
+        );
+        assert_eq!(
+            rewrite_pid_form(args("rankscope --job=n7:4000 cluster bt")),
+            args("rankscope cluster --job=n7:4000 bt")
+        );
     }
 
     #[test]

@@ -16,12 +16,15 @@ use rankscope_core::protocol::{Frame, Local, ProcessMeta, StacksReply, ThreadSta
 
 use crate::hint::Hinted;
 
-
 pub fn permission_hint() -> String {
     let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").unwrap_or_default();
     match scope.trim() {
-        "1" => "Yama's ptrace_scope is 1: run as root, or `sudo sysctl kernel.yama.ptrace_scope=0`".into(),
-        "2" | "3" => format!("Yama's ptrace_scope is {}: only root (2) or nobody (3) may read other processes", scope.trim()),
+        "1" => "Yama's ptrace_scope is 1: run as root, or `sudo sysctl kernel.yama.ptrace_scope=0`"
+            .into(),
+        "2" | "3" => format!(
+            "Yama's ptrace_scope is {}: only root (2) or nobody (3) may read other processes",
+            scope.trim()
+        ),
         _ => "run as the target's user or as root; in a container, add the SYS_PTRACE capability \
               (docker run --cap-add SYS_PTRACE)"
             .into(),
@@ -29,13 +32,18 @@ pub fn permission_hint() -> String {
 }
 
 fn explain(pid: u32, err: anyhow::Error) -> anyhow::Error {
-    let denied = err
-        .chain()
-        .any(|cause| cause.downcast_ref::<io::Error>().is_some_and(|e| e.kind() == io::ErrorKind::PermissionDenied))
-        || format!("{err:#}").contains("Permission denied")
+    let denied = err.chain().any(|cause| {
+        cause
+            .downcast_ref::<io::Error>()
+            .is_some_and(|e| e.kind() == io::ErrorKind::PermissionDenied)
+    }) || format!("{err:#}").contains("Permission denied")
         || format!("{err:#}").contains("Operation not permitted");
     if denied {
-        return Hinted::new(format!("not allowed to read the memory of PID {pid}"), permission_hint()).into();
+        return Hinted::new(
+            format!("not allowed to read the memory of PID {pid}"),
+            permission_hint(),
+        )
+        .into();
     }
     let text = format!("{err:#}");
     if text.contains("python") || text.contains("Python") {
@@ -45,14 +53,19 @@ fn explain(pid: u32, err: anyhow::Error) -> anyhow::Error {
         )
         .into();
     }
-    Hinted::new(format!("cannot read PID {pid} from outside: {text}"), "check that the process still runs").into()
+    Hinted::new(
+        format!("cannot read PID {pid} from outside: {text}"),
+        "check that the process still runs",
+    )
+    .into()
 }
 
 /// The probe's own threads (one waiting for the GIL shows up as a Python
 /// thread) are not the user's business.
 fn is_probe_thread(pid: u32, tid: Option<u64>) -> bool {
     let Some(tid) = tid else { return false };
-    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).is_ok_and(|name| name.starts_with("rankscope-"))
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .is_ok_and(|name| name.starts_with("rankscope-"))
 }
 
 /// Whether this build can unwind native stacks (py-spy's `unwind` feature,
@@ -76,7 +89,9 @@ pub fn require_native() -> Result<()> {
 /// through the target's root, then here; answers cached per package).
 /// `demo.py` is the sample program `rankscope demo` runs, the user's code there.
 fn is_own_file(pid: u32, file: &str, packages: &mut HashMap<String, bool>) -> bool {
-    let Some(at) = file.rfind("/rankscope/") else { return false };
+    let Some(at) = file.rfind("/rankscope/") else {
+        return false;
+    };
     match &file[at..] {
         "/rankscope/demo.py" => return false,
         own if own.starts_with("/rankscope/_probe/") => return true,
@@ -84,7 +99,12 @@ fn is_own_file(pid: u32, file: &str, packages: &mut HashMap<String, bool>) -> bo
     }
     let package = &file[..at + "/rankscope".len()];
     *packages.entry(package.to_string()).or_insert_with(|| {
-        [format!("/proc/{pid}/root{package}/_probe"), format!("{package}/_probe")].iter().any(|p| Path::new(p).is_dir())
+        [
+            format!("/proc/{pid}/root{package}/_probe"),
+            format!("{package}/_probe"),
+        ]
+        .iter()
+        .any(|p| Path::new(p).is_dir())
     })
 }
 
@@ -93,7 +113,9 @@ fn is_own_file(pid: u32, file: &str, packages: &mut HashMap<String, bool>) -> bo
 fn hide_own_frames(pid: u32, threads: &mut [ThreadStack]) {
     let mut packages = HashMap::new();
     for thread in threads {
-        thread.frames.retain(|f| f.is_native() || !is_own_file(pid, &f.file, &mut packages));
+        thread
+            .frames
+            .retain(|f| f.is_native() || !is_own_file(pid, &f.file, &mut packages));
     }
 }
 
@@ -101,7 +123,12 @@ fn hide_own_frames(pid: u32, threads: &mut [ThreadStack]) {
 /// in. With `native`, C/C++/Rust frames are merged in where the interpreter
 /// called into them (py-spy matches Python frames to the eval-loop frames).
 /// rankscope's own frames are left out unless `all_frames`.
-pub fn read_stacks(pid: u32, with_locals: bool, native: bool, all_frames: bool) -> Result<(StacksReply, String)> {
+pub fn read_stacks(
+    pid: u32,
+    with_locals: bool,
+    native: bool,
+    all_frames: bool,
+) -> Result<(StacksReply, String)> {
     if native {
         require_native()?;
     }
@@ -132,14 +159,26 @@ pub fn read_stacks(pid: u32, with_locals: bool, native: bool, all_frames: bool) 
                 .frames
                 .into_iter()
                 .map(|f| Frame {
-                    func: if f.module.is_some() { demangle(&f.name) } else { f.name.clone() },
-                    qualname: if f.module.is_some() { demangle(&f.name) } else { f.name },
+                    func: if f.module.is_some() {
+                        demangle(&f.name)
+                    } else {
+                        f.name.clone()
+                    },
+                    qualname: if f.module.is_some() {
+                        demangle(&f.name)
+                    } else {
+                        f.name
+                    },
                     file: f.filename,
                     lineno: i64::from(f.line),
                     locals: f.locals.map(|locals| {
                         locals
                             .into_iter()
-                            .map(|l| Local { name: l.name, repr: l.repr.unwrap_or_else(|| "?".into()), type_name: String::new() })
+                            .map(|l| Local {
+                                name: l.name,
+                                repr: l.repr.unwrap_or_else(|| "?".into()),
+                                type_name: String::new(),
+                            })
                             .collect()
                     }),
                     native_module: f.module,
@@ -151,7 +190,14 @@ pub fn read_stacks(pid: u32, with_locals: bool, native: bool, all_frames: bool) 
         hide_own_frames(pid, &mut threads);
     }
     threads.sort_by_key(|t| (!t.is_main, t.name.clone(), t.thread_id));
-    Ok((StacksReply { taken_at: rankscope_core::host::now_seconds(), threads, counts: None }, version))
+    Ok((
+        StacksReply {
+            taken_at: rankscope_core::host::now_seconds(),
+            threads,
+            counts: None,
+        },
+        version,
+    ))
 }
 
 /// py-spy demangles C++ (which also turns Rust's legacy `_ZN` symbols into
@@ -162,7 +208,9 @@ pub fn demangle(name: &str) -> String {
         return format!("{symbol:#}");
     }
     match name.rsplit_once("::h") {
-        Some((path, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => path.to_string(),
+        Some((path, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            path.to_string()
+        }
         _ => name.to_string(),
     }
 }
@@ -175,11 +223,13 @@ pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
         .filter(|w| !w.is_empty())
         .map(|w| String::from_utf8_lossy(w).into_owned())
         .collect();
-    let env_rank = std::fs::read(format!("/proc/{pid}/environ")).ok().and_then(|raw| {
-        raw.split(|&b| b == 0)
-            .filter_map(|kv| std::str::from_utf8(kv).ok())
-            .find_map(|kv| kv.strip_prefix("RANK=")?.parse().ok())
-    });
+    let env_rank = std::fs::read(format!("/proc/{pid}/environ"))
+        .ok()
+        .and_then(|raw| {
+            raw.split(|&b| b == 0)
+                .filter_map(|kv| std::str::from_utf8(kv).ok())
+                .find_map(|kv| kv.strip_prefix("RANK=")?.parse().ok())
+        });
     ProcessMeta {
         pid,
         ppid: 0,
@@ -208,27 +258,55 @@ mod tests {
     fn rankscope_files_are_told_from_the_users() {
         let mut cache = std::collections::HashMap::new();
         let pid = std::process::id();
-        assert!(is_own_file(pid, "/venv/lib/python3.11/site-packages/rankscope/_probe/torch_rank.py", &mut cache));
+        assert!(is_own_file(
+            pid,
+            "/venv/lib/python3.11/site-packages/rankscope/_probe/torch_rank.py",
+            &mut cache
+        ));
         // A package directory without _probe is someone else's `rankscope`.
-        assert!(!is_own_file(pid, "/nonexistent/rankscope/__init__.py", &mut cache));
+        assert!(!is_own_file(
+            pid,
+            "/nonexistent/rankscope/__init__.py",
+            &mut cache
+        ));
         assert!(!is_own_file(pid, "/home/me/train.py", &mut cache));
-        assert!(!is_own_file(pid, "/venv/lib/python3.11/site-packages/rankscope/demo.py", &mut cache));
+        assert!(!is_own_file(
+            pid,
+            "/venv/lib/python3.11/site-packages/rankscope/demo.py",
+            &mut cache
+        ));
         let dir = std::env::temp_dir().join(format!("rs-own-{pid}/rankscope"));
         std::fs::create_dir_all(dir.join("_probe")).unwrap();
-        assert!(is_own_file(pid, &format!("{}/__init__.py", dir.display()), &mut cache));
+        assert!(is_own_file(
+            pid,
+            &format!("{}/__init__.py", dir.display()),
+            &mut cache
+        ));
         std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
     }
 
     #[test]
     fn rust_symbols_are_demangled_without_their_hash() {
-        assert_eq!(demangle("_ZN3std2rt10lang_start17h0123456789abcdefE"), "std::rt::lang_start");
-        assert_eq!(demangle("std::rt::lang_start::h0123456789abcdef"), "std::rt::lang_start");
-        assert_eq!(demangle("_RNvCs15kBYyAo9fc_7mycrate7example"), "mycrate::example");
+        assert_eq!(
+            demangle("_ZN3std2rt10lang_start17h0123456789abcdefE"),
+            "std::rt::lang_start"
+        );
+        assert_eq!(
+            demangle("std::rt::lang_start::h0123456789abcdef"),
+            "std::rt::lang_start"
+        );
+        assert_eq!(
+            demangle("_RNvCs15kBYyAo9fc_7mycrate7example"),
+            "mycrate::example"
+        );
     }
 
     #[test]
     fn other_names_are_kept() {
         assert_eq!(demangle("PyObject_Call"), "PyObject_Call");
-        assert_eq!(demangle("at::native::add_out(at::Tensor const&)"), "at::native::add_out(at::Tensor const&)");
+        assert_eq!(
+            demangle("at::native::add_out(at::Tensor const&)"),
+            "at::native::add_out(at::Tensor const&)"
+        );
     }
 }

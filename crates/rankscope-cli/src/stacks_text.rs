@@ -8,7 +8,11 @@ use std::fmt::Write;
 use rankscope_core::protocol::{ProcessMeta, StacksReply, ThreadStack};
 
 fn thread_title(thread: &ThreadStack) -> String {
-    let name = if thread.name.is_empty() { "<no name>" } else { &thread.name };
+    let name = if thread.name.is_empty() {
+        "<no name>"
+    } else {
+        &thread.name
+    };
     let mut tags = Vec::new();
     if thread.is_main {
         tags.push("main".to_string());
@@ -22,7 +26,11 @@ fn thread_title(thread: &ThreadStack) -> String {
     if let Some(native) = thread.native_id {
         tags.push(format!("tid {native}"));
     }
-    let tags = if tags.is_empty() { String::new() } else { format!(" ({})", tags.join(", ")) };
+    let tags = if tags.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", tags.join(", "))
+    };
     format!("Thread {:#x} \"{name}\"{tags}", thread.thread_id)
 }
 
@@ -43,24 +51,43 @@ pub fn render(meta: &ProcessMeta, stacks: &StacksReply) -> String {
         let _ = writeln!(out, "\n{}", thread_title(thread));
         let mut depth = 0;
         for frame in &thread.frames {
-            let name = if frame.qualname.is_empty() { &frame.func } else { &frame.qualname };
+            let name = if frame.qualname.is_empty() {
+                &frame.func
+            } else {
+                &frame.qualname
+            };
             match &frame.native_module {
                 // Native frames: the library, and the source line when its
                 // debug information has one.
                 Some(module) if frame.lineno > 0 && frame.file != *module => {
-                    let _ = writeln!(out, "    [native] {name} ({}:{}) in {}", frame.file, frame.lineno, short_module(module));
+                    let _ = writeln!(
+                        out,
+                        "    [native] {name} ({}:{}) in {}",
+                        frame.file,
+                        frame.lineno,
+                        short_module(module)
+                    );
                 }
                 Some(module) => {
                     let _ = writeln!(out, "    [native] {name} in {}", short_module(module));
                 }
                 None => {
-                    let _ = writeln!(out, "  #{depth:<2} {name} ({}:{})", frame.file, frame.lineno);
+                    let _ = writeln!(
+                        out,
+                        "  #{depth:<2} {name} ({}:{})",
+                        frame.file, frame.lineno
+                    );
                     depth += 1;
                 }
             }
             if let Some(locals) = &frame.locals {
                 for local in locals {
-                    let _ = writeln!(out, "        {} = {}", local.name, indent_continuation(&local.repr));
+                    let _ = writeln!(
+                        out,
+                        "        {} = {}",
+                        local.name,
+                        indent_continuation(&local.repr)
+                    );
                 }
             }
         }
@@ -117,12 +144,25 @@ mod tests {
                         qualname: "Model.inner".into(),
                         file: "t.py".into(),
                         lineno: 3,
-                        locals: Some(vec![Local { name: "x".into(), repr: "1".into(), type_name: "int".into() }]),
+                        locals: Some(vec![Local {
+                            name: "x".into(),
+                            repr: "1".into(),
+                            type_name: "int".into(),
+                        }]),
                         native_module: None,
                     },
-                    Frame { func: "<module>".into(), qualname: "".into(), file: "t.py".into(), lineno: 9, locals: None, native_module: None },
+                    Frame {
+                        func: "<module>".into(),
+                        qualname: "".into(),
+                        file: "t.py".into(),
+                        lineno: 9,
+                        locals: None,
+                        native_module: None,
+                    },
                 ],
-            }], counts: None };
+            }],
+            counts: None,
+        };
         let text = render(&meta, &stacks);
         let expected = "Process 9: python t.py  [rank 0, Python 3.11.7]\n\n\
                         Thread 0xff \"MainThread\" (main, tid 77)\n  \

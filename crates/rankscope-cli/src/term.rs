@@ -11,7 +11,11 @@ pub fn width() -> Option<usize> {
     if unsafe { libc::isatty(libc::STDOUT_FILENO) } != 1 {
         return None;
     }
-    if let Some(columns) = std::env::var("COLUMNS").ok().and_then(|c| c.trim().parse::<usize>().ok()).filter(|&c| c > 0) {
+    if let Some(columns) = std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.trim().parse::<usize>().ok())
+        .filter(|&c| c > 0)
+    {
         return Some(columns);
     }
     // SAFETY: TIOCGWINSZ writes one winsize into the struct we own.

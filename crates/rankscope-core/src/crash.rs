@@ -77,11 +77,17 @@ pub struct CrashRecord {
 
 /// Launchers' own processes: torchrun's console script, and the modules
 /// `python -m` runs for it (argv[0] is then the module's file).
-const LAUNCHER_SCRIPTS: [&str; 3] = ["torchrun", "torch/distributed/run.py", "torch/distributed/launch.py"];
+const LAUNCHER_SCRIPTS: [&str; 3] = [
+    "torchrun",
+    "torch/distributed/run.py",
+    "torch/distributed/launch.py",
+];
 
 /// Whether `argv` is a job launcher's command line (torchrun and kin).
 pub fn launcher_argv(argv: &[String]) -> bool {
-    let Some(first) = argv.first() else { return false };
+    let Some(first) = argv.first() else {
+        return false;
+    };
     LAUNCHER_SCRIPTS
         .iter()
         .any(|script| first == script || first.ends_with(&format!("/{script}")))
@@ -130,14 +136,19 @@ impl CrashRecord {
     /// innermost frame.
     pub fn user_location(&self) -> Option<&CrashFrame> {
         let frames = &self.last_exception()?.frames;
-        frames.iter().rev().find(|f| is_user_file(&f.file)).or_else(|| frames.last())
+        frames
+            .iter()
+            .rev()
+            .find(|f| is_user_file(&f.file))
+            .or_else(|| frames.last())
     }
 
     /// Written by a job's launcher, not by a rank of the user's program.
     /// Records from probes older than the `launcher` field: no rank (those
     /// probes wrote none only for the launcher) and a launcher's argv.
     pub fn is_launcher(&self) -> bool {
-        self.launcher.unwrap_or_else(|| self.rank.is_none() && launcher_argv(&self.argv))
+        self.launcher
+            .unwrap_or_else(|| self.rank.is_none() && launcher_argv(&self.argv))
     }
 }
 
@@ -156,7 +167,11 @@ pub fn runs_root() -> PathBuf {
 
 /// The run directory the user named (`--run`, else RANKSCOPE_RUN_DIR), if any.
 pub fn explicit_run_dir(run: Option<PathBuf>) -> Option<PathBuf> {
-    run.or_else(|| std::env::var_os(RUN_DIR_ENV).filter(|d| !d.is_empty()).map(PathBuf::from))
+    run.or_else(|| {
+        std::env::var_os(RUN_DIR_ENV)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+    })
 }
 
 /// Where to look for what processes left: the named run directory, else
@@ -166,7 +181,12 @@ pub fn run_dirs(run: Option<PathBuf>) -> Vec<PathBuf> {
         return vec![dir];
     }
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(runs_root())
-        .map(|read| read.flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect())
+        .map(|read| {
+            read.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect()
+        })
         .unwrap_or_default();
     dirs.sort();
     dirs
@@ -193,18 +213,25 @@ pub fn run_dir_of(lookup: impl Fn(&str) -> Option<String>) -> PathBuf {
         return PathBuf::from(dir);
     }
     let home = set("HOME").map(PathBuf::from).unwrap_or_else(home);
-    let job = JOB_ENVS.iter().find_map(|name| set(name)).unwrap_or_else(|| "local".to_string());
+    let job = JOB_ENVS
+        .iter()
+        .find_map(|name| set(name))
+        .unwrap_or_else(|| "local".to_string());
     home.join(".local/state/rankscope/runs").join(job)
 }
 
 /// The crash record files directly in `dir`, unsorted.
 pub fn record_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
-    files_matching(dir, |name| name.starts_with("crash-") && name.ends_with(".json"))
+    files_matching(dir, |name| {
+        name.starts_with("crash-") && name.ends_with(".json")
+    })
 }
 
 /// The faulthandler logs (`native-<pid>.log`) directly in `dir`, unsorted.
 pub fn native_logs(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
-    files_matching(dir, |name| name.starts_with("native-") && name.ends_with(".log"))
+    files_matching(dir, |name| {
+        name.starts_with("native-") && name.ends_with(".log")
+    })
 }
 
 fn files_matching(dir: &Path, wanted: impl Fn(&str) -> bool) -> std::io::Result<Vec<PathBuf>> {
@@ -264,7 +291,13 @@ mod tests {
         ] {
             assert!(!is_user_file(library), "{library}");
         }
-        for user in ["/home/u/train.py", "/home/u/lib/python3x/mine.py", "/srv/lib/python3.11x/a.py", "t.py", "<stdin>"] {
+        for user in [
+            "/home/u/train.py",
+            "/home/u/lib/python3x/mine.py",
+            "/srv/lib/python3.11x/a.py",
+            "t.py",
+            "<stdin>",
+        ] {
             assert!(is_user_file(user), "{user}");
         }
         let mut record: CrashRecord = serde_json::from_str(RECORD).unwrap();
@@ -285,7 +318,12 @@ mod tests {
         let mut record: CrashRecord = serde_json::from_str(RECORD).unwrap();
         assert!(!record.is_launcher());
         record.rank = None;
-        record.argv = vec!["/venv/bin/torchrun".into(), "--nproc-per-node".into(), "2".into(), "train.py".into()];
+        record.argv = vec![
+            "/venv/bin/torchrun".into(),
+            "--nproc-per-node".into(),
+            "2".into(),
+            "train.py".into(),
+        ];
         assert!(record.is_launcher());
         record.argv[0] = "/venv/lib/python3.11/site-packages/torch/distributed/run.py".into();
         assert!(record.is_launcher());
@@ -302,7 +340,10 @@ mod tests {
     #[test]
     fn native_log_names_carry_the_pid() {
         assert_eq!(native_log_pid(Path::new("/r/native-123.log")), Some(123));
-        assert_eq!(native_log_pid(Path::new("/r/native-123-1700000000000.log")), Some(123));
+        assert_eq!(
+            native_log_pid(Path::new("/r/native-123-1700000000000.log")),
+            Some(123)
+        );
         assert_eq!(native_log_pid(Path::new("/r/other.log")), None);
     }
 }

@@ -4,7 +4,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Seconds since the Unix epoch.
 pub fn now_seconds() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// The host name, "unknown" if the kernel will not say.
@@ -54,7 +57,8 @@ mod tests {
     #[test]
     fn the_start_time_is_read_after_the_command_name() {
         // A command name with a space and a ')' in it; starttime = 5000 ticks.
-        let stat = "77 (my (odd) proc) S 1 77 77 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 5000 1000 10";
+        let stat =
+            "77 (my (odd) proc) S 1 77 77 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 5000 1000 10";
         assert_eq!(age_from(stat, "80.25 300.00", 100), Some(30.25));
         assert_eq!(age_from("garbage", "80.25 300.00", 100), None);
     }

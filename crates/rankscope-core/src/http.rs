@@ -78,7 +78,11 @@ pub struct Response {
 
 impl Response {
     pub fn json(status: u16, body: impl Into<Vec<u8>>) -> Self {
-        Response { status, content_type: "application/json", body: body.into() }
+        Response {
+            status,
+            content_type: "application/json",
+            body: body.into(),
+        }
     }
 
     /// An error answer: `{"error": message}` with the given status.
@@ -186,7 +190,12 @@ fn content_length(headers: &[(String, String)]) -> Result<usize, HttpError> {
 
 fn collect_headers(raw: &[httparse::Header<'_>]) -> Vec<(String, String)> {
     raw.iter()
-        .map(|h| (h.name.to_string(), String::from_utf8_lossy(h.value).into_owned()))
+        .map(|h| {
+            (
+                h.name.to_string(),
+                String::from_utf8_lossy(h.value).into_owned(),
+            )
+        })
         .collect()
 }
 
@@ -206,7 +215,13 @@ pub fn read_request(stream: &mut impl Read, body_limit: usize) -> Result<Request
     let headers = collect_headers(parsed.headers);
     let length = content_length(&headers)?;
     let body = read_body(stream, buf[head_len..].to_vec(), length, body_limit)?;
-    Ok(Request { method, path: path.to_string(), query: query.to_string(), headers, body })
+    Ok(Request {
+        method,
+        path: path.to_string(),
+        query: query.to_string(),
+        headers,
+        body,
+    })
 }
 
 pub fn write_response(stream: &mut impl Write, response: &Response) -> io::Result<()> {
@@ -258,7 +273,11 @@ pub fn read_response(stream: &mut impl Read, body_limit: usize) -> Result<Respon
     let headers = collect_headers(parsed.headers);
     let length = content_length(&headers)?;
     let body = read_body(stream, buf[head_len..].to_vec(), length, body_limit)?;
-    Ok(Response { status, content_type: "application/json", body })
+    Ok(Response {
+        status,
+        content_type: "application/json",
+        body,
+    })
 }
 
 #[cfg(test)]
@@ -287,17 +306,33 @@ mod tests {
     #[test]
     fn a_read_interrupted_by_a_signal_is_retried() {
         let mut wire = Vec::new();
-        write_response(&mut wire, &Response::json(200, b"{\"interrupted\": true}".to_vec())).unwrap();
-        let mut stream = Interrupting { data: &wire, interrupt_next: true };
+        write_response(
+            &mut wire,
+            &Response::json(200, b"{\"interrupted\": true}".to_vec()),
+        )
+        .unwrap();
+        let mut stream = Interrupting {
+            data: &wire,
+            interrupt_next: true,
+        };
         let response = read_response(&mut stream, 1024).unwrap();
-        assert_eq!((response.status, response.body.as_slice()), (200, b"{\"interrupted\": true}".as_slice()));
+        assert_eq!(
+            (response.status, response.body.as_slice()),
+            (200, b"{\"interrupted\": true}".as_slice())
+        );
     }
 
     #[test]
     fn request_round_trip_keeps_path_query_and_body() {
         let mut wire = Vec::new();
-        write_request(&mut wire, "POST", "/v1/eval?x=1&locals", &[("Authorization", "Bearer t")], b"{}")
-            .unwrap();
+        write_request(
+            &mut wire,
+            "POST",
+            "/v1/eval?x=1&locals",
+            &[("Authorization", "Bearer t")],
+            b"{}",
+        )
+        .unwrap();
         let req = read_request(&mut wire.as_slice(), MAX_BODY_BYTES).unwrap();
         assert_eq!(req.method, "POST");
         assert_eq!(req.path, "/v1/eval");
@@ -332,7 +367,10 @@ mod tests {
     #[test]
     fn truncated_body_is_reported() {
         let wire = b"POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc";
-        assert!(matches!(read_request(&mut wire.as_slice(), 1024), Err(HttpError::Truncated)));
+        assert!(matches!(
+            read_request(&mut wire.as_slice(), 1024),
+            Err(HttpError::Truncated)
+        ));
     }
 
     #[test]

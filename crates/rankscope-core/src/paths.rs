@@ -41,22 +41,40 @@ pub fn endpoint_dir() -> PathBuf {
 /// Creates the endpoint directory with mode 0700, or checks that an existing
 /// one is ours; tightens its mode if someone loosened it.
 pub fn ensure_private_dir(dir: &Path) -> Result<(), DirError> {
-    let create = fs::DirBuilder::new().recursive(true).mode(0o700).create(dir);
+    let create = fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir);
     if let Err(source) = create {
-        return Err(DirError::Create { path: dir.to_path_buf(), source });
+        return Err(DirError::Create {
+            path: dir.to_path_buf(),
+            source,
+        });
     }
-    let meta = fs::symlink_metadata(dir)
-        .map_err(|source| DirError::Create { path: dir.to_path_buf(), source })?;
+    let meta = fs::symlink_metadata(dir).map_err(|source| DirError::Create {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     if !meta.is_dir() {
-        return Err(DirError::NotADirectory { path: dir.to_path_buf() });
+        return Err(DirError::NotADirectory {
+            path: dir.to_path_buf(),
+        });
     }
     let me = current_uid();
     if meta.uid() != me {
-        return Err(DirError::Foreign { path: dir.to_path_buf(), owner: meta.uid(), me });
+        return Err(DirError::Foreign {
+            path: dir.to_path_buf(),
+            owner: meta.uid(),
+            me,
+        });
     }
     if meta.mode() & 0o077 != 0 {
-        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-            .map_err(|source| DirError::Create { path: dir.to_path_buf(), source })?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(|source| {
+            DirError::Create {
+                path: dir.to_path_buf(),
+                source,
+            }
+        })?;
     }
     Ok(())
 }
@@ -80,7 +98,9 @@ pub fn inject_error_path(dir: &Path, pid: u32) -> PathBuf {
 
 /// PIDs that have a socket in `dir`, in ascending order.
 pub fn listed_pids(dir: &Path) -> Vec<u32> {
-    let Ok(entries) = fs::read_dir(dir) else { return Vec::new() };
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
     let mut pids: Vec<u32> = entries
         .filter_map(|e| e.ok())
         .filter_map(|e| {
@@ -95,7 +115,12 @@ pub fn listed_pids(dir: &Path) -> Vec<u32> {
 
 /// Removes what a dead probe left behind. Missing files are not an error.
 pub fn remove_endpoint_files(dir: &Path, pid: u32) {
-    for path in [socket_path(dir, pid), meta_path(dir, pid), token_path(dir, pid), inject_error_path(dir, pid)] {
+    for path in [
+        socket_path(dir, pid),
+        meta_path(dir, pid),
+        token_path(dir, pid),
+        inject_error_path(dir, pid),
+    ] {
         let _ = fs::remove_file(path);
     }
 }
@@ -103,7 +128,9 @@ pub fn remove_endpoint_files(dir: &Path, pid: u32) {
 /// Whether a process with this PID runs (it may belong to someone else).
 /// A zombie, exited but not yet reaped by its parent, does not.
 pub fn pid_alive(pid: u32) -> bool {
-    let Ok(pid) = i32::try_from(pid) else { return false };
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
     if pid <= 0 {
         return false;
     }
@@ -116,8 +143,12 @@ pub fn pid_alive(pid: u32) -> bool {
 fn is_zombie(pid: i32) -> bool {
     // The state follows the command name, which is in parentheses and may
     // itself hold spaces or parentheses.
-    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) == Some("Z")
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        == Some("Z")
 }
 
 #[cfg(test)]
@@ -125,7 +156,8 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("rankscope-core-test-{name}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("rankscope-core-test-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         dir
     }

@@ -149,14 +149,24 @@ impl StacksQuery {
         if self.all_frames {
             params.push("all_frames=1".to_string());
         }
-        if params.is_empty() { "/v1/stacks".to_string() } else { format!("/v1/stacks?{}", params.join("&")) }
+        if params.is_empty() {
+            "/v1/stacks".to_string()
+        } else {
+            format!("/v1/stacks?{}", params.join("&"))
+        }
     }
 }
 
 fn percent_encode(value: &str) -> String {
     value
         .bytes()
-        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
         .collect()
 }
 
@@ -187,7 +197,14 @@ pub struct EvalRequest {
 impl EvalRequest {
     /// Code to run in `__main__`.
     pub fn new(code: impl Into<String>, timeout_s: f64) -> EvalRequest {
-        EvalRequest { code: code.into(), timeout_s, check_only: false, id: None, thread: None, frame: None }
+        EvalRequest {
+            code: code.into(),
+            timeout_s,
+            check_only: false,
+            id: None,
+            thread: None,
+            frame: None,
+        }
     }
 
     /// The same request aimed at a thread and frame (None, None: `__main__`).
@@ -273,13 +290,21 @@ pub struct ProbeTableReply {
 }
 
 /// The request path for a probe table; `filters` are `[column, op, value]`.
-pub fn probe_table_path(name: &str, columns: Option<&[&str]>, filters: &[serde_json::Value], count: bool) -> String {
+pub fn probe_table_path(
+    name: &str,
+    columns: Option<&[&str]>,
+    filters: &[serde_json::Value],
+    count: bool,
+) -> String {
     let mut path = format!("/v1/table?name={}", percent_encode(name));
     if let Some(columns) = columns {
         path.push_str(&format!("&columns={}", percent_encode(&columns.join(","))));
     }
     if !filters.is_empty() {
-        path.push_str(&format!("&filter={}", percent_encode(&serde_json::Value::from(filters.to_vec()).to_string())));
+        path.push_str(&format!(
+            "&filter={}",
+            percent_encode(&serde_json::Value::from(filters.to_vec()).to_string())
+        ));
     }
     if count {
         path.push_str("&count=1");

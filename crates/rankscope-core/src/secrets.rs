@@ -1,6 +1,15 @@
 //! Which environment values must never leave the target in clear.
 
-const SECRET_MARKERS: &[&str] = &["TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "COOKIE"];
+const SECRET_MARKERS: &[&str] = &[
+    "TOKEN",
+    "KEY",
+    "SECRET",
+    "PASSWORD",
+    "PASSWD",
+    "CREDENTIAL",
+    "AUTH",
+    "COOKIE",
+];
 
 /// Shown instead of a secret's value.
 pub const HIDDEN: &str = "<hidden>";
@@ -18,7 +27,13 @@ mod tests {
 
     #[test]
     fn common_secret_names_are_caught_case_insensitively() {
-        for name in ["HF_TOKEN", "aws_secret_access_key", "DB_PASSWORD", "GOOGLE_APPLICATION_CREDENTIALS", "WANDB_API_KEY"] {
+        for name in [
+            "HF_TOKEN",
+            "aws_secret_access_key",
+            "DB_PASSWORD",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+            "WANDB_API_KEY",
+        ] {
             assert!(looks_secret(name), "{name}");
         }
     }

@@ -34,8 +34,12 @@ const fn col(name: &'static str, ty: ColumnType) -> Column {
 use ColumnType::*;
 
 /// Columns every table starts with.
-pub const IDENTITY_COLUMNS: [Column; 4] =
-    [col("pid", Int64), col("rank", Int64), col("host", Utf8), col("ts", Timestamp)];
+pub const IDENTITY_COLUMNS: [Column; 4] = [
+    col("pid", Int64),
+    col("rank", Int64),
+    col("host", Utf8),
+    col("ts", Timestamp),
+];
 
 #[derive(Debug, Clone, Copy)]
 pub struct TableDef {
@@ -52,7 +56,10 @@ impl TableDef {
     }
 
     pub fn all_columns(&self) -> impl Iterator<Item = Column> + '_ {
-        IDENTITY_COLUMNS.iter().copied().chain(self.columns.iter().copied())
+        IDENTITY_COLUMNS
+            .iter()
+            .copied()
+            .chain(self.columns.iter().copied())
     }
 }
 
@@ -190,7 +197,8 @@ pub const TORCH_TRACE: TableDef = TableDef {
 pub const TORCH_STEPS: TableDef = TableDef {
     schema: "python",
     name: "torch_steps",
-    description: "one row per training step while the torch trace is on; the phases on sampled steps only",
+    description:
+        "one row per training step while the torch trace is on; the phases on sampled steps only",
     columns: &[
         col("step", Int64),
         col("sampled", Bool),
@@ -330,13 +338,28 @@ pub const TENSORS: TableDef = TableDef {
 pub const OBJECTS: TableDef = TableDef {
     schema: "python",
     name: "objects",
-    description: "Python objects by type, found on demand: count, size, and growth since the last look",
-    columns: &[col("type", Utf8), col("count", Int64), col("mb", Float64), col("count_growth", Int64), col("mb_growth", Float64)],
+    description:
+        "Python objects by type, found on demand: count, size, and growth since the last look",
+    columns: &[
+        col("type", Utf8),
+        col("count", Int64),
+        col("mb", Float64),
+        col("count_growth", Int64),
+        col("mb_growth", Float64),
+    ],
 };
 
 /// Tables whose rows a probe keeps itself (bounded rings), read through
 /// `GET /v1/table?name=...`.
-pub const PROBE_TABLES: &[TableDef] = &[TORCH_TRACE, TORCH_STEPS, NAN_EVENTS, GRAD_STATS, ACTIVATION_STATS, COLLECTIVES, MEMORY];
+pub const PROBE_TABLES: &[TableDef] = &[
+    TORCH_TRACE,
+    TORCH_STEPS,
+    NAN_EVENTS,
+    GRAD_STATS,
+    ACTIVATION_STATS,
+    COLLECTIVES,
+    MEMORY,
+];
 
 pub const ALL_TABLES: &[TableDef] = &[
     BACKTRACE,
@@ -358,7 +381,9 @@ pub const ALL_TABLES: &[TableDef] = &[
 ];
 
 pub fn is_probe_table(def: &TableDef) -> bool {
-    PROBE_TABLES.iter().any(|t| t.schema == def.schema && t.name == def.name)
+    PROBE_TABLES
+        .iter()
+        .any(|t| t.schema == def.schema && t.name == def.name)
 }
 
 /// A probe table's rows as the probe sends them: its own column names
@@ -366,15 +391,26 @@ pub fn is_probe_table(def: &TableDef) -> bool {
 /// probe's metadata. Columns the table does not know are dropped, and
 /// those the probe did not send are null.
 pub fn probe_table_rows(def: &TableDef, meta: &ProcessMeta, reply: &ProbeTableReply) -> Rows {
-    let index: Vec<Option<usize>> = def.columns.iter().map(|c| reply.columns.iter().position(|n| n == c.name)).collect();
+    let index: Vec<Option<usize>> = def
+        .columns
+        .iter()
+        .map(|c| reply.columns.iter().position(|n| n == c.name))
+        .collect();
     let ts = reply.columns.iter().position(|n| n == "ts");
     reply
         .rows
         .iter()
         .map(|cells| {
-            let at = ts.and_then(|i| cells.get(i)).and_then(Value::as_f64).unwrap_or(0.0);
+            let at = ts
+                .and_then(|i| cells.get(i))
+                .and_then(Value::as_f64)
+                .unwrap_or(0.0);
             let mut row = identity(meta, at).to_vec();
-            row.extend(index.iter().map(|i| i.and_then(|i| cells.get(i)).cloned().unwrap_or(Value::Null)));
+            row.extend(
+                index
+                    .iter()
+                    .map(|i| i.and_then(|i| cells.get(i)).cloned().unwrap_or(Value::Null)),
+            );
             row
         })
         .collect()
@@ -396,7 +432,12 @@ fn micros(seconds: f64) -> Value {
 
 /// The columns every row of one process shares at one moment.
 pub fn identity(meta: &ProcessMeta, taken_at: f64) -> [Value; 4] {
-    [json!(meta.pid), json!(meta.rank), json!(meta.host), micros(taken_at)]
+    [
+        json!(meta.pid),
+        json!(meta.rank),
+        json!(meta.host),
+        micros(taken_at),
+    ]
 }
 
 fn as_i64(v: u64) -> Value {
@@ -419,7 +460,11 @@ pub fn backtrace_rows(meta: &ProcessMeta, stacks: &StacksReply) -> Rows {
                 json!(frame.qualname),
                 json!(frame.file),
                 json!(frame.lineno),
-                json!(if frame.is_native() { "Native" } else { "Python" }),
+                json!(if frame.is_native() {
+                    "Native"
+                } else {
+                    "Python"
+                }),
             ]);
             rows.push(row);
         }
@@ -510,7 +555,14 @@ mod tests {
     }
 
     fn frame(func: &str, lineno: i64) -> Frame {
-        Frame { func: func.into(), qualname: func.into(), file: "t.py".into(), lineno, locals: None, native_module: None }
+        Frame {
+            func: func.into(),
+            qualname: func.into(),
+            file: "t.py".into(),
+            lineno,
+            locals: None,
+            native_module: None,
+        }
     }
 
     fn stacks() -> StacksReply {
@@ -535,14 +587,22 @@ mod tests {
                     holds_gil: None,
                     frames: vec![],
                 },
-            ], counts: None }
+            ],
+            counts: None,
+        }
     }
 
     #[test]
     fn every_row_matches_its_schema_width() {
         let m = meta();
         let s = stacks();
-        let env = EnvReply { vars: vec![EnvVar { name: "A".into(), value: "b".into(), hidden: false }] };
+        let env = EnvReply {
+            vars: vec![EnvVar {
+                name: "A".into(),
+                value: "b".into(),
+                hidden: false,
+            }],
+        };
         for (def, rows) in [
             (BACKTRACE, backtrace_rows(&m, &s)),
             (THREADS, threads_rows(&m, &s)),
@@ -551,7 +611,12 @@ mod tests {
         ] {
             assert!(!rows.is_empty());
             for row in rows {
-                assert_eq!(row.len(), def.all_columns().count(), "{}", def.qualified_name());
+                assert_eq!(
+                    row.len(),
+                    def.all_columns().count(),
+                    "{}",
+                    def.qualified_name()
+                );
             }
         }
     }
@@ -578,7 +643,12 @@ mod tests {
     #[test]
     fn probe_table_rows_follow_the_schema_by_column_name() {
         let reply = ProbeTableReply {
-            columns: vec!["ts".into(), "module".into(), "step".into(), "unknown".into()],
+            columns: vec![
+                "ts".into(),
+                "module".into(),
+                "step".into(),
+                "unknown".into(),
+            ],
             rows: vec![vec![json!(101.5), json!("fc1"), json!(4), json!("x")]],
             count: None,
         };

@@ -50,12 +50,17 @@ pub enum InjectError {
     Faulted { pid: u32, address: u64 },
     #[error("the target could not load {library}: {message}")]
     Dlopen { library: PathBuf, message: String },
-    #[error("{library} does not export {ENTRY_SYMBOL}: not a rankscope probe library of this version")]
+    #[error(
+        "{library} does not export {ENTRY_SYMBOL}: not a rankscope probe library of this version"
+    )]
     NoEntry { library: PathBuf },
     #[error("the probe library refused to start its bootstrap thread (code {0})")]
     EntryFailed(u64),
     #[error("cannot read {what}: {source}")]
-    Io { what: String, source: std::io::Error },
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
     #[error("cannot parse {path}: {message}")]
     Elf { path: PathBuf, message: String },
 }
@@ -83,19 +88,31 @@ pub fn python_in(pid: u32) -> Result<PythonInfo, InjectError> {
     }
     let modules = maps::modules(pid)?;
     // libpython first (a shared build), then the executable (a static one).
-    let mut candidates: Vec<&Module> = modules.iter().filter(|m| m.file_name().starts_with("libpython3")).collect();
+    let mut candidates: Vec<&Module> = modules
+        .iter()
+        .filter(|m| m.file_name().starts_with("libpython3"))
+        .collect();
     candidates.extend(modules.iter().take(1));
     for module in candidates {
-        let Ok(symbols) = module.symbols(pid, &[PYTHON_SYMBOL, VERSION_SYMBOL]) else { continue };
+        let Ok(symbols) = module.symbols(pid, &[PYTHON_SYMBOL, VERSION_SYMBOL]) else {
+            continue;
+        };
         if !symbols.contains_key(PYTHON_SYMBOL) {
             continue;
         }
         let Some(&address) = symbols.get(VERSION_SYMBOL) else {
-            return Err(InjectError::TooOld { pid, version: "older than 3.11".into() });
+            return Err(InjectError::TooOld {
+                pid,
+                version: "older than 3.11".into(),
+            });
         };
         let hex = read_u32(pid, address)?;
         let version = format!("{}.{}.{}", hex >> 24, (hex >> 16) & 0xff, (hex >> 8) & 0xff);
-        return Ok(PythonInfo { version, hex, module: module.path.clone() });
+        return Ok(PythonInfo {
+            version,
+            hex,
+            module: module.path.clone(),
+        });
     }
     Err(InjectError::NotPython(pid))
 }
@@ -105,7 +122,10 @@ fn read_u32(pid: u32, address: u64) -> Result<u32, InjectError> {
     let mut buf = [0u8; 4];
     std::fs::File::open(format!("/proc/{pid}/mem"))
         .and_then(|f| f.read_exact_at(&mut buf, address))
-        .map_err(|e| InjectError::Io { what: format!("/proc/{pid}/mem"), source: e })?;
+        .map_err(|e| InjectError::Io {
+            what: format!("/proc/{pid}/mem"),
+            source: e,
+        })?;
     Ok(u32::from_ne_bytes(buf))
 }
 
@@ -118,7 +138,12 @@ pub struct Timings {
 
 /// Loads `library` into `pid` and calls its entry with `package_dir`, the
 /// directory the bootstrap puts first on `sys.path` to import `rankscope`.
-pub fn load_probe(pid: u32, library: &Path, package_dir: &Path, timeout: Duration) -> Result<Timings, InjectError> {
+pub fn load_probe(
+    pid: u32,
+    library: &Path,
+    package_dir: &Path,
+    timeout: Duration,
+) -> Result<Timings, InjectError> {
     let modules = maps::modules(pid)?;
     let libc = maps::libc(&modules).ok_or(InjectError::NoDlopen(pid))?;
     let mut symbols = libc.symbols(pid, &["dlopen", "dlsym", "dlerror"])?;
@@ -144,7 +169,11 @@ pub fn load_probe(pid: u32, library: &Path, package_dir: &Path, timeout: Duratio
     let entry_name_at = thread.push_bytes(format!("{ENTRY_SYMBOL}\0").as_bytes())?;
     let package_at = thread.push_bytes(&c_string(package_dir))?;
 
-    let handle = thread.call(dlopen, &[library_at, (libc::RTLD_NOW | libc::RTLD_LOCAL) as u64], timeout)?;
+    let handle = thread.call(
+        dlopen,
+        &[library_at, (libc::RTLD_NOW | libc::RTLD_LOCAL) as u64],
+        timeout,
+    )?;
     if handle == 0 {
         let message = match dlerror {
             Some(f) => match thread.call(f, &[], timeout)? {
@@ -153,16 +182,24 @@ pub fn load_probe(pid: u32, library: &Path, package_dir: &Path, timeout: Duratio
             },
             None => "dlopen failed".to_string(),
         };
-        return Err(InjectError::Dlopen { library: library.to_path_buf(), message });
+        return Err(InjectError::Dlopen {
+            library: library.to_path_buf(),
+            message,
+        });
     }
     let entry = thread.call(dlsym, &[handle, entry_name_at], timeout)?;
     if entry == 0 {
-        return Err(InjectError::NoEntry { library: library.to_path_buf() });
+        return Err(InjectError::NoEntry {
+            library: library.to_path_buf(),
+        });
     }
     let code = thread.call(entry, &[package_at], timeout)? as u32 as u64;
     thread.release()?;
     if code != 0 {
         return Err(InjectError::EntryFailed(code));
     }
-    Ok(Timings { borrowed_thread: tid, held: started.elapsed() })
+    Ok(Timings {
+        borrowed_thread: tid,
+        held: started.elapsed(),
+    })
 }

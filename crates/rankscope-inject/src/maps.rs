@@ -19,25 +19,38 @@ pub struct Module {
 }
 
 pub fn modules(pid: u32) -> Result<Vec<Module>, InjectError> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => InjectError::NoProcess(pid),
-        _ => InjectError::Io { what: format!("/proc/{pid}/maps"), source: e },
-    })?;
+    let text =
+        std::fs::read_to_string(format!("/proc/{pid}/maps")).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => InjectError::NoProcess(pid),
+            _ => InjectError::Io {
+                what: format!("/proc/{pid}/maps"),
+                source: e,
+            },
+        })?;
     let mut starts: HashMap<PathBuf, u64> = HashMap::new();
     let mut order = Vec::new();
     for line in text.lines() {
         let mut fields = line.split_whitespace();
-        let (Some(range), Some(_perms), Some(offset), Some(_dev), Some(_inode)) =
-            (fields.next(), fields.next(), fields.next(), fields.next(), fields.next())
-        else {
+        let (Some(range), Some(_perms), Some(offset), Some(_dev), Some(_inode)) = (
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+        ) else {
             continue;
         };
         let path: String = fields.collect::<Vec<_>>().join(" ");
         if !path.starts_with('/') || path.ends_with(" (deleted)") {
             continue;
         }
-        let (Some(start), Ok(0)) = (range.split('-').next().and_then(|s| u64::from_str_radix(s, 16).ok()), u64::from_str_radix(offset, 16))
-        else {
+        let (Some(start), Ok(0)) = (
+            range
+                .split('-')
+                .next()
+                .and_then(|s| u64::from_str_radix(s, 16).ok()),
+            u64::from_str_radix(offset, 16),
+        ) else {
             continue;
         };
         let path = PathBuf::from(path);
@@ -47,25 +60,47 @@ pub fn modules(pid: u32) -> Result<Vec<Module>, InjectError> {
         let entry = starts.entry(path).or_insert(start);
         *entry = (*entry).min(start);
     }
-    Ok(order.into_iter().map(|path| Module { map_start: starts[&path], path }).collect())
+    Ok(order
+        .into_iter()
+        .map(|path| Module {
+            map_start: starts[&path],
+            path,
+        })
+        .collect())
 }
 
 impl Module {
     pub fn file_name(&self) -> &str {
-        self.path.file_name().and_then(|n| n.to_str()).unwrap_or_default()
+        self.path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
     }
 
     /// Run-time addresses of the named dynamic symbols (those found).
     pub fn symbols(&self, pid: u32, names: &[&str]) -> Result<HashMap<String, u64>, InjectError> {
         // Through the target's root, so a process in another mount namespace
         // (a container) is read from its own files.
-        let in_root = Path::new(&format!("/proc/{pid}/root")).join(self.path.strip_prefix("/").unwrap_or(&self.path));
+        let in_root = Path::new(&format!("/proc/{pid}/root"))
+            .join(self.path.strip_prefix("/").unwrap_or(&self.path));
         let bytes = std::fs::read(&in_root)
             .or_else(|_| std::fs::read(&self.path))
-            .map_err(|e| InjectError::Io { what: self.path.display().to_string(), source: e })?;
-        let elf = Elf::parse(&bytes).map_err(|e| InjectError::Elf { path: self.path.clone(), message: e.to_string() })?;
+            .map_err(|e| InjectError::Io {
+                what: self.path.display().to_string(),
+                source: e,
+            })?;
+        let elf = Elf::parse(&bytes).map_err(|e| InjectError::Elf {
+            path: self.path.clone(),
+            message: e.to_string(),
+        })?;
         let page = 4096u64;
-        let first_load = elf.program_headers.iter().filter(|h| h.p_type == PT_LOAD).map(|h| h.p_vaddr & !(page - 1)).min().unwrap_or(0);
+        let first_load = elf
+            .program_headers
+            .iter()
+            .filter(|h| h.p_type == PT_LOAD)
+            .map(|h| h.p_vaddr & !(page - 1))
+            .min()
+            .unwrap_or(0);
         let base = self.map_start.wrapping_sub(first_load);
         let mut found = HashMap::new();
         for sym in elf.dynsyms.iter() {
@@ -95,5 +130,7 @@ pub fn libc(modules: &[Module]) -> Option<&Module> {
 
 /// glibc before 2.34 keeps dlopen in libdl.
 pub fn libdl(modules: &[Module]) -> Option<&Module> {
-    modules.iter().find(|m| m.file_name().starts_with("libdl.so") || m.file_name().starts_with("libdl-2."))
+    modules
+        .iter()
+        .find(|m| m.file_name().starts_with("libdl.so") || m.file_name().starts_with("libdl-2."))
 }

@@ -52,7 +52,10 @@ pub struct Hijack {
 fn ptrace_error(pid: u32, tid: i32, errno: Errno) -> InjectError {
     match errno {
         Errno::ESRCH => InjectError::Exited(pid),
-        Errno::EPERM | Errno::EACCES => InjectError::Denied { pid, tracer: tracer_of(pid, tid) },
+        Errno::EPERM | Errno::EACCES => InjectError::Denied {
+            pid,
+            tracer: tracer_of(pid, tid),
+        },
         other => InjectError::Ptrace { pid, errno: other },
     }
 }
@@ -61,7 +64,11 @@ fn ptrace_error(pid: u32, tid: i32, errno: Errno) -> InjectError {
 fn tracer_of(pid: u32, tid: i32) -> Option<u32> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("TracerPid:"))?;
-    line.split_whitespace().nth(1)?.parse().ok().filter(|&p| p != 0)
+    line.split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+        .filter(|&p| p != 0)
 }
 
 /// The syscall a thread sits in without stopping it, from `/proc`: None
@@ -103,7 +110,10 @@ impl Hijack {
             tid: thread,
             // Filled in once stopped; until then there is nothing to restore.
             saved: unsafe { std::mem::zeroed() },
-            mem: File::open("/dev/null").map_err(|e| InjectError::Io { what: "/dev/null".into(), source: e })?,
+            mem: File::open("/dev/null").map_err(|e| InjectError::Io {
+                what: "/dev/null".into(),
+                source: e,
+            })?,
             scratch: 0,
             original: Vec::new(),
             used: 0,
@@ -126,7 +136,10 @@ impl Hijack {
             .read(true)
             .write(true)
             .open(format!("/proc/{pid}/task/{tid}/mem"))
-            .map_err(|e| InjectError::Io { what: format!("/proc/{pid}/mem"), source: e })?;
+            .map_err(|e| InjectError::Io {
+                what: format!("/proc/{pid}/mem"),
+                source: e,
+            })?;
         hijack.scratch = (hijack.saved.rsp - STACK_GAP) & !0xf;
         Ok(hijack)
     }
@@ -158,12 +171,16 @@ impl Hijack {
                     }
                     std::thread::sleep(Duration::from_micros(200));
                 }
-                Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)) | Err(Errno::ECHILD | Errno::ESRCH) => {
-                    return Err(InjectError::Exited(self.pid))
-                }
+                Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..))
+                | Err(Errno::ECHILD | Errno::ESRCH) => return Err(InjectError::Exited(self.pid)),
                 Ok(status) => return Ok(status),
                 Err(Errno::EINTR) => continue,
-                Err(e) => return Err(InjectError::Ptrace { pid: self.pid, errno: e }),
+                Err(e) => {
+                    return Err(InjectError::Ptrace {
+                        pid: self.pid,
+                        errno: e,
+                    })
+                }
             }
         }
     }
@@ -174,11 +191,15 @@ impl Hijack {
         let len = (bytes.len() as u64 + 15) & !15;
         let addr = self.scratch - self.used - len;
         let mut before = vec![0u8; len as usize];
-        self.mem.read_exact_at(&mut before, addr).map_err(|e| self.memory_error(e))?;
+        self.mem
+            .read_exact_at(&mut before, addr)
+            .map_err(|e| self.memory_error(e))?;
         // Kept in address order, lowest first, so one write restores all.
         before.extend_from_slice(&self.original);
         self.original = before;
-        self.mem.write_all_at(bytes, addr).map_err(|e| self.memory_error(e))?;
+        self.mem
+            .write_all_at(bytes, addr)
+            .map_err(|e| self.memory_error(e))?;
         self.used += len;
         Ok(addr)
     }
@@ -195,25 +216,42 @@ impl Hijack {
         if !std::path::Path::new(&format!("/proc/{}", self.pid)).exists() {
             return InjectError::Exited(self.pid);
         }
-        InjectError::Io { what: format!("/proc/{}/mem", self.pid), source: e }
+        InjectError::Io {
+            what: format!("/proc/{}/mem", self.pid),
+            source: e,
+        }
     }
 
     /// Calls `function(args...)` (System V x86-64, up to 6 integer
     /// arguments) on the borrowed thread and returns `rax`.
-    pub fn call(&mut self, function: u64, args: &[u64], timeout: Duration) -> Result<u64, InjectError> {
+    pub fn call(
+        &mut self,
+        function: u64,
+        args: &[u64],
+        timeout: Duration,
+    ) -> Result<u64, InjectError> {
         let (pid, tid) = (self.pid, self.tid.as_raw());
         let mut regs = self.saved;
         let stack = (self.scratch - self.used - 256) & !0xf;
         // A `call` pushes the return address, so at entry rsp % 16 == 8.
         let return_slot = stack - 8;
-        self.mem.write_all_at(&0u64.to_ne_bytes(), return_slot).map_err(|e| self.memory_error(e))?;
+        self.mem
+            .write_all_at(&0u64.to_ne_bytes(), return_slot)
+            .map_err(|e| self.memory_error(e))?;
         regs.rsp = return_slot;
         regs.rip = function;
         regs.rax = 0;
         // Not in a syscall any more: keeps the kernel from "restarting" one
         // by moving rip back when the thread resumes.
         regs.orig_rax = u64::MAX;
-        let slots = [&mut regs.rdi, &mut regs.rsi, &mut regs.rdx, &mut regs.rcx, &mut regs.r8, &mut regs.r9];
+        let slots = [
+            &mut regs.rdi,
+            &mut regs.rsi,
+            &mut regs.rdx,
+            &mut regs.rcx,
+            &mut regs.r8,
+            &mut regs.r9,
+        ];
         for (slot, value) in slots.into_iter().zip(args) {
             *slot = *value;
         }
@@ -230,11 +268,16 @@ impl Hijack {
                     if now.rip == 0 {
                         return Ok(now.rax);
                     }
-                    return Err(InjectError::Faulted { pid, address: now.rip });
+                    return Err(InjectError::Faulted {
+                        pid,
+                        address: now.rip,
+                    });
                 }
                 // The target's own signals reach its handlers on top of our
                 // call, which then goes on.
-                WaitStatus::Stopped(_, signal) => ptrace::cont(self.tid, signal).map_err(|e| ptrace_error(pid, tid, e))?,
+                WaitStatus::Stopped(_, signal) => {
+                    ptrace::cont(self.tid, signal).map_err(|e| ptrace_error(pid, tid, e))?
+                }
                 _ => ptrace::cont(self.tid, None).map_err(|e| ptrace_error(pid, tid, e))?,
             }
             self.running = true;
@@ -259,7 +302,10 @@ impl Hijack {
             self.running = false;
             let _ = ptrace::interrupt(self.tid);
             let deadline = Instant::now() + Duration::from_secs(2);
-            while !matches!(self.wait(deadline), Ok(WaitStatus::PtraceEvent(..) | WaitStatus::Stopped(..)) | Err(_)) {}
+            while !matches!(
+                self.wait(deadline),
+                Ok(WaitStatus::PtraceEvent(..) | WaitStatus::Stopped(..)) | Err(_)
+            ) {}
         }
         if !self.original.is_empty() {
             let start = self.scratch - self.used;

@@ -16,7 +16,10 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum MemoryError {
     #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path} has no {field} line")]
     Missing { path: PathBuf, field: &'static str },
 }
@@ -51,7 +54,10 @@ fn kb_field(text: &str, field: &str) -> Option<u64> {
 }
 
 fn need(text: &str, path: &std::path::Path, field: &'static str) -> Result<u64, MemoryError> {
-    kb_field(text, field).ok_or_else(|| MemoryError::Missing { path: path.to_path_buf(), field })
+    kb_field(text, field).ok_or_else(|| MemoryError::Missing {
+        path: path.to_path_buf(),
+        field,
+    })
 }
 
 /// What `/proc/PID/status` says (RSS, its peak, swap): about 20 µs to
@@ -90,7 +96,11 @@ mod tests {
     #[test]
     fn fields_are_read_in_bytes() {
         let text = "Rss:                2048 kB\nPss:                1024 kB\nPss_Anon:  4 kB\nSwap:  0 kB\n";
-        assert_eq!(kb_field(text, "Pss"), Some(1024 * 1024), "Pss, not Pss_Anon");
+        assert_eq!(
+            kb_field(text, "Pss"),
+            Some(1024 * 1024),
+            "Pss, not Pss_Anon"
+        );
         assert_eq!(kb_field(text, "Rss"), Some(2048 * 1024));
         assert_eq!(kb_field(text, "Private_Dirty"), None);
     }
@@ -98,16 +108,27 @@ mod tests {
     #[test]
     fn this_process_is_read_and_grows_when_it_touches_memory() {
         let before = read_process(std::process::id()).unwrap();
-        assert!(before.rss > 0 && before.uss > 0 && before.uss <= before.rss && before.rss <= before.rss_peak);
+        assert!(
+            before.rss > 0
+                && before.uss > 0
+                && before.uss <= before.rss
+                && before.rss <= before.rss_peak
+        );
         let block = std::hint::black_box(vec![1u8; 64 << 20]);
         let after = read_process(std::process::id()).unwrap();
-        assert!(after.uss >= before.uss + (60 << 20), "{before:?} -> {after:?}");
+        assert!(
+            after.uss >= before.uss + (60 << 20),
+            "{before:?} -> {after:?}"
+        );
         drop(block);
     }
 
     #[test]
     fn a_process_that_is_not_there_says_which_file() {
         let err = read_process(u32::MAX).unwrap_err().to_string();
-        assert!(err.starts_with("cannot read /proc/4294967295/status"), "{err}");
+        assert!(
+            err.starts_with("cannot read /proc/4294967295/status"),
+            "{err}"
+        );
     }
 }

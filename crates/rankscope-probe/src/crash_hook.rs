@@ -33,7 +33,11 @@ fn add_audit_hook_fn() -> Option<AddAuditHook> {
     (!symbol.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, AddAuditHook>(symbol) })
 }
 
-unsafe extern "C" fn on_audit(event: *const c_char, args: *mut ffi::PyObject, _: *mut c_void) -> c_int {
+unsafe extern "C" fn on_audit(
+    event: *const c_char,
+    args: *mut ffi::PyObject,
+    _: *mut c_void,
+) -> c_int {
     // Every audited operation of the program passes here: answer fast.
     if !ENABLED.load(Ordering::Relaxed) || event.is_null() || args.is_null() {
         return 0;
@@ -46,7 +50,9 @@ unsafe extern "C" fn on_audit(event: *const c_char, args: *mut ffi::PyObject, _:
     Python::attach(|py| {
         // SAFETY: `args` is a tuple CPython owns for the duration of this call.
         let args = unsafe { Bound::from_borrowed_ptr(py, args) };
-        let outcome = py.import("rankscope._probe.crashes").and_then(|m| m.call_method1("on_uncaught", (args,)));
+        let outcome = py
+            .import("rankscope._probe.crashes")
+            .and_then(|m| m.call_method1("on_uncaught", (args,)));
         // The error is taken out of the thread state by PyO3 and dropped here:
         // a failing recorder must not change what the program's hook prints.
         drop(outcome);
@@ -60,7 +66,9 @@ unsafe extern "C" fn on_audit(event: *const c_char, args: *mut ffi::PyObject, _:
 #[pyfunction]
 pub fn enable_crash_hook(py: Python<'_>) -> bool {
     let installed = *INSTALLED.get_or_init(|| {
-        let Some(add) = add_audit_hook_fn() else { return false };
+        let Some(add) = add_audit_hook_fn() else {
+            return false;
+        };
         // SAFETY: called with the GIL held; on_audit has the hook signature.
         let status = unsafe { add(on_audit, std::ptr::null_mut()) };
         if status != 0 {

@@ -52,9 +52,20 @@ pub fn arm(seconds: f64, exception: Py<PyAny>, eval_id: Option<String>) -> u64 {
     st.next_token += 1;
     let token = st.next_token;
     let deadline = Instant::now() + Duration::from_secs_f64(seconds.clamp(0.0, 86_400.0));
-    st.entries.insert(token, Entry { thread_ident, deadline, exception, fired: false, eval_id });
+    st.entries.insert(
+        token,
+        Entry {
+            thread_ident,
+            deadline,
+            exception,
+            fired: false,
+            eval_id,
+        },
+    );
     if !st.watchdog_started {
-        let spawned = std::thread::Builder::new().name("rankscope-deadline".into()).spawn(watchdog);
+        let spawned = std::thread::Builder::new()
+            .name("rankscope-deadline".into())
+            .spawn(watchdog);
         st.watchdog_started = spawned.is_ok();
     }
     wake.notify_one();
@@ -70,7 +81,12 @@ pub fn disarm(token: u64) -> bool {
         Some(entry) => {
             if entry.fired {
                 // SAFETY: called with the GIL held (from Python); NULL clears.
-                unsafe { pyo3::ffi::PyThreadState_SetAsyncExc(entry.thread_ident as _, std::ptr::null_mut()) };
+                unsafe {
+                    pyo3::ffi::PyThreadState_SetAsyncExc(
+                        entry.thread_ident as _,
+                        std::ptr::null_mut(),
+                    )
+                };
             }
             entry.fired
         }
@@ -84,7 +100,13 @@ pub fn disarm(token: u64) -> bool {
 pub fn interrupt(_py: Python<'_>, eval_id: &str, exception: &Bound<'_, PyAny>) -> bool {
     let (lock, _) = state();
     let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(entry) = st.entries.values_mut().find(|e| e.eval_id.as_deref() == Some(eval_id)) else { return false };
+    let Some(entry) = st
+        .entries
+        .values_mut()
+        .find(|e| e.eval_id.as_deref() == Some(eval_id))
+    else {
+        return false;
+    };
     if entry.fired {
         return false;
     }
@@ -114,13 +136,20 @@ fn watchdog() {
             let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 let now = Instant::now();
-                let next = st.entries.iter().filter(|(_, e)| !e.fired).min_by_key(|(_, e)| e.deadline);
+                let next = st
+                    .entries
+                    .iter()
+                    .filter(|(_, e)| !e.fired)
+                    .min_by_key(|(_, e)| e.deadline);
                 match next {
                     None => st = wake.wait(st).unwrap_or_else(|e| e.into_inner()),
                     Some((token, e)) if e.deadline <= now => break Some(*token),
                     Some((_, e)) => {
                         let wait = e.deadline - now;
-                        st = wake.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner()).0;
+                        st = wake
+                            .wait_timeout(st, wait)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
                     }
                 }
             }
@@ -133,7 +162,10 @@ fn watchdog() {
                     entry.fired = true;
                     // SAFETY: GIL held; the exception type is kept alive by the entry.
                     unsafe {
-                        pyo3::ffi::PyThreadState_SetAsyncExc(entry.thread_ident as _, entry.exception.as_ptr());
+                        pyo3::ffi::PyThreadState_SetAsyncExc(
+                            entry.thread_ident as _,
+                            entry.exception.as_ptr(),
+                        );
                     }
                 }
             }

@@ -29,7 +29,12 @@ use pyo3::types::PyList;
 const TRACE_LINE: c_int = 2;
 const TRACE_RETURN: c_int = 3;
 
-type TraceFunc = unsafe extern "C" fn(*mut ffi::PyObject, *mut ffi::PyObject, c_int, *mut ffi::PyObject) -> c_int;
+type TraceFunc = unsafe extern "C" fn(
+    *mut ffi::PyObject,
+    *mut ffi::PyObject,
+    c_int,
+    *mut ffi::PyObject,
+) -> c_int;
 type SetTrace = unsafe extern "C" fn(*mut c_void, Option<TraceFunc>, *mut ffi::PyObject) -> c_int;
 
 // Not in the limited API, present in every CPython this probe supports.
@@ -92,7 +97,12 @@ unsafe fn untrace_current_thread() {
     }
 }
 
-unsafe extern "C" fn trampoline(state: *mut ffi::PyObject, frame: *mut ffi::PyObject, what: c_int, _arg: *mut ffi::PyObject) -> c_int {
+unsafe extern "C" fn trampoline(
+    state: *mut ffi::PyObject,
+    frame: *mut ffi::PyObject,
+    what: c_int,
+    _arg: *mut ffi::PyObject,
+) -> c_int {
     // SAFETY: the caller holds the GIL; every pointer comes from CPython.
     unsafe {
         if ffi::PyList_GetItem(state, 0) != ffi::Py_True() {
@@ -117,7 +127,11 @@ unsafe extern "C" fn trampoline(state: *mut ffi::PyObject, frame: *mut ffi::PyOb
             let callback = ffi::PyList_GetItem(state, 1);
             // The callback swallows its own errors; anything left is cleared
             // here so that the traced program never sees it.
-            let result = ffi::PyObject_CallFunctionObjArgs(callback, frame, std::ptr::null_mut::<ffi::PyObject>());
+            let result = ffi::PyObject_CallFunctionObjArgs(
+                callback,
+                frame,
+                std::ptr::null_mut::<ffi::PyObject>(),
+            );
             if result.is_null() {
                 ffi::PyErr_Clear();
             } else {
@@ -138,11 +152,15 @@ pub fn trace_frames(state: &Bound<'_, PyList>) -> PyResult<bool> {
     if state.len() < 3 {
         return Ok(false);
     }
-    let Some(set_trace) = set_trace_fn() else { return Ok(false) };
+    let Some(set_trace) = set_trace_fn() else {
+        return Ok(false);
+    };
     let first = state.get_item(2)?;
     // SAFETY: the GIL is held (we have a Bound); pointers stay valid while it is.
     unsafe {
-        let Some(tstate) = thread_running(first.as_ptr()) else { return Ok(false) };
+        let Some(tstate) = thread_running(first.as_ptr()) else {
+            return Ok(false);
+        };
         if set_trace(tstate, Some(trampoline), state.as_ptr()) != 0 {
             return Err(PyErr::fetch(state.py()));
         }

@@ -58,7 +58,9 @@ pub fn attach<R>(f: impl for<'py> FnOnce(Python<'py>) -> R) -> Option<R> {
         st.in_flight += 1;
         let pid = std::process::id();
         if st.nudger_pid != Some(pid) {
-            let started = std::thread::Builder::new().name("rankscope-gil".into()).spawn(nudger);
+            let started = std::thread::Builder::new()
+                .name("rankscope-gil".into())
+                .spawn(nudger);
             st.nudger_pid = started.is_ok().then_some(pid);
         }
     }
@@ -84,16 +86,21 @@ fn nudger() {
     let (_, wake) = state();
     let mut st = lock();
     loop {
-        st = wake.wait_while(st, |s| s.waiting == 0).unwrap_or_else(|e| e.into_inner());
+        st = wake
+            .wait_while(st, |s| s.waiting == 0)
+            .unwrap_or_else(|e| e.into_inner());
         // The ordinary way first: an idle or fair main thread hands it over.
-        let (next, _) = wake.wait_timeout_while(st, NUDGE_AFTER, |s| s.waiting > 0).unwrap_or_else(|e| e.into_inner());
+        let (next, _) = wake
+            .wait_timeout_while(st, NUDGE_AFTER, |s| s.waiting > 0)
+            .unwrap_or_else(|e| e.into_inner());
         st = next;
         if st.waiting > 0 && !st.scheduled {
             st.scheduled = true;
             drop(st);
             // SAFETY: Py_AddPendingCall may be called from any thread without
             // the GIL; `step_aside` has the signature it wants.
-            let queued = unsafe { pyo3::ffi::Py_AddPendingCall(Some(step_aside), std::ptr::null_mut()) };
+            let queued =
+                unsafe { pyo3::ffi::Py_AddPendingCall(Some(step_aside), std::ptr::null_mut()) };
             st = lock();
             if queued != 0 {
                 // A full queue (or a finalizing interpreter): try again later.
@@ -101,7 +108,9 @@ fn nudger() {
             }
         }
         // Give the main thread time to reach the call before looking again.
-        let (next, _) = wake.wait_timeout_while(st, NUDGE_AFTER, |s| s.waiting > 0).unwrap_or_else(|e| e.into_inner());
+        let (next, _) = wake
+            .wait_timeout_while(st, NUDGE_AFTER, |s| s.waiting > 0)
+            .unwrap_or_else(|e| e.into_inner());
         st = next;
     }
 }
@@ -114,7 +123,9 @@ extern "C" fn step_aside(_: *mut c_void) -> c_int {
     let saved = unsafe { pyo3::ffi::PyEval_SaveThread() };
     {
         let st = lock();
-        let _ = state().1.wait_timeout_while(st, PARK_AT_MOST, |s| s.in_flight > 0);
+        let _ = state()
+            .1
+            .wait_timeout_while(st, PARK_AT_MOST, |s| s.in_flight > 0);
     }
     // SAFETY: the thread state saved above, on the same thread.
     unsafe { pyo3::ffi::PyEval_RestoreThread(saved) };

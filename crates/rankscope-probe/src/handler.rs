@@ -22,7 +22,10 @@ impl ProbeHandler {
     }
 
     pub fn meta(&self) -> Option<String> {
-        self.meta_json.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.meta_json
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -36,24 +39,57 @@ impl Handler for ProbeHandler {
             ("GET", "/v1/stacks") => {
                 let with_locals = request.query_flag("locals");
                 let count_only = request.query_flag("count");
-                let max_depth = request.query_param("max_depth").and_then(|v| v.parse::<i64>().ok());
+                let max_depth = request
+                    .query_param("max_depth")
+                    .and_then(|v| v.parse::<i64>().ok());
                 let thread_name = request.query_param("thread_name").map(percent_decode);
-                let thread_id = request.query_param("thread_id").and_then(|v| v.parse::<i64>().ok());
+                let thread_id = request
+                    .query_param("thread_id")
+                    .and_then(|v| v.parse::<i64>().ok());
                 let fields = request.query_param("fields").map(percent_decode);
                 let all_frames = request.query_flag("all_frames");
-                call_helper("rankscope._probe.stacks", "collect", (with_locals, count_only, max_depth, thread_name, thread_id, fields, all_frames))
+                call_helper(
+                    "rankscope._probe.stacks",
+                    "collect",
+                    (
+                        with_locals,
+                        count_only,
+                        max_depth,
+                        thread_name,
+                        thread_id,
+                        fields,
+                        all_frames,
+                    ),
+                )
             }
             ("POST", "/v1/eval") => match serde_json::from_slice::<EvalRequest>(&request.body) {
-                Ok(eval) => call_helper("rankscope._probe.evaluate", "run", (eval.code, eval.timeout_s, eval.check_only, eval.thread, eval.frame, eval.id)),
+                Ok(eval) => call_helper(
+                    "rankscope._probe.evaluate",
+                    "run",
+                    (
+                        eval.code,
+                        eval.timeout_s,
+                        eval.check_only,
+                        eval.thread,
+                        eval.frame,
+                        eval.id,
+                    ),
+                ),
                 Err(e) => Response::error(400, &format!("bad eval request: {e}")),
             },
-            ("POST", "/v1/eval/interrupt") => match serde_json::from_slice::<EvalInterrupt>(&request.body) {
-                Ok(which) => interrupt_eval(&which.id),
-                Err(e) => Response::error(400, &format!("bad interrupt request: {e}")),
-            },
+            ("POST", "/v1/eval/interrupt") => {
+                match serde_json::from_slice::<EvalInterrupt>(&request.body) {
+                    Ok(which) => interrupt_eval(&which.id),
+                    Err(e) => Response::error(400, &format!("bad interrupt request: {e}")),
+                }
+            }
             ("GET", "/v1/job") => Response::json(200, crate::registry::job_entries()),
             ("POST", "/v1/breakpoints") => match std::str::from_utf8(&request.body) {
-                Ok(body) => call_helper("rankscope._probe.breakpoints", "handle", (body.to_string(),)),
+                Ok(body) => call_helper(
+                    "rankscope._probe.breakpoints",
+                    "handle",
+                    (body.to_string(),),
+                ),
                 Err(_) => Response::error(400, "a breakpoint request is JSON text"),
             },
             ("POST", "/v1/torch") => match std::str::from_utf8(&request.body) {
@@ -70,16 +106,26 @@ impl Handler for ProbeHandler {
                     let filters = request.query_param("filter").map(percent_decode);
                     // From the run store, without the GIL: a busy or stuck
                     // interpreter still hands over its rows.
-                    match crate::store::read_json(&name, columns.as_deref(), filters.as_deref(), request.query_flag("count")) {
+                    match crate::store::read_json(
+                        &name,
+                        columns.as_deref(),
+                        filters.as_deref(),
+                        request.query_flag("count"),
+                    ) {
                         Ok(json) => Response::json(200, json),
                         Err(e) => Response::error(404, &e),
                     }
                 }
                 None => Response::error(400, "which table? /v1/table?name=python.torch_trace"),
             },
-            (_, "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt" | "/v1/breakpoints" | "/v1/job" | "/v1/torch" | "/v1/memory" | "/v1/table") => {
-                Response::error(405, &format!("{} is not allowed on {}", request.method, request.path))
-            }
+            (
+                _,
+                "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt"
+                | "/v1/breakpoints" | "/v1/job" | "/v1/torch" | "/v1/memory" | "/v1/table",
+            ) => Response::error(
+                405,
+                &format!("{} is not allowed on {}", request.method, request.path),
+            ),
             _ => Response::error(404, &format!("no endpoint {}", request.path)),
         }
     }
@@ -90,8 +136,16 @@ fn env_reply() -> Response {
         .map(|(k, v)| {
             let name = k.to_string_lossy().into_owned();
             let hidden = secrets::looks_secret(&name);
-            let value = if hidden { secrets::HIDDEN.to_string() } else { v.to_string_lossy().into_owned() };
-            EnvVar { name, value, hidden }
+            let value = if hidden {
+                secrets::HIDDEN.to_string()
+            } else {
+                v.to_string_lossy().into_owned()
+            };
+            EnvVar {
+                name,
+                value,
+                hidden,
+            }
         })
         .collect();
     vars.sort_by(|a, b| a.name.cmp(&b.name));
@@ -138,7 +192,8 @@ where
         if !had_threading && threading_imported(py) {
             // This probe thread imported threading first (user code in an
             // eval, or a helper): it must not stay threading's main thread.
-            py.import("rankscope._probe.mainthread")?.call_method0("repair")?;
+            py.import("rankscope._probe.mainthread")?
+                .call_method0("repair")?;
         }
         result
     });
@@ -146,14 +201,17 @@ where
         None => Response::error(503, "the interpreter is shutting down"),
         Some(Ok(json)) => Response::json(200, json),
         Some(Err(err)) => {
-            let message = Python::try_attach(|py| err.to_string() + &traceback_of(py, &err)).unwrap_or_default();
+            let message = Python::try_attach(|py| err.to_string() + &traceback_of(py, &err))
+                .unwrap_or_default();
             Response::error(500, &format!("probe helper failed: {message}"))
         }
     }
 }
 
 fn threading_imported(py: Python<'_>) -> bool {
-    py.import("sys").and_then(|sys| sys.getattr("modules")?.contains("threading")).unwrap_or(false)
+    py.import("sys")
+        .and_then(|sys| sys.getattr("modules")?.contains("threading"))
+        .unwrap_or(false)
 }
 
 fn traceback_of(py: Python<'_>, err: &PyErr) -> String {
@@ -170,7 +228,10 @@ fn percent_decode(value: &str) -> String {
     let mut i = 0;
     while i < bytes.len() {
         match (bytes[i], bytes.get(i + 1..i + 3)) {
-            (b'%', Some(hex)) => match std::str::from_utf8(hex).ok().and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            (b'%', Some(hex)) => match std::str::from_utf8(hex)
+                .ok()
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
                 Some(byte) => {
                     out.push(byte);
                     i += 3;

@@ -32,9 +32,14 @@ pub unsafe extern "C" fn rankscope_inject_start(package_dir: *const c_char) -> c
         return 1;
     }
     // SAFETY: the caller passes a NUL-terminated string that lives for this call.
-    let dir = unsafe { CStr::from_ptr(package_dir) }.to_string_lossy().into_owned();
+    let dir = unsafe { CStr::from_ptr(package_dir) }
+        .to_string_lossy()
+        .into_owned();
     *PENDING.lock().unwrap_or_else(|e| e.into_inner()) = Some(dir);
-    match std::thread::Builder::new().name("rankscope-inject".into()).spawn(bootstrap_thread) {
+    match std::thread::Builder::new()
+        .name("rankscope-inject".into())
+        .spawn(bootstrap_thread)
+    {
         Ok(_) => 0,
         Err(_) => 2,
     }
@@ -46,7 +51,8 @@ fn take_pending() -> Option<String> {
 
 fn bootstrap_thread() {
     // SAFETY: documented as callable from any thread without the GIL.
-    let queued = unsafe { pyo3::ffi::Py_AddPendingCall(Some(run_pending), std::ptr::null_mut()) } == 0;
+    let queued =
+        unsafe { pyo3::ffi::Py_AddPendingCall(Some(run_pending), std::ptr::null_mut()) } == 0;
     let deadline = Instant::now() + MAIN_THREAD_WAIT;
     while queued && Instant::now() < deadline {
         if PENDING.lock().unwrap_or_else(|e| e.into_inner()).is_none() {

@@ -42,7 +42,11 @@ fn lock_running() -> std::sync::MutexGuard<'static, Option<Running>> {
 /// no-op that returns the same endpoint.
 #[pyfunction]
 #[pyo3(signature = (python_version, listen=None))]
-fn start<'py>(py: Python<'py>, python_version: &str, listen: Option<&str>) -> PyResult<Bound<'py, PyDict>> {
+fn start<'py>(
+    py: Python<'py>,
+    python_version: &str,
+    listen: Option<&str>,
+) -> PyResult<Bound<'py, PyDict>> {
     let mut running = lock_running();
     if running.is_none() {
         *running = Some(start_server(python_version, listen)?);
@@ -51,7 +55,12 @@ fn start<'py>(py: Python<'py>, python_version: &str, listen: Option<&str>) -> Py
     let info = PyDict::new(py);
     info.set_item("socket", r.server.socket_path().display().to_string())?;
     info.set_item("tcp", r.server.tcp_addr().map(|a| a.to_string()))?;
-    info.set_item("token_file", r.server.tcp_addr().map(|_| paths::token_path(&r.dir, r.pid).display().to_string()))?;
+    info.set_item(
+        "token_file",
+        r.server
+            .tcp_addr()
+            .map(|_| paths::token_path(&r.dir, r.pid).display().to_string()),
+    )?;
     Ok(info)
 }
 
@@ -67,21 +76,31 @@ fn start_server(python_version: &str, listen: Option<&str>) -> PyResult<Running>
             token_file: paths::token_path(&dir, pid),
         }),
     };
-    let config = ServerConfig { socket_path: paths::socket_path(&dir, pid), tcp };
+    let config = ServerConfig {
+        socket_path: paths::socket_path(&dir, pid),
+        tcp,
+    };
     let handler = Arc::new(handler::ProbeHandler::default());
     let server = Server::start(config, handler.clone()).map_err(|e| err(e.to_string()))?;
     let tcp_url = server.tcp_addr().map(|a| format!("tcp://{a}"));
     let meta = meta::collect(python_version, tcp_url);
     let meta_json = serde_json::to_string(&meta).map_err(|e| err(e.to_string()))?;
     handler.set_meta(meta_json.clone());
-    let token_file = server.tcp_addr().map(|_| paths::token_path(&dir, pid).display().to_string());
+    let token_file = server
+        .tcp_addr()
+        .map(|_| paths::token_path(&dir, pid).display().to_string());
     let socket = server.socket_path().display().to_string();
     if let Err(e) = registry::register(&meta_json, &socket, token_file.as_deref()) {
         // The probe answers anyway; only `cluster` commands miss this rank.
         eprintln!("rankscope: not registered in the job: {e}");
     }
     memory::start_sampler();
-    Ok(Running { server, handler, dir, pid })
+    Ok(Running {
+        server,
+        handler,
+        dir,
+        pid,
+    })
 }
 
 fn write_meta_file(dir: &std::path::Path, pid: u32, meta_json: &str) -> Result<(), String> {
@@ -99,7 +118,9 @@ fn write_meta_file(dir: &std::path::Path, pid: u32, meta_json: &str) -> Result<(
 #[pyfunction]
 fn publish() -> PyResult<()> {
     let running = lock_running();
-    let Some(r) = running.as_ref() else { return Err(PyRuntimeError::new_err("the probe is not running")) };
+    let Some(r) = running.as_ref() else {
+        return Err(PyRuntimeError::new_err("the probe is not running"));
+    };
     let meta_json = r.handler.meta().unwrap_or_default();
     write_meta_file(&r.dir, r.pid, &meta_json).map_err(PyRuntimeError::new_err)
 }
@@ -110,9 +131,14 @@ fn publish() -> PyResult<()> {
 #[pyfunction]
 fn set_rank(rank: i64, world_size: i64) -> PyResult<Option<String>> {
     let running = lock_running();
-    let Some(r) = running.as_ref() else { return Ok(None) };
-    let Some(current) = r.handler.meta() else { return Ok(None) };
-    let mut meta: serde_json::Value = serde_json::from_str(&current).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    let Some(r) = running.as_ref() else {
+        return Ok(None);
+    };
+    let Some(current) = r.handler.meta() else {
+        return Ok(None);
+    };
+    let mut meta: serde_json::Value =
+        serde_json::from_str(&current).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
     meta["rank"] = rank.into();
     meta["world_size"] = world_size.into();
     let meta_json = meta.to_string();
@@ -136,8 +162,12 @@ pub(crate) fn current_rank() -> Option<i64> {
 /// while the server thread is joined, so requests in flight can finish.
 #[pyfunction]
 fn stop(py: Python<'_>) -> bool {
-    let Some(running) = lock_running().take() else { return false };
-    let Running { server, dir, pid, .. } = running;
+    let Some(running) = lock_running().take() else {
+        return false;
+    };
+    let Running {
+        server, dir, pid, ..
+    } = running;
     py.detach(move || {
         registry::leave();
         server.stop();
@@ -154,7 +184,9 @@ fn stop(py: Python<'_>) -> bool {
 /// The socket path while running, else None.
 #[pyfunction]
 fn endpoint() -> Option<String> {
-    lock_running().as_ref().map(|r| r.server.socket_path().display().to_string())
+    lock_running()
+        .as_ref()
+        .map(|r| r.server.socket_path().display().to_string())
 }
 
 /// In a forked child the server thread does not exist and the socket is the

@@ -40,8 +40,15 @@ fn step_cell() -> Cell {
 fn cells(source: &str, proc: &ProcMemory, python: [Cell; 6]) -> Vec<Cell> {
     // USS and PSS are 0 when only /proc/PID/status was read: null then.
     let private = |bytes: u64| if proc.uss == 0 { Cell::Null } else { mb(bytes) };
-    let mut out =
-        vec![step_cell(), Cell::Str(source.to_string()), mb(proc.rss), mb(proc.rss_peak), private(proc.uss), private(proc.pss), mb(proc.swap)];
+    let mut out = vec![
+        step_cell(),
+        Cell::Str(source.to_string()),
+        mb(proc.rss),
+        mb(proc.rss_peak),
+        private(proc.uss),
+        private(proc.pss),
+        mb(proc.swap),
+    ];
     out.extend(python);
     out
 }
@@ -53,7 +60,10 @@ fn now() -> f64 {
 /// Starts the sampler (once; again after `stop_sampler`). A child after
 /// fork has no thread: it starts one with a probe of its own.
 pub fn start_sampler() {
-    let seconds = std::env::var("RANKSCOPE_MEMORY_INTERVAL_S").ok().and_then(|v| v.trim().parse::<f64>().ok()).unwrap_or(1.0);
+    let seconds = std::env::var("RANKSCOPE_MEMORY_INTERVAL_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(1.0);
     if !(seconds.is_finite() && seconds > 0.0) {
         return;
     }
@@ -64,24 +74,40 @@ pub fn start_sampler() {
     }
     *STOPPING.lock().unwrap_or_else(|e| e.into_inner()) = false;
     let interval = Duration::from_secs_f64(seconds.max(0.01));
-    let spawned = std::thread::Builder::new().name("rankscope-memory".into()).spawn(move || {
-        for sample in 0u64.. {
-            let stopping = STOPPING.lock().unwrap_or_else(|e| e.into_inner());
-            let (stopping, _) = WAKE.wait_timeout_while(stopping, interval, |stop| !*stop).unwrap_or_else(|e| e.into_inner());
-            if *stopping {
-                return;
+    let spawned = std::thread::Builder::new()
+        .name("rankscope-memory".into())
+        .spawn(move || {
+            for sample in 0u64.. {
+                let stopping = STOPPING.lock().unwrap_or_else(|e| e.into_inner());
+                let (stopping, _) = WAKE
+                    .wait_timeout_while(stopping, interval, |stop| !*stop)
+                    .unwrap_or_else(|e| e.into_inner());
+                if *stopping {
+                    return;
+                }
+                drop(stopping);
+                // RSS every time (/proc/PID/status, ~20 µs); USS and PSS one
+                // sample in ten: smaps_rollup walks every mapping under the
+                // process's mmap lock, milliseconds for a process with torch.
+                let read = if sample % USS_EVERY == 0 {
+                    rankscope_memory::read_process(pid)
+                } else {
+                    rankscope_memory::read_status(pid)
+                };
+                if let Ok(proc) = read {
+                    let nulls = [
+                        Cell::Null,
+                        Cell::Null,
+                        Cell::Null,
+                        Cell::Null,
+                        Cell::Null,
+                        Cell::Null,
+                    ];
+                    let _ =
+                        crate::store::append_row("memory", now(), cells("interval", &proc, nulls));
+                }
             }
-            drop(stopping);
-            // RSS every time (/proc/PID/status, ~20 µs); USS and PSS one
-            // sample in ten: smaps_rollup walks every mapping under the
-            // process's mmap lock, milliseconds for a process with torch.
-            let read = if sample % USS_EVERY == 0 { rankscope_memory::read_process(pid) } else { rankscope_memory::read_status(pid) };
-            if let Ok(proc) = read {
-                let nulls = [Cell::Null, Cell::Null, Cell::Null, Cell::Null, Cell::Null, Cell::Null];
-                let _ = crate::store::append_row("memory", now(), cells("interval", &proc, nulls));
-            }
-        }
-    });
+        });
     if let Ok(handle) = spawned {
         *sampler = Some((pid, handle));
     }
@@ -108,7 +134,9 @@ pub fn set_step(step: i64) {
 /// The process's memory now, in bytes, from /proc.
 #[pyfunction]
 pub fn memory_now<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-    let proc = py.detach(|| rankscope_memory::read_process(std::process::id())).map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+    let proc = py
+        .detach(|| rankscope_memory::read_process(std::process::id()))
+        .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
     let out = PyDict::new(py);
     out.set_item("rss", proc.rss)?;
     out.set_item("rss_peak", proc.rss_peak)?;

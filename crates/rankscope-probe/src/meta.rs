@@ -5,7 +5,9 @@ use rankscope_core::protocol::ProcessMeta;
 
 /// First of the launcher variables that is set and numeric.
 fn env_int(names: &[&str]) -> Option<i64> {
-    names.iter().find_map(|n| std::env::var(n).ok()?.trim().parse().ok())
+    names
+        .iter()
+        .find_map(|n| std::env::var(n).ok()?.trim().parse().ok())
 }
 
 fn cmdline() -> Vec<String> {
@@ -20,7 +22,9 @@ fn cmdline() -> Vec<String> {
 }
 
 fn link(path: &str) -> String {
-    std::fs::read_link(path).map(|p| p.display().to_string()).unwrap_or_default()
+    std::fs::read_link(path)
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
 }
 
 pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
@@ -30,8 +34,15 @@ pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
         ppid: unsafe { libc::getppid() } as u32,
         host: hostname(),
         rank: env_int(&["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]).unwrap_or(0),
-        local_rank: env_int(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"]).unwrap_or(0),
-        world_size: env_int(&["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]).unwrap_or(1),
+        local_rank: env_int(&["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"])
+            .unwrap_or(0),
+        world_size: env_int(&[
+            "WORLD_SIZE",
+            "OMPI_COMM_WORLD_SIZE",
+            "PMI_SIZE",
+            "SLURM_NTASKS",
+        ])
+        .unwrap_or(1),
         cmdline: cmdline(),
         exe: link("/proc/self/exe"),
         cwd: link("/proc/self/cwd"),
@@ -41,8 +52,13 @@ pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
         rankscope_version: rankscope_core::VERSION.to_string(),
         protocol: rankscope_core::PROTOCOL_VERSION,
         tcp,
-        job_id: ["TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"]
-            .iter()
-            .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty())),
+        job_id: [
+            "TORCHELASTIC_RUN_ID",
+            "SLURM_JOB_ID",
+            "OMPI_MCA_ess_base_jobid",
+            "PMIX_NAMESPACE",
+        ]
+        .iter()
+        .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty())),
     }
 }

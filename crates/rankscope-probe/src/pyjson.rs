@@ -85,7 +85,10 @@ fn write(value: &Bound<'_, PyAny>, depth: usize, out: &mut Vec<u8>) -> PyResult<
     } else if let Ok(t) = value.cast::<PyTuple>() {
         Box::new(t.iter())
     } else {
-        return Err(PyTypeError::new_err(format!("a helper replied with a {}", value.get_type().name()?)));
+        return Err(PyTypeError::new_err(format!(
+            "a helper replied with a {}",
+            value.get_type().name()?
+        )));
     };
     out.push(b'[');
     for (i, item) in items.enumerate() {

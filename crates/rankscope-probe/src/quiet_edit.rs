@@ -46,7 +46,8 @@ pub fn edit_unless_running(
     // PyObject_SetItem, not PyDict_SetItem: an OrderedDict keeps its order
     // in a list of its own that only its own methods update.
     for item in sets.iter() {
-        let (dict, key, value): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+        let (dict, key, value): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
+            item.extract()?;
         dict.set_item(key, value)?;
     }
     for item in dels.iter() {

@@ -42,7 +42,12 @@ fn write(path: &Path, entry: &Value) -> std::io::Result<()> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
-    let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
     file.write_all(entry.to_string().as_bytes())?;
     drop(file);
     std::fs::rename(&tmp, path)
@@ -54,7 +59,8 @@ fn read(path: &Path) -> Option<Value> {
 
 /// Adds this process to its job's registry when it is a rank of one.
 pub fn register(meta_json: &str, socket: &str, token_file: Option<&str>) -> std::io::Result<()> {
-    *ENDPOINT.lock().unwrap_or_else(|e| e.into_inner()) = Some((socket.to_string(), token_file.map(str::to_string)));
+    *ENDPOINT.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some((socket.to_string(), token_file.map(str::to_string)));
     let meta: Value = serde_json::from_str(meta_json)?;
     let in_job = meta["job_id"].is_string() || meta["world_size"].as_i64().unwrap_or(1) > 1;
     if !in_job {
@@ -72,14 +78,19 @@ pub fn register(meta_json: &str, socket: &str, token_file: Option<&str>) -> std:
     create_private_dir(&dir)?;
     let path = entry_path(&meta);
     write(&path, &entry)?;
-    *ENTRY.lock().unwrap_or_else(|e| e.into_inner()) =
-        Some(Entry { path, socket: socket.to_string() });
+    *ENTRY.lock().unwrap_or_else(|e| e.into_inner()) = Some(Entry {
+        path,
+        socket: socket.to_string(),
+    });
     Ok(())
 }
 
 fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt as _;
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
 }
 
 /// New metadata (torch.distributed assigned the rank): the entry moves to
@@ -120,9 +131,17 @@ pub fn mark_crashed() {
 
 /// Marks this rank's entry as ended (at stop, or at exit).
 pub fn leave() {
-    let Some(entry) = ENTRY.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
-    let Some(mut value) = read(&entry.path) else { return };
-    let state = if CRASHED.load(Ordering::Relaxed) { "crashed" } else { "exited" };
+    let Some(entry) = ENTRY.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        return;
+    };
+    let Some(mut value) = read(&entry.path) else {
+        return;
+    };
+    let state = if CRASHED.load(Ordering::Relaxed) {
+        "crashed"
+    } else {
+        "exited"
+    };
     value["state"] = json!(state);
     value["ended_at"] = json!(rankscope_core::host::now_seconds());
     let _ = write(&entry.path, &value);
@@ -131,15 +150,31 @@ pub fn leave() {
 /// The registry of this process's job (`GET /v1/job`): what a CLI that
 /// reached this rank by address needs to reach the others.
 pub fn job_entries() -> String {
-    let Some(path) = ENTRY.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|e| e.path.clone()) else {
+    let Some(path) = ENTRY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map(|e| e.path.clone())
+    else {
         return "[]".to_string();
     };
-    let job_id = read(&path).map(|e| e["job_id"].clone()).unwrap_or(Value::Null);
+    let job_id = read(&path)
+        .map(|e| e["job_id"].clone())
+        .unwrap_or(Value::Null);
     let mut names: Vec<PathBuf> = std::fs::read_dir(ranks_dir())
-        .map(|dir| dir.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "json")).collect())
+        .map(|dir| {
+            dir.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "json"))
+                .collect()
+        })
         .unwrap_or_default();
     names.sort();
-    let entries: Vec<Value> = names.iter().filter_map(|p| read(p)).filter(|e| e["job_id"] == job_id).collect();
+    let entries: Vec<Value> = names
+        .iter()
+        .filter_map(|p| read(p))
+        .filter(|e| e["job_id"] == job_id)
+        .collect();
     Value::Array(entries).to_string()
 }
 

@@ -30,13 +30,20 @@ fn store() -> Arc<Store> {
         return store.clone();
     }
     // RANKSCOPE_STORE=0 keeps the rows in memory only.
-    let spill = std::env::var("RANKSCOPE_STORE").map(|v| v != "0").unwrap_or(true);
+    let spill = std::env::var("RANKSCOPE_STORE")
+        .map(|v| v != "0")
+        .unwrap_or(true);
     let run_dir = spill.then(rankscope_core::crash::run_dir);
     let mut config = StoreConfig::new(pid, rankscope_core::host::hostname(), run_dir);
-    if let Some(rows) = env_number("RANKSCOPE_TABLE_ROWS").or_else(|| env_number("RANKSCOPE_TORCH_ROWS")) {
+    if let Some(rows) =
+        env_number("RANKSCOPE_TABLE_ROWS").or_else(|| env_number("RANKSCOPE_TORCH_ROWS"))
+    {
         config.ring_rows = rows.max(1) as usize;
     }
-    if let Some(seconds) = std::env::var("RANKSCOPE_STORE_FLUSH_S").ok().and_then(|v| v.trim().parse::<f64>().ok()) {
+    if let Some(seconds) = std::env::var("RANKSCOPE_STORE_FLUSH_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+    {
         if seconds.is_finite() && seconds > 0.0 {
             config.flush_every = std::time::Duration::from_secs_f64(seconds);
         }
@@ -53,7 +60,9 @@ fn store() -> Arc<Store> {
 /// The store if any row was ever added (reads must not make one).
 fn existing() -> Option<Arc<Store>> {
     let slot = STORE.lock().unwrap_or_else(|e| e.into_inner());
-    slot.as_ref().filter(|s| s.pid() == std::process::id()).cloned()
+    slot.as_ref()
+        .filter(|s| s.pid() == std::process::id())
+        .cloned()
 }
 
 pub fn set_rank(rank: Option<i64>) {
@@ -68,13 +77,26 @@ fn cell(value: &Bound<'_, PyAny>) -> Cell {
     } else if value.is_instance_of::<PyBool>() {
         Cell::Bool(value.is_truthy().unwrap_or(false))
     } else if value.is_instance_of::<PyInt>() {
-        value.extract::<i64>().map(Cell::Int).or_else(|_| value.extract::<f64>().map(Cell::Float)).unwrap_or(Cell::Null)
+        value
+            .extract::<i64>()
+            .map(Cell::Int)
+            .or_else(|_| value.extract::<f64>().map(Cell::Float))
+            .unwrap_or(Cell::Null)
     } else if value.is_instance_of::<PyFloat>() {
-        value.extract::<f64>().map(Cell::Float).unwrap_or(Cell::Null)
+        value
+            .extract::<f64>()
+            .map(Cell::Float)
+            .unwrap_or(Cell::Null)
     } else if let Ok(text) = value.cast::<PyString>() {
-        text.to_str().map(|s| Cell::Str(s.to_string())).unwrap_or(Cell::Null)
+        text.to_str()
+            .map(|s| Cell::Str(s.to_string()))
+            .unwrap_or(Cell::Null)
     } else {
-        value.str().ok().and_then(|s| s.to_str().ok().map(|s| Cell::Str(s.to_string()))).unwrap_or(Cell::Null)
+        value
+            .str()
+            .ok()
+            .and_then(|s| s.to_str().ok().map(|s| Cell::Str(s.to_string())))
+            .unwrap_or(Cell::Null)
     }
 }
 
@@ -83,7 +105,9 @@ fn cell(value: &Bound<'_, PyAny>) -> Cell {
 #[pyfunction]
 pub fn table_append(name: &str, row: &Bound<'_, PyAny>) -> PyResult<()> {
     let (ts, cells) = ts_and_cells(row)?;
-    store().append(name, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
+    store()
+        .append(name, ts, cells)
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// Adds several rows to one table in one call (a sampled step's rows):
@@ -93,7 +117,9 @@ pub fn table_extend(name: &str, rows: &Bound<'_, PyAny>) -> PyResult<()> {
     let store = store();
     for row in rows.try_iter()? {
         let (ts, cells) = ts_and_cells(&row?)?;
-        store.append(name, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        store
+            .append(name, ts, cells)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
     }
     Ok(())
 }
@@ -104,7 +130,9 @@ fn ts_and_cells(row: &Bound<'_, PyAny>) -> PyResult<(f64, Vec<Cell>)> {
         Some(ts) => ts?.extract::<f64>()?,
         None => return Err(PyValueError::new_err("a row starts with ts")),
     };
-    let cells = values.map(|v| v.map(|v| cell(&v))).collect::<PyResult<Vec<Cell>>>()?;
+    let cells = values
+        .map(|v| v.map(|v| cell(&v)))
+        .collect::<PyResult<Vec<Cell>>>()?;
     Ok((ts, cells))
 }
 
@@ -113,13 +141,17 @@ fn ts_and_cells(row: &Bound<'_, PyAny>) -> PyResult<(f64, Vec<Cell>)> {
 #[pyfunction]
 pub fn table_open(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()> {
     let (ts, cells) = ts_and_cells(row)?;
-    store().open_row(name, key, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
+    store()
+        .open_row(name, key, ts, cells)
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 #[pyfunction]
 pub fn table_close(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()> {
     let (ts, cells) = ts_and_cells(row)?;
-    store().close_row(name, key, ts, cells).map_err(|e| PyValueError::new_err(e.to_string()))
+    store()
+        .close_row(name, key, ts, cells)
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// Writes what waits and ends the store's thread (the probe stops).
@@ -141,7 +173,10 @@ pub fn store_describe() -> String {
         Some(store) => store.describe().to_string(),
         None => {
             let rows: serde_json::Map<String, serde_json::Value> =
-                rankscope_core::tables::PROBE_TABLES.iter().map(|t| (t.name.to_string(), 0.into())).collect();
+                rankscope_core::tables::PROBE_TABLES
+                    .iter()
+                    .map(|t| (t.name.to_string(), 0.into()))
+                    .collect();
             serde_json::json!({"rows": rows, "spill": null}).to_string()
         }
     }
@@ -156,11 +191,21 @@ pub fn store_flush(py: Python<'_>) {
 }
 
 /// `GET /v1/table?name=...`: answered from the store, without the GIL.
-pub fn read_json(name: &str, columns: Option<&str>, filters: Option<&str>, count: bool) -> Result<String, String> {
+pub fn read_json(
+    name: &str,
+    columns: Option<&str>,
+    filters: Option<&str>,
+    count: bool,
+) -> Result<String, String> {
     if rankscope_store::store_table(name).is_none() {
         return Err(format!("no table {name} in this probe"));
     }
-    let columns: Option<Vec<String>> = columns.map(|c| c.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect());
+    let columns: Option<Vec<String>> = columns.map(|c| {
+        c.split(',')
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect()
+    });
     let filters: Vec<(String, String, serde_json::Value)> = match filters {
         Some(text) => serde_json::from_str(text).map_err(|e| format!("bad filter: {e}"))?,
         None => Vec::new(),
@@ -170,5 +215,8 @@ pub fn read_json(name: &str, columns: Option<&str>, filters: Option<&str>, count
         // No row yet: an empty table, without making a store.
         None => Store::new(StoreConfig::new(std::process::id(), String::new(), None)),
     };
-    store.read_json(name, columns.as_deref(), &filters, count).map(|v| v.to_string()).map_err(|e| e.to_string())
+    store
+        .read_json(name, columns.as_deref(), &filters, count)
+        .map(|v| v.to_string())
+        .map_err(|e| e.to_string())
 }

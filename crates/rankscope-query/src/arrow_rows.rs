@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use datafusion::arrow::array::{
-    ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, MapBuilder, StringBuilder, TimestampMicrosecondBuilder,
+    ArrayRef, BooleanBuilder, Float64Builder, Int64Builder, MapBuilder, StringBuilder,
+    TimestampMicrosecondBuilder,
 };
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::arrow::record_batch::RecordBatch;
@@ -14,7 +15,9 @@ use serde_json::Value;
 pub use rankscope_store::schema::arrow_schema;
 
 fn column(ty: ColumnType, rows: &Rows, index: usize) -> ArrayRef {
-    let cells = rows.iter().map(|row| row.get(index).unwrap_or(&Value::Null));
+    let cells = rows
+        .iter()
+        .map(|row| row.get(index).unwrap_or(&Value::Null));
     match ty {
         ColumnType::Int64 => {
             let mut b = Int64Builder::with_capacity(rows.len());
@@ -29,7 +32,12 @@ fn column(ty: ColumnType, rows: &Rows, index: usize) -> ArrayRef {
         ColumnType::Float64 => {
             let mut b = Float64Builder::with_capacity(rows.len());
             // The probe sends NaN and infinities as text (JSON has neither).
-            cells.for_each(|v| b.append_option(v.as_f64().or_else(|| v.as_str().and_then(|s| s.parse::<f64>().ok()))));
+            cells.for_each(|v| {
+                b.append_option(
+                    v.as_f64()
+                        .or_else(|| v.as_str().and_then(|s| s.parse::<f64>().ok())),
+                )
+            });
             Arc::new(b.finish())
         }
         ColumnType::Bool => {
@@ -73,7 +81,11 @@ fn column(ty: ColumnType, rows: &Rows, index: usize) -> ArrayRef {
 
 pub fn rows_to_batch(def: &TableDef, rows: &Rows) -> Result<RecordBatch, DataFusionError> {
     let schema = arrow_schema(def);
-    let columns = def.all_columns().enumerate().map(|(i, c)| column(c.ty, rows, i)).collect();
+    let columns = def
+        .all_columns()
+        .enumerate()
+        .map(|(i, c)| column(c.ty, rows, i))
+        .collect();
     Ok(RecordBatch::try_new(schema, columns)?)
 }
 
@@ -100,7 +112,11 @@ pub fn uniform_batches(
             .map(|&i| ScalarValue::try_from_array(one.column(i), 0)?.to_array_of_size(*count))
             .collect::<Result<Vec<_>, _>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(*count));
-        batches.push(RecordBatch::try_new_with_options(schema.clone(), columns, &options)?);
+        batches.push(RecordBatch::try_new_with_options(
+            schema.clone(),
+            columns,
+            &options,
+        )?);
     }
     Ok((schema, batches))
 }

@@ -13,14 +13,16 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::arrow::datatypes::SchemaRef;
-use datafusion::catalog::{MemTable, MemoryCatalogProvider, SchemaProvider, Session, TableProvider};
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::catalog::{
+    MemTable, MemoryCatalogProvider, SchemaProvider, Session, TableProvider,
+};
+use datafusion::error::DataFusionError;
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
 use datafusion::physical_plan::ExecutionPlan;
-use datafusion::error::DataFusionError;
 use datafusion::prelude::{SessionConfig, SessionContext};
-use rankscope_core::tables::{ALL_TABLES, IDENTITY_COLUMNS, Rows, TableDef};
+use rankscope_core::tables::{Rows, TableDef, ALL_TABLES, IDENTITY_COLUMNS};
 use thiserror::Error;
 
 pub use arrow_rows::{arrow_schema, rows_to_batch};
@@ -52,12 +54,18 @@ impl Scan {
     /// Whether the query reads only the identity columns (pid, rank, host,
     /// ts): one process's rows then differ in nothing, and a count is enough.
     pub fn reads_identity_only(&self) -> bool {
-        self.columns.as_ref().is_some_and(|cols| cols.iter().all(|c| IDENTITY_COLUMNS.iter().any(|i| i.name == *c)))
+        self.columns.as_ref().is_some_and(|cols| {
+            cols.iter()
+                .all(|c| IDENTITY_COLUMNS.iter().any(|i| i.name == *c))
+        })
     }
 
     /// The literal a column is compared to with `op`, if the query says so.
     pub fn literal(&self, column: &str, op: CmpOp) -> Option<&serde_json::Value> {
-        self.filters.iter().find(|f| f.column == column && f.op == op).map(|f| &f.value)
+        self.filters
+            .iter()
+            .find(|f| f.column == column && f.op == op)
+            .map(|f| &f.value)
     }
 }
 
@@ -119,18 +127,29 @@ impl fmt::Debug for LazySchema {
 
 impl LazySchema {
     fn def(&self, name: &str) -> Option<&'static TableDef> {
-        ALL_TABLES.iter().find(|t| t.schema == self.schema && t.name == name)
+        ALL_TABLES
+            .iter()
+            .find(|t| t.schema == self.schema && t.name == name)
     }
 }
 
 #[async_trait]
 impl SchemaProvider for LazySchema {
     fn table_names(&self) -> Vec<String> {
-        ALL_TABLES.iter().filter(|t| t.schema == self.schema).map(|t| t.name.to_string()).collect()
+        ALL_TABLES
+            .iter()
+            .filter(|t| t.schema == self.schema)
+            .map(|t| t.name.to_string())
+            .collect()
     }
 
     async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>, DataFusionError> {
-        Ok(self.def(name).map(|def| Arc::new(LazyTable { def, source: self.source.clone() }) as Arc<dyn TableProvider>))
+        Ok(self.def(name).map(|def| {
+            Arc::new(LazyTable {
+                def,
+                source: self.source.clone(),
+            }) as Arc<dyn TableProvider>
+        }))
     }
 
     fn table_exist(&self, name: &str) -> bool {
@@ -162,12 +181,21 @@ impl TableProvider for LazyTable {
         TableType::Base
     }
 
-    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> Result<Vec<TableProviderFilterPushDown>, DataFusionError> {
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> Result<Vec<TableProviderFilterPushDown>, DataFusionError> {
         // Inexact: the source may return more rows than match, and the
         // engine filters again, so a source that ignores a filter is correct.
         Ok(filters
             .iter()
-            .map(|f| if pushed_filter(self.def, f).is_some() { TableProviderFilterPushDown::Inexact } else { TableProviderFilterPushDown::Unsupported })
+            .map(|f| {
+                if pushed_filter(self.def, f).is_some() {
+                    TableProviderFilterPushDown::Inexact
+                } else {
+                    TableProviderFilterPushDown::Unsupported
+                }
+            })
             .collect())
     }
 
@@ -182,30 +210,47 @@ impl TableProvider for LazyTable {
         let names: Vec<&'static str> = def.all_columns().map(|c| c.name).collect();
         let scan = Scan {
             columns: projection.map(|p| p.iter().map(|&i| names[i]).collect()),
-            filters: filters.iter().filter_map(|f| pushed_filter(def, f)).collect(),
+            filters: filters
+                .iter()
+                .filter_map(|f| pushed_filter(def, f))
+                .collect(),
         };
-        let fetched = self
-            .source
-            .scan(def, &scan)
-            .map_err(|e| DataFusionError::Execution(format!("cannot read {}: {e}", def.qualified_name())))?;
+        let fetched = self.source.scan(def, &scan).map_err(|e| {
+            DataFusionError::Execution(format!("cannot read {}: {e}", def.qualified_name()))
+        })?;
         match fetched {
             Fetched::Rows(rows) => {
                 let batch = rows_to_batch(def, &rows)?;
-                MemTable::try_new(batch.schema(), vec![vec![batch]])?.scan(state, projection, filters, limit).await
+                MemTable::try_new(batch.schema(), vec![vec![batch]])?
+                    .scan(state, projection, filters, limit)
+                    .await
             }
             Fetched::Batches(batches) => {
                 // The source may have read the projected columns only: map
                 // the projection onto the columns it has.
-                let schema = batches.first().map(|b| b.schema()).unwrap_or_else(|| arrow_schema(def));
+                let schema = batches
+                    .first()
+                    .map(|b| b.schema())
+                    .unwrap_or_else(|| arrow_schema(def));
                 let projection = projection
-                    .map(|p| p.iter().map(|&i| schema.index_of(names[i])).collect::<Result<Vec<usize>, _>>())
+                    .map(|p| {
+                        p.iter()
+                            .map(|&i| schema.index_of(names[i]))
+                            .collect::<Result<Vec<usize>, _>>()
+                    })
                     .transpose()?;
-                MemTable::try_new(schema, vec![batches])?.scan(state, projection.as_ref(), filters, limit).await
+                MemTable::try_new(schema, vec![batches])?
+                    .scan(state, projection.as_ref(), filters, limit)
+                    .await
             }
             Fetched::Counts(groups) => {
-                let projection: Vec<usize> = projection.cloned().unwrap_or_else(|| (0..names.len()).collect());
+                let projection: Vec<usize> = projection
+                    .cloned()
+                    .unwrap_or_else(|| (0..names.len()).collect());
                 let (schema, batches) = arrow_rows::uniform_batches(def, &projection, &groups)?;
-                MemTable::try_new(schema, vec![batches])?.scan(state, None, filters, limit).await
+                MemTable::try_new(schema, vec![batches])?
+                    .scan(state, None, filters, limit)
+                    .await
             }
         }
     }
@@ -215,7 +260,9 @@ impl TableProvider for LazyTable {
 fn pushed_filter(def: &TableDef, expr: &Expr) -> Option<Filter> {
     use datafusion::logical_expr::{BinaryExpr, Operator};
     use datafusion::scalar::ScalarValue;
-    let Expr::BinaryExpr(BinaryExpr { left, op, right }) = expr else { return None };
+    let Expr::BinaryExpr(BinaryExpr { left, op, right }) = expr else {
+        return None;
+    };
     let (column, literal, flipped) = match (left.as_ref(), right.as_ref()) {
         (Expr::Column(c), Expr::Literal(v, _)) => (c, v, false),
         (Expr::Literal(v, _), Expr::Column(c)) => (c, v, true),
@@ -233,7 +280,9 @@ fn pushed_filter(def: &TableDef, expr: &Expr) -> Option<Filter> {
     let value = match literal {
         ScalarValue::Int64(Some(v)) => serde_json::json!(v),
         ScalarValue::Int32(Some(v)) => serde_json::json!(v),
-        ScalarValue::Utf8(Some(v)) | ScalarValue::LargeUtf8(Some(v)) | ScalarValue::Utf8View(Some(v)) => serde_json::json!(v),
+        ScalarValue::Utf8(Some(v))
+        | ScalarValue::LargeUtf8(Some(v))
+        | ScalarValue::Utf8View(Some(v)) => serde_json::json!(v),
         ScalarValue::Boolean(Some(v)) => serde_json::json!(v),
         _ => return None,
     };
@@ -250,7 +299,10 @@ fn context(source: Arc<dyn RowSource>) -> SessionContext {
     let mut schemas: Vec<&'static str> = ALL_TABLES.iter().map(|t| t.schema).collect();
     schemas.dedup();
     for schema in schemas {
-        let provider = Arc::new(LazySchema { schema, source: source.clone() });
+        let provider = Arc::new(LazySchema {
+            schema,
+            source: source.clone(),
+        });
         datafusion::catalog::CatalogProvider::register_schema(&catalog, schema, provider)
             .expect("memory catalog accepts schemas");
     }
@@ -260,7 +312,10 @@ fn context(source: Arc<dyn RowSource>) -> SessionContext {
 
 /// Runs one SQL statement; returns its batches and the result's schema (so
 /// that an empty result still prints its header).
-pub fn run_sql(source: Arc<dyn RowSource>, sql: &str) -> Result<(datafusion::arrow::datatypes::SchemaRef, Vec<RecordBatch>), QueryError> {
+pub fn run_sql(
+    source: Arc<dyn RowSource>,
+    sql: &str,
+) -> Result<(datafusion::arrow::datatypes::SchemaRef, Vec<RecordBatch>), QueryError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .map_err(|e| QueryError::Sql(format!("cannot start the query runtime: {e}")))?;
@@ -276,7 +331,9 @@ pub fn run_sql(source: Arc<dyn RowSource>, sql: &str) -> Result<(datafusion::arr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rankscope_core::protocol::{EnvReply, EnvVar, Frame, ProcessMeta, StacksReply, ThreadStack};
+    use rankscope_core::protocol::{
+        EnvReply, EnvVar, Frame, ProcessMeta, StacksReply, ThreadStack,
+    };
     use rankscope_core::tables;
 
     struct Fixed;
@@ -323,8 +380,16 @@ mod tests {
                             native_module: None,
                         })
                         .collect(),
-                }], counts: None };
-            let env = EnvReply { vars: vec![EnvVar { name: "HF_TOKEN".into(), value: "<hidden>".into(), hidden: true }] };
+                }],
+                counts: None,
+            };
+            let env = EnvReply {
+                vars: vec![EnvVar {
+                    name: "HF_TOKEN".into(),
+                    value: "<hidden>".into(),
+                    hidden: true,
+                }],
+            };
             Ok(match (table.schema, table.name) {
                 ("python", "backtrace") => tables::backtrace_rows(&meta(), &stacks),
                 ("python", "threads") => tables::threads_rows(&meta(), &stacks),
@@ -342,7 +407,8 @@ mod tests {
 
     #[test]
     fn filters_and_projects_the_backtrace() {
-        let out = query("SELECT func, lineno FROM python.backtrace WHERE depth < 2 ORDER BY depth").unwrap();
+        let out = query("SELECT func, lineno FROM python.backtrace WHERE depth < 2 ORDER BY depth")
+            .unwrap();
         assert_eq!(out, "func,lineno\nf0,10\nf1,11\n");
     }
 
@@ -357,7 +423,11 @@ mod tests {
         let (_, batches) = run_sql(Arc::new(Refusing), "SHOW TABLES").unwrap();
         assert!(batches.iter().map(|b| b.num_rows()).sum::<usize>() >= 5);
         let err = run_sql(Arc::new(Refusing), "SELECT * FROM python.threads").unwrap_err();
-        assert!(err.to_string().contains("cannot read python.threads: no rows here"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("cannot read python.threads: no rows here"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -403,25 +473,61 @@ mod tests {
             if !scan.reads_identity_only() {
                 return Fixed.rows(table).map(Fetched::Rows);
             }
-            let identity = |rank: i64| [serde_json::json!(7 + rank), serde_json::json!(rank), serde_json::json!("h"), serde_json::json!(1)];
-            Ok(Fetched::Counts(vec![(identity(0), 600_000), (identity(1), 400_000)]))
+            let identity = |rank: i64| {
+                [
+                    serde_json::json!(7 + rank),
+                    serde_json::json!(rank),
+                    serde_json::json!("h"),
+                    serde_json::json!(1),
+                ]
+            };
+            Ok(Fetched::Counts(vec![
+                (identity(0), 600_000),
+                (identity(1), 400_000),
+            ]))
         }
     }
 
     #[test]
     fn a_count_reads_no_rows_and_filters_reach_the_source() {
-        let source = Arc::new(Counting { seen: std::sync::Mutex::new(Vec::new()) });
-        let (schema, batches) = run_sql(source.clone(), "SELECT rank, count(*) AS n FROM python.backtrace GROUP BY rank ORDER BY rank").unwrap();
-        assert_eq!(render(&schema, &batches, OutputFormat::Csv, None).unwrap(), "rank,n\n0,600000\n1,400000\n");
-        let (schema, batches) = run_sql(source.clone(), "SELECT count(*) AS n FROM python.backtrace").unwrap();
-        assert_eq!(render(&schema, &batches, OutputFormat::Csv, None).unwrap(), "n\n1000000\n");
-        let (schema, batches) = run_sql(source.clone(), "SELECT func FROM python.backtrace WHERE depth < 2 AND 'MainThread' = thread_name").unwrap();
-        assert_eq!(render(&schema, &batches, OutputFormat::Csv, None).unwrap(), "func\nf0\nf1\n");
+        let source = Arc::new(Counting {
+            seen: std::sync::Mutex::new(Vec::new()),
+        });
+        let (schema, batches) = run_sql(
+            source.clone(),
+            "SELECT rank, count(*) AS n FROM python.backtrace GROUP BY rank ORDER BY rank",
+        )
+        .unwrap();
+        assert_eq!(
+            render(&schema, &batches, OutputFormat::Csv, None).unwrap(),
+            "rank,n\n0,600000\n1,400000\n"
+        );
+        let (schema, batches) =
+            run_sql(source.clone(), "SELECT count(*) AS n FROM python.backtrace").unwrap();
+        assert_eq!(
+            render(&schema, &batches, OutputFormat::Csv, None).unwrap(),
+            "n\n1000000\n"
+        );
+        let (schema, batches) = run_sql(
+            source.clone(),
+            "SELECT func FROM python.backtrace WHERE depth < 2 AND 'MainThread' = thread_name",
+        )
+        .unwrap();
+        assert_eq!(
+            render(&schema, &batches, OutputFormat::Csv, None).unwrap(),
+            "func\nf0\nf1\n"
+        );
         let seen = source.seen.lock().unwrap();
         assert_eq!(seen[0].columns, Some(vec!["rank"]));
         assert!(seen[1].columns.as_ref().is_some_and(Vec::is_empty));
         let last = seen.last().unwrap();
-        assert_eq!(last.literal("depth", CmpOp::Lt), Some(&serde_json::json!(2)));
-        assert_eq!(last.literal("thread_name", CmpOp::Eq), Some(&serde_json::json!("MainThread")));
+        assert_eq!(
+            last.literal("depth", CmpOp::Lt),
+            Some(&serde_json::json!(2))
+        );
+        assert_eq!(
+            last.literal("thread_name", CmpOp::Eq),
+            Some(&serde_json::json!("MainThread"))
+        );
     }
 }

@@ -40,7 +40,13 @@ pub struct Table {
 
 impl Table {
     pub fn new(style: Style) -> Table {
-        Table { style, headers: Vec::new(), aligns: Vec::new(), whole: Vec::new(), rows: Vec::new() }
+        Table {
+            style,
+            headers: Vec::new(),
+            aligns: Vec::new(),
+            whole: Vec::new(),
+            rows: Vec::new(),
+        }
     }
 
     pub fn column(mut self, header: impl Into<String>, align: Align) -> Table {
@@ -77,9 +83,15 @@ impl Table {
             return String::new();
         }
         // A multi-line cell (a Boxed query cell) takes as many lines as it has.
-        let split = |cell: &str| -> Vec<String> { cell.split('\n').map(|l| l.replace('\t', " ")).collect() };
+        let split = |cell: &str| -> Vec<String> {
+            cell.split('\n').map(|l| l.replace('\t', " ")).collect()
+        };
         let header_lines: Vec<Vec<String>> = self.headers.iter().map(|h| split(h)).collect();
-        let row_lines: Vec<Vec<Vec<String>>> = self.rows.iter().map(|r| r.iter().map(|c| split(c)).collect()).collect();
+        let row_lines: Vec<Vec<Vec<String>>> = self
+            .rows
+            .iter()
+            .map(|r| r.iter().map(|c| split(c)).collect())
+            .collect();
         let mut natural = vec![0usize; columns];
         for cells in std::iter::once(&header_lines).chain(&row_lines) {
             for (i, lines) in cells.iter().enumerate() {
@@ -93,7 +105,11 @@ impl Table {
             Style::Boxed => 3 * columns + 1,
         };
         let widths = match width {
-            Some(total) => fit(&natural, &self.header_floors(&natural), total.saturating_sub(overhead)),
+            Some(total) => fit(
+                &natural,
+                &self.header_floors(&natural),
+                total.saturating_sub(overhead),
+            ),
             None => natural.clone(),
         };
         let mut out = String::new();
@@ -129,7 +145,19 @@ impl Table {
             .iter()
             .zip(natural)
             .zip(&self.whole)
-            .map(|((h, &n), &whole)| if whole { n } else { n.min(h.lines().map(chars).max().unwrap_or(0).clamp(MIN_COLUMN, 12)) })
+            .map(|((h, &n), &whole)| {
+                if whole {
+                    n
+                } else {
+                    n.min(
+                        h.lines()
+                            .map(chars)
+                            .max()
+                            .unwrap_or(0)
+                            .clamp(MIN_COLUMN, 12),
+                    )
+                }
+            })
             .collect()
     }
 
@@ -141,7 +169,10 @@ impl Table {
                 line.push('|');
             }
             for (i, lines) in cells.iter().enumerate() {
-                let text = cut(lines.get(line_no).map(String::as_str).unwrap_or(""), widths[i]);
+                let text = cut(
+                    lines.get(line_no).map(String::as_str).unwrap_or(""),
+                    widths[i],
+                );
                 let pad = " ".repeat(widths[i] - chars(&text));
                 // Headers and boxed cells sit left, as SQL shells print them.
                 let right = !header && self.style == Style::Plain && self.aligns[i] == Align::Right;
@@ -201,7 +232,13 @@ fn fit(natural: &[usize], floors: &[usize], budget: usize) -> Vec<usize> {
     } else {
         natural.iter().map(|&n| n.min(1)).collect()
     };
-    let at_cap = |cap: usize| -> Vec<usize> { natural.iter().zip(&floors).map(|(&n, &f)| n.min(cap).max(f)).collect() };
+    let at_cap = |cap: usize| -> Vec<usize> {
+        natural
+            .iter()
+            .zip(&floors)
+            .map(|(&n, &f)| n.min(cap).max(f))
+            .collect()
+    };
     // The largest cap that fits; the room left under it goes, a character
     // each, to the columns it cut, leftmost first.
     let (mut lo, mut hi) = (0, natural.iter().copied().max().unwrap_or(0));
@@ -232,8 +269,15 @@ mod tests {
     use super::*;
 
     fn sample() -> Table {
-        let mut table = Table::new(Style::Plain).whole_column("ID", Align::Right).column("EXCEPTION", Align::Left).column("LOCATION", Align::Left);
-        table.row(vec!["1".into(), "KeyError: 'a very long key that goes on and on'".into(), "/home/user/project/train.py:88".into()]);
+        let mut table = Table::new(Style::Plain)
+            .whole_column("ID", Align::Right)
+            .column("EXCEPTION", Align::Left)
+            .column("LOCATION", Align::Left);
+        table.row(vec![
+            "1".into(),
+            "KeyError: 'a very long key that goes on and on'".into(),
+            "/home/user/project/train.py:88".into(),
+        ]);
         table.row(vec!["12".into(), "ValueError".into(), "t.py:3".into()]);
         table
     }
@@ -241,7 +285,12 @@ mod tests {
     #[test]
     fn without_a_width_nothing_is_cut() {
         let text = sample().render(None);
-        assert!(text.contains("KeyError: 'a very long key that goes on and on'  /home/user/project/train.py:88\n"), "{text}");
+        assert!(
+            text.contains(
+                "KeyError: 'a very long key that goes on and on'  /home/user/project/train.py:88\n"
+            ),
+            "{text}"
+        );
         assert!(!text.contains(ELLIPSIS));
         assert!(text.starts_with("ID  EXCEPTION"), "{text}");
         assert!(text.contains("\n12  ValueError"), "{text}");
@@ -263,15 +312,25 @@ mod tests {
 
     #[test]
     fn boxed_tables_fit_too_and_keep_their_borders() {
-        let mut table = Table::new(Style::Boxed).column("func", Align::Left).column("message", Align::Left);
+        let mut table = Table::new(Style::Boxed)
+            .column("func", Align::Left)
+            .column("message", Align::Left);
         table.row(vec!["load".into(), "x".repeat(100)]);
         table.row(vec!["two\nlines".into(), "y".into()]);
         let text = table.render(Some(40));
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines.iter().all(|l| l.chars().count() <= 40), "{text}");
-        assert!(lines.iter().all(|l| l.chars().count() == lines[0].chars().count()), "{text}");
+        assert!(
+            lines
+                .iter()
+                .all(|l| l.chars().count() == lines[0].chars().count()),
+            "{text}"
+        );
         assert_eq!(lines[0], format!("+-------+{}+", "-".repeat(30)));
-        assert!(text.contains(&format!("| load  | {}… |", "x".repeat(27))), "{text}");
+        assert!(
+            text.contains(&format!("| load  | {}… |", "x".repeat(27))),
+            "{text}"
+        );
         assert!(text.contains("| two   | y"), "{text}");
         assert!(text.contains("| lines |"), "{text}");
     }

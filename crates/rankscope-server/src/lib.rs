@@ -113,7 +113,11 @@ fn random_token() -> io::Result<String> {
 
 fn write_token(path: &Path, token: &str) -> io::Result<()> {
     let _ = fs::remove_file(path);
-    let mut file = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
     file.write_all(token.as_bytes())
 }
 
@@ -123,7 +127,11 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 }
 
 fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: cred and len are valid for writes of the sizes given.
     let rc = unsafe {
@@ -146,8 +154,10 @@ impl Server {
         let path = config.socket_path.clone();
         // A socket file left by a dead process with our PID (PID reuse) is stale.
         let _ = fs::remove_file(&path);
-        let unix = UnixListener::bind(&path)
-            .map_err(|source| ServerError::BindUnix { path: path.clone(), source })?;
+        let unix = UnixListener::bind(&path).map_err(|source| ServerError::BindUnix {
+            path: path.clone(),
+            source,
+        })?;
         // The directory is already 0700; the socket is closed too, in case it is
         // ever bound somewhere less private.
         let _ = fs::set_permissions(&path, fs::Permissions::from_mode(0o600));
@@ -157,22 +167,37 @@ impl Server {
             Some(tcp) => {
                 let listener = TcpListener::bind(tcp.addr).map_err(|source| {
                     let _ = fs::remove_file(&path);
-                    ServerError::BindTcp { addr: tcp.addr.to_string(), source }
+                    ServerError::BindTcp {
+                        addr: tcp.addr.to_string(),
+                        source,
+                    }
                 })?;
                 let token = random_token()
                     .and_then(|t| write_token(&tcp.token_file, &t).map(|_| t))
                     .map_err(|source| {
                         let _ = fs::remove_file(&path);
-                        ServerError::Token { path: tcp.token_file.clone(), source }
+                        ServerError::Token {
+                            path: tcp.token_file.clone(),
+                            source,
+                        }
                     })?;
                 let addr = listener.local_addr().ok();
-                (Some(listener), Some(token), addr, Some(tcp.token_file.clone()))
+                (
+                    Some(listener),
+                    Some(token),
+                    addr,
+                    Some(tcp.token_file.clone()),
+                )
             }
         };
 
         let (wake_read, wake_write) = pipe().map_err(ServerError::Thread)?;
         let active = Arc::new(AtomicUsize::new(0));
-        let shared = Arc::new(Shared { handler, token, active: active.clone() });
+        let shared = Arc::new(Shared {
+            handler,
+            token,
+            active: active.clone(),
+        });
         let accept_thread = std::thread::Builder::new()
             .name("rankscope-server".into())
             .spawn(move || accept_loop(unix, tcp, wake_read, shared))
@@ -217,11 +242,23 @@ impl Server {
 
 fn accept_loop(unix: UnixListener, tcp: Option<TcpListener>, wake: OwnedFd, shared: Arc<Shared>) {
     let mut fds = vec![
-        libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        libc::pollfd { fd: unix.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: unix.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
     ];
     if let Some(tcp) = &tcp {
-        fds.push(libc::pollfd { fd: tcp.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        fds.push(libc::pollfd {
+            fd: tcp.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
     }
     loop {
         for fd in fds.iter_mut() {
@@ -283,8 +320,12 @@ impl Connection {
 
     fn set_timeouts(&self) {
         let _ = match self {
-            Connection::Unix(s) => s.set_read_timeout(Some(READ_TIMEOUT)).and(s.set_write_timeout(Some(WRITE_TIMEOUT))),
-            Connection::Tcp(s) => s.set_read_timeout(Some(READ_TIMEOUT)).and(s.set_write_timeout(Some(WRITE_TIMEOUT))),
+            Connection::Unix(s) => s
+                .set_read_timeout(Some(READ_TIMEOUT))
+                .and(s.set_write_timeout(Some(WRITE_TIMEOUT))),
+            Connection::Tcp(s) => s
+                .set_read_timeout(Some(READ_TIMEOUT))
+                .and(s.set_write_timeout(Some(WRITE_TIMEOUT))),
         };
     }
 }
@@ -328,7 +369,10 @@ fn dispatch(mut conn: Connection, shared: &Arc<Shared>) {
         match peer_uid(stream) {
             Ok(uid) if uid == rankscope_core::paths::current_uid() => {}
             _ => {
-                let _ = http::write_response(&mut conn, &Response::error(403, "peer belongs to another user"));
+                let _ = http::write_response(
+                    &mut conn,
+                    &Response::error(403, "peer belongs to another user"),
+                );
                 return;
             }
         }
@@ -341,10 +385,12 @@ fn dispatch(mut conn: Connection, shared: &Arc<Shared>) {
     }
     let guard = ActiveGuard(shared.active.clone());
     let shared = shared.clone();
-    let spawned = std::thread::Builder::new().name("rankscope-conn".into()).spawn(move || {
-        let _guard = guard;
-        serve(conn, &shared);
-    });
+    let spawned = std::thread::Builder::new()
+        .name("rankscope-conn".into())
+        .spawn(move || {
+            let _guard = guard;
+            serve(conn, &shared);
+        });
     // If no thread can be had the connection is dropped; the guard went with the closure.
     drop(spawned);
 }
@@ -360,7 +406,10 @@ fn serve(mut conn: Connection, shared: &Shared) {
         }
         Ok(request) => {
             if is_tcp && !authorized(&request, shared.token.as_deref()) {
-                Response::error(401, "missing or wrong token (send Authorization: Bearer <token>)")
+                Response::error(
+                    401,
+                    "missing or wrong token (send Authorization: Bearer <token>)",
+                )
             } else {
                 shared.handler.handle(&request)
             }
@@ -371,7 +420,10 @@ fn serve(mut conn: Connection, shared: &Shared) {
 
 fn authorized(request: &Request, token: Option<&str>) -> bool {
     let Some(token) = token else { return false };
-    let Some(given) = request.header("authorization").and_then(|v| v.strip_prefix("Bearer ")) else {
+    let Some(given) = request
+        .header("authorization")
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
         return false;
     };
     same_secret(given.trim().as_bytes(), token.as_bytes())
@@ -393,7 +445,11 @@ mod tests {
         std::env::temp_dir().join(format!("rs-srv-{name}-{}.sock", std::process::id()))
     }
 
-    fn roundtrip(stream: &mut (impl Read + Write), path: &str, headers: &[(&str, &str)]) -> Response {
+    fn roundtrip(
+        stream: &mut (impl Read + Write),
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Response {
         http::write_request(stream, "GET", path, headers, b"").unwrap();
         http::read_response(stream, 1 << 20).unwrap()
     }
@@ -401,7 +457,14 @@ mod tests {
     #[test]
     fn serves_over_unix_and_stop_removes_the_socket() {
         let path = socket("unix");
-        let server = Server::start(ServerConfig { socket_path: path.clone(), tcp: None }, Arc::new(Echo)).unwrap();
+        let server = Server::start(
+            ServerConfig {
+                socket_path: path.clone(),
+                tcp: None,
+            },
+            Arc::new(Echo),
+        )
+        .unwrap();
         let mut s = UnixStream::connect(&path).unwrap();
         let resp = roundtrip(&mut s, "/v1/meta", &[]);
         assert_eq!(resp.status, 200);
@@ -414,7 +477,14 @@ mod tests {
     #[test]
     fn malformed_request_gets_400_and_the_server_lives_on() {
         let path = socket("bad");
-        let server = Server::start(ServerConfig { socket_path: path.clone(), tcp: None }, Arc::new(Echo)).unwrap();
+        let server = Server::start(
+            ServerConfig {
+                socket_path: path.clone(),
+                tcp: None,
+            },
+            Arc::new(Echo),
+        )
+        .unwrap();
         let mut s = UnixStream::connect(&path).unwrap();
         s.write_all(b"\x16\x03\x01garbage\r\n\r\n").unwrap();
         let resp = http::read_response(&mut s, 1 << 20).unwrap();
@@ -431,7 +501,13 @@ mod tests {
         let addr = parse_listen("0").unwrap();
         assert!(addr.ip().is_loopback());
         let server = Server::start(
-            ServerConfig { socket_path: path.clone(), tcp: Some(TcpConfig { addr, token_file: token_file.clone() }) },
+            ServerConfig {
+                socket_path: path.clone(),
+                tcp: Some(TcpConfig {
+                    addr,
+                    token_file: token_file.clone(),
+                }),
+            },
             Arc::new(Echo),
         )
         .unwrap();
@@ -442,10 +518,16 @@ mod tests {
         let mut s = TcpStream::connect(tcp_addr).unwrap();
         assert_eq!(roundtrip(&mut s, "/v1/meta", &[]).status, 401);
         let mut s = TcpStream::connect(tcp_addr).unwrap();
-        assert_eq!(roundtrip(&mut s, "/v1/meta", &[("Authorization", "Bearer nope")]).status, 401);
+        assert_eq!(
+            roundtrip(&mut s, "/v1/meta", &[("Authorization", "Bearer nope")]).status,
+            401
+        );
         let mut s = TcpStream::connect(tcp_addr).unwrap();
         let bearer = format!("Bearer {token}");
-        assert_eq!(roundtrip(&mut s, "/v1/meta", &[("Authorization", &bearer)]).status, 200);
+        assert_eq!(
+            roundtrip(&mut s, "/v1/meta", &[("Authorization", &bearer)]).status,
+            200
+        );
         server.stop();
         assert!(!token_file.exists());
     }
@@ -454,7 +536,10 @@ mod tests {
     fn listen_specs() {
         assert_eq!(parse_listen("9000").unwrap().to_string(), "127.0.0.1:9000");
         assert_eq!(parse_listen(":9000").unwrap().to_string(), "127.0.0.1:9000");
-        assert_eq!(parse_listen("0.0.0.0:9000").unwrap().to_string(), "0.0.0.0:9000");
+        assert_eq!(
+            parse_listen("0.0.0.0:9000").unwrap().to_string(),
+            "0.0.0.0:9000"
+        );
         assert!(parse_listen("nope").is_err());
     }
 }

@@ -19,7 +19,9 @@ impl Cell {
     pub fn coerce(self, ty: ColumnType) -> Cell {
         match (ty, self) {
             (_, Cell::Null) => Cell::Null,
-            (ColumnType::Int64 | ColumnType::Timestamp, Cell::Float(f)) if f.is_finite() => Cell::Int(f as i64),
+            (ColumnType::Int64 | ColumnType::Timestamp, Cell::Float(f)) if f.is_finite() => {
+                Cell::Int(f as i64)
+            }
             (ColumnType::Int64 | ColumnType::Timestamp, Cell::Bool(b)) => Cell::Int(b as i64),
             (ColumnType::Int64 | ColumnType::Timestamp, cell @ Cell::Int(_)) => cell,
             (ColumnType::Float64, Cell::Int(i)) => Cell::Float(i as f64),
@@ -95,7 +97,10 @@ mod tests {
         assert!(!Cell::Float(f64::NAN).meets("=", &json!(1.0)));
         assert!(Cell::Str("fc1".into()).meets("=", &json!("fc1")));
         assert!(!Cell::Null.meets("=", &json!(1)));
-        assert!(Cell::Int(1).meets("=", &json!("text")), "another kind is let through");
+        assert!(
+            Cell::Int(1).meets("=", &json!("text")),
+            "another kind is let through"
+        );
     }
 
     #[test]

@@ -40,7 +40,11 @@ pub enum StoreError {
     #[error("no table {0} in the run store")]
     UnknownTable(String),
     #[error("a row of {table} has {got} values; the table has {expected} (ts first)")]
-    Arity { table: String, expected: usize, got: usize },
+    Arity {
+        table: String,
+        expected: usize,
+        got: usize,
+    },
     #[error("{0}")]
     Io(#[from] std::io::Error),
     #[error("{0}")]
@@ -105,7 +109,14 @@ const MAX_OPEN_ROWS: usize = 4096;
 
 impl Table {
     fn new(def: &'static TableDef) -> Table {
-        Table { def, ring: VecDeque::new(), unspilled: Vec::new(), unspilled_dropped: 0, appended: 0, open: BTreeMap::new() }
+        Table {
+            def,
+            ring: VecDeque::new(),
+            unspilled: Vec::new(),
+            unspilled_dropped: 0,
+            appended: 0,
+            open: BTreeMap::new(),
+        }
     }
 }
 
@@ -140,10 +151,19 @@ pub fn store_table(name: &str) -> Option<&'static TableDef> {
 impl Store {
     /// A store; its spill thread starts with the first row.
     pub fn new(config: StoreConfig) -> Arc<Store> {
-        let spill = spill::Spill::new(config.run_dir.as_ref().map(|d| d.join("tables")), config.pid, &config.host, config.max_bytes);
+        let spill = spill::Spill::new(
+            config.run_dir.as_ref().map(|d| d.join("tables")),
+            config.pid,
+            &config.host,
+            config.max_bytes,
+        );
         Arc::new(Store {
             config,
-            state: Mutex::new(State { tables: BTreeMap::new(), waiting: 0, stopping: false }),
+            state: Mutex::new(State {
+                tables: BTreeMap::new(),
+                waiting: 0,
+                stopping: false,
+            }),
             wake: Condvar::new(),
             rank: AtomicI64::new(NO_RANK),
             spill: Mutex::new(spill),
@@ -163,17 +183,42 @@ impl Store {
         Some(self.rank.load(Ordering::Relaxed)).filter(|&r| r != NO_RANK)
     }
 
-    fn row(&self, table: &str, ts_seconds: f64, cells: Vec<Cell>) -> Result<(&'static TableDef, Arc<Row>), StoreError> {
+    fn row(
+        &self,
+        table: &str,
+        ts_seconds: f64,
+        cells: Vec<Cell>,
+    ) -> Result<(&'static TableDef, Arc<Row>), StoreError> {
         let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
         if cells.len() != def.columns.len() {
-            return Err(StoreError::Arity { table: def.name.to_string(), expected: def.columns.len() + 1, got: cells.len() + 1 });
+            return Err(StoreError::Arity {
+                table: def.name.to_string(),
+                expected: def.columns.len() + 1,
+                got: cells.len() + 1,
+            });
         }
-        let cells = cells.into_iter().zip(def.columns).map(|(cell, column)| cell.coerce(column.ty)).collect();
-        Ok((def, Arc::new(Row { ts_us: (ts_seconds * 1e6).round() as i64, rank: self.rank(), cells })))
+        let cells = cells
+            .into_iter()
+            .zip(def.columns)
+            .map(|(cell, column)| cell.coerce(column.ty))
+            .collect();
+        Ok((
+            def,
+            Arc::new(Row {
+                ts_us: (ts_seconds * 1e6).round() as i64,
+                rank: self.rank(),
+                cells,
+            }),
+        ))
     }
 
     /// Adds one row: `ts` in seconds, then the table's columns in order.
-    pub fn append(self: &Arc<Self>, table: &str, ts_seconds: f64, cells: Vec<Cell>) -> Result<(), StoreError> {
+    pub fn append(
+        self: &Arc<Self>,
+        table: &str,
+        ts_seconds: f64,
+        cells: Vec<Cell>,
+    ) -> Result<(), StoreError> {
         let (def, row) = self.row(table, ts_seconds, cells)?;
         self.push(def, row, None);
         Ok(())
@@ -181,10 +226,19 @@ impl Store {
 
     /// Shows a row that is still changing under `key` (read with the
     /// table, not spilled) until `close_row` replaces it with its last form.
-    pub fn open_row(self: &Arc<Self>, table: &str, key: u64, ts_seconds: f64, cells: Vec<Cell>) -> Result<(), StoreError> {
+    pub fn open_row(
+        self: &Arc<Self>,
+        table: &str,
+        key: u64,
+        ts_seconds: f64,
+        cells: Vec<Cell>,
+    ) -> Result<(), StoreError> {
         let (def, row) = self.row(table, ts_seconds, cells)?;
         let mut state = lock(&self.state);
-        let entry = state.tables.entry(def.name).or_insert_with(|| Table::new(def));
+        let entry = state
+            .tables
+            .entry(def.name)
+            .or_insert_with(|| Table::new(def));
         if entry.open.len() >= MAX_OPEN_ROWS {
             entry.open.pop_first();
         }
@@ -193,7 +247,13 @@ impl Store {
     }
 
     /// The open row `key` is done: `cells` is its last form, a row like any other.
-    pub fn close_row(self: &Arc<Self>, table: &str, key: u64, ts_seconds: f64, cells: Vec<Cell>) -> Result<(), StoreError> {
+    pub fn close_row(
+        self: &Arc<Self>,
+        table: &str,
+        key: u64,
+        ts_seconds: f64,
+        cells: Vec<Cell>,
+    ) -> Result<(), StoreError> {
         let (def, row) = self.row(table, ts_seconds, cells)?;
         self.push(def, row, Some(key));
         Ok(())
@@ -204,7 +264,10 @@ impl Store {
         let wake = {
             let mut state = lock(&self.state);
             let ring_rows = self.config.ring_rows.max(1);
-            let entry = state.tables.entry(def.name).or_insert_with(|| Table::new(def));
+            let entry = state
+                .tables
+                .entry(def.name)
+                .or_insert_with(|| Table::new(def));
             if let Some(key) = closes {
                 entry.open.remove(&key);
             }
@@ -242,7 +305,9 @@ impl Store {
         // After `close`, a new row starts a new writer.
         lock(&self.state).stopping = false;
         let store = Arc::downgrade(self);
-        let spawned = std::thread::Builder::new().name("rankscope-store".into()).spawn(move || spill_loop(store));
+        let spawned = std::thread::Builder::new()
+            .name("rankscope-store".into())
+            .spawn(move || spill_loop(store));
         // Without the thread the rows stay in memory; `flush` still writes.
         *thread = spawned.ok();
     }
@@ -255,7 +320,13 @@ impl Store {
             .tables
             .values_mut()
             .filter(|t| !t.unspilled.is_empty() || t.unspilled_dropped > 0)
-            .map(|t| (t.def, std::mem::take(&mut t.unspilled), std::mem::take(&mut t.unspilled_dropped)))
+            .map(|t| {
+                (
+                    t.def,
+                    std::mem::take(&mut t.unspilled),
+                    std::mem::take(&mut t.unspilled_dropped),
+                )
+            })
             .collect()
     }
 
@@ -282,10 +353,22 @@ impl Store {
         let state = lock(&self.state);
         let rows: serde_json::Map<String, Value> = PROBE_TABLES
             .iter()
-            .map(|def| (def.name.to_string(), json!(state.tables.get(def.name).map(|t| t.ring.len()).unwrap_or(0))))
+            .map(|def| {
+                (
+                    def.name.to_string(),
+                    json!(state
+                        .tables
+                        .get(def.name)
+                        .map(|t| t.ring.len())
+                        .unwrap_or(0)),
+                )
+            })
             .collect();
-        let appended: serde_json::Map<String, Value> =
-            state.tables.iter().map(|(name, t)| (name.to_string(), json!(t.appended))).collect();
+        let appended: serde_json::Map<String, Value> = state
+            .tables
+            .iter()
+            .map(|(name, t)| (name.to_string(), json!(t.appended)))
+            .collect();
         drop(state);
         let spill = lock(&self.spill).describe();
         json!({"rows": rows, "appended": appended, "ring_rows": self.config.ring_rows, "spill": spill})
@@ -295,33 +378,64 @@ impl Store {
     /// column names (`ts` first, in seconds) and rows of JSON values, only
     /// those meeting every `[column, op, value]` filter, with the named
     /// columns only (the others null); or just how many with `count`.
-    pub fn read_json(&self, table: &str, columns: Option<&[String]>, filters: &[(String, String, Value)], count: bool) -> Result<Value, StoreError> {
+    pub fn read_json(
+        &self,
+        table: &str,
+        columns: Option<&[String]>,
+        filters: &[(String, String, Value)],
+        count: bool,
+    ) -> Result<Value, StoreError> {
         let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
-        let names: Vec<&str> = std::iter::once("ts").chain(def.columns.iter().map(|c| c.name)).collect();
+        let names: Vec<&str> = std::iter::once("ts")
+            .chain(def.columns.iter().map(|c| c.name))
+            .collect();
         let checks: Vec<(usize, &str, &Value)> = filters
             .iter()
             .filter_map(|(column, op, value)| {
                 let index = def.columns.iter().position(|c| c.name == column)?;
-                matches!(op.as_str(), "=" | "<" | "<=" | ">" | ">=").then_some((index, op.as_str(), value))
+                matches!(op.as_str(), "=" | "<" | "<=" | ">" | ">=").then_some((
+                    index,
+                    op.as_str(),
+                    value,
+                ))
             })
             .collect();
         let rows: Vec<Arc<Row>> = {
             let state = lock(&self.state);
             let Some(t) = state.tables.get(def.name) else {
-                return Ok(if count { json!({"columns": names, "count": 0}) } else { json!({"columns": names, "rows": []}) });
+                return Ok(if count {
+                    json!({"columns": names, "count": 0})
+                } else {
+                    json!({"columns": names, "rows": []})
+                });
             };
-            t.ring.iter().chain(t.open.values()).filter(|row| checks.iter().all(|&(i, op, v)| row.cells[i].meets(op, v))).cloned().collect()
+            t.ring
+                .iter()
+                .chain(t.open.values())
+                .filter(|row| checks.iter().all(|&(i, op, v)| row.cells[i].meets(op, v)))
+                .cloned()
+                .collect()
         };
         if count {
             return Ok(json!({"columns": names, "count": rows.len()}));
         }
-        let wanted: Vec<bool> = def.columns.iter().map(|c| columns.is_none_or(|cols| cols.iter().any(|n| n == c.name))).collect();
+        let wanted: Vec<bool> = def
+            .columns
+            .iter()
+            .map(|c| columns.is_none_or(|cols| cols.iter().any(|n| n == c.name)))
+            .collect();
         let out: Vec<Value> = rows
             .iter()
             .map(|row| {
                 let mut cells = Vec::with_capacity(names.len());
                 cells.push(json!(row.ts_us as f64 / 1e6));
-                cells.extend(row.cells.iter().zip(&wanted).map(|(cell, &keep)| if keep { cell.to_json() } else { Value::Null }));
+                cells.extend(row.cells.iter().zip(&wanted).map(|(cell, &keep)| {
+                    if keep {
+                        cell.to_json()
+                    } else {
+                        Value::Null
+                    }
+                }));
                 Value::Array(cells)
             })
             .collect();
@@ -336,7 +450,9 @@ fn spill_loop(store: std::sync::Weak<Store>) {
             let state = lock(&store.state);
             let (state, _) = store
                 .wake
-                .wait_timeout_while(state, store.config.flush_every, |s| !s.stopping && s.waiting < store.config.flush_rows)
+                .wait_timeout_while(state, store.config.flush_every, |s| {
+                    !s.stopping && s.waiting < store.config.flush_rows
+                })
                 .unwrap_or_else(|e| e.into_inner());
             if state.stopping {
                 return;
@@ -371,18 +487,47 @@ mod tests {
         c.ring_rows = 3;
         let store = Store::new(c);
         for step in 0..5 {
-            store.append("torch_steps", 100.0 + step as f64, step_row(step)).unwrap();
+            store
+                .append("torch_steps", 100.0 + step as f64, step_row(step))
+                .unwrap();
         }
-        let all = store.read_json("python.torch_steps", None, &[], false).unwrap();
-        let steps: Vec<i64> = all["rows"].as_array().unwrap().iter().map(|r| r[1].as_i64().unwrap()).collect();
+        let all = store
+            .read_json("python.torch_steps", None, &[], false)
+            .unwrap();
+        let steps: Vec<i64> = all["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r[1].as_i64().unwrap())
+            .collect();
         assert_eq!(steps, vec![2, 3, 4]);
         assert_eq!(all["rows"][0][0], json!(102.0), "ts in seconds");
-        let late = store.read_json("torch_steps", None, &[("step".into(), ">=".into(), json!(3))], false).unwrap();
+        let late = store
+            .read_json(
+                "torch_steps",
+                None,
+                &[("step".into(), ">=".into(), json!(3))],
+                false,
+            )
+            .unwrap();
         assert_eq!(late["rows"].as_array().unwrap().len(), 2);
-        let counted = store.read_json("torch_steps", None, &[("sampled".into(), "=".into(), json!(true))], true).unwrap();
+        let counted = store
+            .read_json(
+                "torch_steps",
+                None,
+                &[("sampled".into(), "=".into(), json!(true))],
+                true,
+            )
+            .unwrap();
         assert_eq!(counted["count"], json!(2));
-        let only_step = store.read_json("torch_steps", Some(&["step".to_string()]), &[], false).unwrap();
-        assert_eq!(only_step["rows"][0][3], Value::Null, "duration_ms was not asked for");
+        let only_step = store
+            .read_json("torch_steps", Some(&["step".to_string()]), &[], false)
+            .unwrap();
+        assert_eq!(
+            only_step["rows"][0][3],
+            Value::Null,
+            "duration_ms was not asked for"
+        );
     }
 
     #[test]
@@ -393,16 +538,29 @@ mod tests {
         store.open_row("torch_steps", 7, 2.0, step_row(2)).unwrap();
         let steps = |store: &Store| -> Vec<i64> {
             let all = store.read_json("torch_steps", None, &[], false).unwrap();
-            all["rows"].as_array().unwrap().iter().map(|r| r[1].as_i64().unwrap()).collect()
+            all["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r[1].as_i64().unwrap())
+                .collect()
         };
         assert_eq!(steps(&store), vec![1, 2]);
         store.flush();
         let on_disk = |dir: &std::path::Path| -> usize {
-            read_table(&[dir.to_path_buf()], &TORCH_STEPS, None).unwrap().iter().map(|b| b.num_rows()).sum()
+            read_table(&[dir.to_path_buf()], &TORCH_STEPS, None)
+                .unwrap()
+                .iter()
+                .map(|b| b.num_rows())
+                .sum()
         };
         assert_eq!(on_disk(dir.path()), 1, "the open row stays in memory");
         store.close_row("torch_steps", 7, 2.0, step_row(3)).unwrap();
-        assert_eq!(steps(&store), vec![1, 3], "closed: replaced by its last form");
+        assert_eq!(
+            steps(&store),
+            vec![1, 3],
+            "closed: replaced by its last form"
+        );
         store.flush();
         assert_eq!(on_disk(dir.path()), 2);
     }
@@ -410,8 +568,14 @@ mod tests {
     #[test]
     fn a_row_of_the_wrong_width_or_table_is_refused() {
         let store = Store::new(config(None));
-        assert!(matches!(store.append("torch_steps", 1.0, vec![Cell::Int(1)]), Err(StoreError::Arity { .. })));
-        assert!(matches!(store.append("nope", 1.0, vec![]), Err(StoreError::UnknownTable(_))));
+        assert!(matches!(
+            store.append("torch_steps", 1.0, vec![Cell::Int(1)]),
+            Err(StoreError::Arity { .. })
+        ));
+        assert!(matches!(
+            store.append("nope", 1.0, vec![]),
+            Err(StoreError::UnknownTable(_))
+        ));
     }
 
     #[test]
@@ -432,15 +596,45 @@ mod tests {
         assert_eq!(rows, 15, "both flushes, the second at close");
         let batch = &batches[0];
         assert_eq!(batch.schema(), arrow_schema(&TORCH_STEPS));
-        let pid = batch.column(0).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
-        let rank = batch.column(1).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
-        let step = batch.column(4).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
+        let pid = batch
+            .column(0)
+            .as_any()
+            .downcast_ref::<arrow_array::Int64Array>()
+            .unwrap();
+        let rank = batch
+            .column(1)
+            .as_any()
+            .downcast_ref::<arrow_array::Int64Array>()
+            .unwrap();
+        let step = batch
+            .column(4)
+            .as_any()
+            .downcast_ref::<arrow_array::Int64Array>()
+            .unwrap();
         assert_eq!((pid.value(0), rank.value(0), step.value(9)), (4242, 3, 9));
-        let projected = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, Some(&["loss", "step"])).unwrap();
-        let names: Vec<String> = projected[0].schema().fields().iter().map(|f| f.name().clone()).collect();
-        assert_eq!(names, ["step", "loss"], "the table's order, not the asked order");
+        let projected = read_table(
+            &[dir.path().to_path_buf()],
+            &TORCH_STEPS,
+            Some(&["loss", "step"]),
+        )
+        .unwrap();
+        let names: Vec<String> = projected[0]
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.name().clone())
+            .collect();
+        assert_eq!(
+            names,
+            ["step", "loss"],
+            "the table's order, not the asked order"
+        );
         let none = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, Some(&[])).unwrap();
-        assert_eq!(none.iter().map(|b| b.num_rows()).sum::<usize>(), 15, "rows still counted");
+        assert_eq!(
+            none.iter().map(|b| b.num_rows()).sum::<usize>(),
+            15,
+            "rows still counted"
+        );
     }
 
     #[test]
@@ -452,7 +646,12 @@ mod tests {
             store.flush();
         }
         // As SIGKILL leaves it: no end-of-stream marker, the last batch cut.
-        let file = std::fs::read_dir(dir.path().join("tables/torch_steps")).unwrap().next().unwrap().unwrap().path();
+        let file = std::fs::read_dir(dir.path().join("tables/torch_steps"))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
         let bytes = std::fs::read(&file).unwrap();
         std::fs::write(&file, &bytes[..bytes.len() - 20]).unwrap();
         let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, None).unwrap();
@@ -468,8 +667,18 @@ mod tests {
         store.append("torch_steps", 1.0, step_row(0)).unwrap();
         store.flush();
         let described = store.describe();
-        assert!(described["spill"]["error"].as_str().unwrap().contains("cannot"), "{described}");
-        assert_eq!(described["rows"]["torch_steps"], json!(1), "the ring goes on");
+        assert!(
+            described["spill"]["error"]
+                .as_str()
+                .unwrap()
+                .contains("cannot"),
+            "{described}"
+        );
+        assert_eq!(
+            described["rows"]["torch_steps"],
+            json!(1),
+            "the ring goes on"
+        );
     }
 
     #[test]
@@ -483,6 +692,12 @@ mod tests {
             store.flush();
         }
         let described = store.describe();
-        assert!(described["spill"]["error"].as_str().unwrap().contains("RANKSCOPE_STORE_MAX_MB"), "{described}");
+        assert!(
+            described["spill"]["error"]
+                .as_str()
+                .unwrap()
+                .contains("RANKSCOPE_STORE_MAX_MB"),
+            "{described}"
+        );
     }
 }

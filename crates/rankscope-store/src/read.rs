@@ -12,8 +12,14 @@ use crate::StoreError;
 
 /// The table's files under one run directory, oldest name first.
 pub fn table_files(run_dir: &Path, def: &TableDef) -> Vec<PathBuf> {
-    let Ok(read) = std::fs::read_dir(run_dir.join("tables").join(def.name)) else { return Vec::new() };
-    let mut files: Vec<PathBuf> = read.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "arrows")).collect();
+    let Ok(read) = std::fs::read_dir(run_dir.join("tables").join(def.name)) else {
+        return Vec::new();
+    };
+    let mut files: Vec<PathBuf> = read
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "arrows"))
+        .collect();
     files.sort();
     files
 }
@@ -24,12 +30,18 @@ pub fn table_files(run_dir: &Path, def: &TableDef) -> Vec<PathBuf> {
 /// A file cut short (the process was killed mid-write) gives the batches
 /// before the cut; a file that cannot be read at all is skipped. Columns a
 /// file lacks (written by another version) are null.
-pub fn read_table(run_dirs: &[PathBuf], def: &TableDef, columns: Option<&[&str]>) -> Result<Vec<RecordBatch>, StoreError> {
+pub fn read_table(
+    run_dirs: &[PathBuf],
+    def: &TableDef,
+    columns: Option<&[&str]>,
+) -> Result<Vec<RecordBatch>, StoreError> {
     let full = crate::schema::arrow_schema(def);
     let schema = match columns {
         None => full,
         Some(names) => {
-            let mut wanted: Vec<usize> = (0..full.fields().len()).filter(|&i| names.contains(&full.field(i).name().as_str())).collect();
+            let mut wanted: Vec<usize> = (0..full.fields().len())
+                .filter(|&i| names.contains(&full.field(i).name().as_str()))
+                .collect();
             if wanted.is_empty() {
                 wanted.push(0);
             }
@@ -39,14 +51,22 @@ pub fn read_table(run_dirs: &[PathBuf], def: &TableDef, columns: Option<&[&str]>
     let mut batches = Vec::new();
     for dir in run_dirs {
         for path in table_files(dir, def) {
-            let Some(mut buffer) = map(&path) else { continue };
+            let Some(mut buffer) = map(&path) else {
+                continue;
+            };
             let mut decoder = StreamDecoder::new();
             let mut in_file: Option<Vec<usize>> = None;
             while !buffer.is_empty() {
                 // A message cut short by a kill ends the file's batches.
-                let Ok(Some(batch)) = decoder.decode(&mut buffer) else { break };
+                let Ok(Some(batch)) = decoder.decode(&mut buffer) else {
+                    break;
+                };
                 let wanted = in_file.get_or_insert_with(|| {
-                    schema.fields().iter().filter_map(|f| batch.schema().index_of(f.name()).ok()).collect()
+                    schema
+                        .fields()
+                        .iter()
+                        .filter_map(|f| batch.schema().index_of(f.name()).ok())
+                        .collect()
                 });
                 batches.push(conform(&schema, &batch.project(wanted)?)?);
             }
@@ -74,7 +94,10 @@ fn map(path: &Path) -> Option<Buffer> {
     Some(unsafe { Buffer::from_custom_allocation(ptr, len, std::sync::Arc::new(mapped)) })
 }
 
-fn conform(schema: &arrow_schema::SchemaRef, batch: &RecordBatch) -> Result<RecordBatch, StoreError> {
+fn conform(
+    schema: &arrow_schema::SchemaRef,
+    batch: &RecordBatch,
+) -> Result<RecordBatch, StoreError> {
     if batch.schema() == *schema {
         return Ok(batch.clone());
     }

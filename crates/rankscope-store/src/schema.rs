@@ -16,12 +16,18 @@ pub fn data_type(ty: ColumnType) -> DataType {
         ColumnType::Utf8 => DataType::Utf8,
         ColumnType::Timestamp => DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
         // Whatever the builder makes, so that schema and arrays agree.
-        ColumnType::MapUtf8 => MapBuilder::new(None, StringBuilder::new(), StringBuilder::new()).finish().data_type().clone(),
+        ColumnType::MapUtf8 => MapBuilder::new(None, StringBuilder::new(), StringBuilder::new())
+            .finish()
+            .data_type()
+            .clone(),
     }
 }
 
 /// Every column nullable, identity columns first.
 pub fn arrow_schema(def: &TableDef) -> SchemaRef {
-    let fields: Vec<Field> = def.all_columns().map(|c| Field::new(c.name, data_type(c.ty), true)).collect();
+    let fields: Vec<Field> = def
+        .all_columns()
+        .map(|c| Field::new(c.name, data_type(c.ty), true))
+        .collect();
     Arc::new(Schema::new(fields))
 }

@@ -7,7 +7,9 @@ use std::io::BufWriter;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use arrow_array::builder::{BooleanBuilder, Float64Builder, Int64Builder, StringBuilder, TimestampMicrosecondBuilder};
+use arrow_array::builder::{
+    BooleanBuilder, Float64Builder, Int64Builder, StringBuilder, TimestampMicrosecondBuilder,
+};
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_ipc::writer::StreamWriter;
 use rankscope_core::tables::{ColumnType, TableDef};
@@ -33,7 +35,8 @@ struct CountingFile {
 impl std::io::Write for CountingFile {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let n = self.file.write(buf)?;
-        self.written.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        self.written
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(n)
     }
 
@@ -59,7 +62,16 @@ pub struct Spill {
 
 impl Spill {
     pub fn new(dir: Option<PathBuf>, pid: u32, host: &str, max_bytes: u64) -> Spill {
-        let host_file: String = host.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' }).collect();
+        let host_file: String = host
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
         Spill {
             dir,
             pid,
@@ -106,14 +118,20 @@ impl Spill {
     }
 
     fn try_write(&mut self, def: &'static TableDef, rows: &[Arc<Row>]) -> Result<(), String> {
-        let total = self.written + self.segments.values().map(|(_, n, _)| n.load(std::sync::atomic::Ordering::Relaxed)).sum::<u64>();
+        let total = self.written
+            + self
+                .segments
+                .values()
+                .map(|(_, n, _)| n.load(std::sync::atomic::Ordering::Relaxed))
+                .sum::<u64>();
         if total >= self.max_bytes {
             return Err(format!(
                 "the spill stopped at {} MB (RANKSCOPE_STORE_MAX_MB); older rows are on disk, newer ones in memory only",
                 self.max_bytes >> 20
             ));
         }
-        let batch = to_batch(def, self.pid, &self.host, rows).map_err(|e| format!("cannot build a batch of {}: {e}", def.name))?;
+        let batch = to_batch(def, self.pid, &self.host, rows)
+            .map_err(|e| format!("cannot build a batch of {}: {e}", def.name))?;
         let rotate = self
             .segments
             .get(def.name)
@@ -132,25 +150,44 @@ impl Spill {
         }
         let (segment, _, _) = self.segments.get_mut(def.name).expect("opened above");
         let path = segment.path.display().to_string();
-        segment.writer.write(&batch).map_err(|e| format!("cannot write {path}: {e}"))?;
-        segment.writer.flush().map_err(|e| format!("cannot write {path}: {e}"))?;
+        segment
+            .writer
+            .write(&batch)
+            .map_err(|e| format!("cannot write {path}: {e}"))?;
+        segment
+            .writer
+            .flush()
+            .map_err(|e| format!("cannot write {path}: {e}"))?;
         *self.rows_written.entry(def.name).or_default() += rows.len() as u64;
         Ok(())
     }
 
     /// A new file that no earlier process of this pid (pids are reused)
     /// nor earlier segment wrote.
-    fn open(&self, def: &'static TableDef, mut index: u32) -> Result<(Segment, Arc<std::sync::atomic::AtomicU64>, u32), String> {
+    fn open(
+        &self,
+        def: &'static TableDef,
+        mut index: u32,
+    ) -> Result<(Segment, Arc<std::sync::atomic::AtomicU64>, u32), String> {
         let dir = self.dir.as_ref().expect("checked by write").join(def.name);
-        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         loop {
             let path = dir.join(format!("{}-{}-{index}.arrows", self.host_file, self.pid));
-            match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
                 Ok(file) => {
                     let counter = Arc::new(std::sync::atomic::AtomicU64::new(0));
-                    let out = BufWriter::new(CountingFile { file, written: counter.clone() });
+                    let out = BufWriter::new(CountingFile {
+                        file,
+                        written: counter.clone(),
+                    });
                     let schema = crate::schema::arrow_schema(def);
-                    let writer = StreamWriter::try_new(out, &schema).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                    let writer = StreamWriter::try_new(out, &schema)
+                        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
                     return Ok((Segment { writer, path }, counter, index));
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => index += 1,
@@ -169,11 +206,20 @@ impl Drop for Spill {
 }
 
 /// Rows as one record batch of the table's Arrow schema.
-pub fn to_batch(def: &TableDef, pid: u32, host: &str, rows: &[Arc<Row>]) -> Result<RecordBatch, StoreError> {
+pub fn to_batch(
+    def: &TableDef,
+    pid: u32,
+    host: &str,
+    rows: &[Arc<Row>],
+) -> Result<RecordBatch, StoreError> {
     let n = rows.len();
     let mut columns: Vec<ArrayRef> = Vec::with_capacity(4 + def.columns.len());
     columns.push(Arc::new(arrow_array::Int64Array::from(vec![pid as i64; n])));
-    columns.push(Arc::new(rows.iter().map(|r| r.rank).collect::<arrow_array::Int64Array>()));
+    columns.push(Arc::new(
+        rows.iter()
+            .map(|r| r.rank)
+            .collect::<arrow_array::Int64Array>(),
+    ));
     let mut hosts = StringBuilder::with_capacity(n, n * host.len());
     (0..n).for_each(|_| hosts.append_value(host));
     columns.push(Arc::new(hosts.finish()));
@@ -186,33 +232,60 @@ pub fn to_batch(def: &TableDef, pid: u32, host: &str, rows: &[Arc<Row>]) -> Resu
             ColumnType::Int64 | ColumnType::Timestamp => {
                 let mut b = if column.ty == ColumnType::Timestamp {
                     let mut t = TimestampMicrosecondBuilder::with_capacity(n).with_timezone("UTC");
-                    cells.for_each(|c| t.append_option(if let Cell::Int(v) = c { Some(*v) } else { None }));
+                    cells.for_each(|c| {
+                        t.append_option(if let Cell::Int(v) = c { Some(*v) } else { None })
+                    });
                     columns.push(Arc::new(t.finish()));
                     continue;
                 } else {
                     Int64Builder::with_capacity(n)
                 };
-                cells.for_each(|c| b.append_option(if let Cell::Int(v) = c { Some(*v) } else { None }));
+                cells.for_each(|c| {
+                    b.append_option(if let Cell::Int(v) = c { Some(*v) } else { None })
+                });
                 Arc::new(b.finish())
             }
             ColumnType::Float64 => {
                 let mut b = Float64Builder::with_capacity(n);
-                cells.for_each(|c| b.append_option(if let Cell::Float(v) = c { Some(*v) } else { None }));
+                cells.for_each(|c| {
+                    b.append_option(if let Cell::Float(v) = c {
+                        Some(*v)
+                    } else {
+                        None
+                    })
+                });
                 Arc::new(b.finish())
             }
             ColumnType::Bool => {
                 let mut b = BooleanBuilder::with_capacity(n);
-                cells.for_each(|c| b.append_option(if let Cell::Bool(v) = c { Some(*v) } else { None }));
+                cells.for_each(|c| {
+                    b.append_option(if let Cell::Bool(v) = c {
+                        Some(*v)
+                    } else {
+                        None
+                    })
+                });
                 Arc::new(b.finish())
             }
             ColumnType::Utf8 => {
                 let mut b = StringBuilder::new();
-                cells.for_each(|c| b.append_option(if let Cell::Str(v) = c { Some(v.as_str()) } else { None }));
+                cells.for_each(|c| {
+                    b.append_option(if let Cell::Str(v) = c {
+                        Some(v.as_str())
+                    } else {
+                        None
+                    })
+                });
                 Arc::new(b.finish())
             }
-            ColumnType::MapUtf8 => arrow_array::new_null_array(&crate::schema::data_type(ColumnType::MapUtf8), n),
+            ColumnType::MapUtf8 => {
+                arrow_array::new_null_array(&crate::schema::data_type(ColumnType::MapUtf8), n)
+            }
         };
         columns.push(array);
     }
-    Ok(RecordBatch::try_new(crate::schema::arrow_schema(def), columns)?)
+    Ok(RecordBatch::try_new(
+        crate::schema::arrow_schema(def),
+        columns,
+    )?)
 }

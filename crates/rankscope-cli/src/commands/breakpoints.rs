@@ -17,7 +17,16 @@ use crate::{BreakAction, BtFormat, ListFormat};
 /// for every rank of a job).
 pub fn request_of(action: &BreakAction) -> Result<Value> {
     Ok(match action {
-        BreakAction::Add { spec, condition, log, max, every, hit, pause, pause_timeout } => {
+        BreakAction::Add {
+            spec,
+            condition,
+            log,
+            max,
+            every,
+            hit,
+            pause,
+            pause_timeout,
+        } => {
             if let Some(t) = pause_timeout {
                 super::seconds(*t, "--pause-timeout")?;
             }
@@ -34,13 +43,25 @@ pub fn request_of(action: &BreakAction) -> Result<Value> {
 
 /// What the user reads for the probe's reply: (stdout lines, notes for stderr).
 pub fn render(action: &BreakAction, reply: &Value) -> (Vec<String>, Vec<String>) {
-    let notes = reply["note"].as_str().map(|n| vec![format!("note: {n}")]).unwrap_or_default();
+    let notes = reply["note"]
+        .as_str()
+        .map(|n| vec![format!("note: {n}")])
+        .unwrap_or_default();
     let lines = match action {
         BreakAction::Add { .. } => {
-            vec![format!("breakpoint {} at {}:{}", reply["id"], reply["file"].as_str().unwrap_or("?"), reply["line"])]
+            vec![format!(
+                "breakpoint {} at {}:{}",
+                reply["id"],
+                reply["file"].as_str().unwrap_or("?"),
+                reply["line"]
+            )]
         }
-        BreakAction::List { format: ListFormat::Json } => vec![serde_json::to_string_pretty(reply).unwrap_or_default()],
-        BreakAction::List { format: ListFormat::Table } => {
+        BreakAction::List {
+            format: ListFormat::Json,
+        } => vec![serde_json::to_string_pretty(reply).unwrap_or_default()],
+        BreakAction::List {
+            format: ListFormat::Table,
+        } => {
             let bps = reply.as_array().cloned().unwrap_or_default();
             if bps.is_empty() {
                 vec!["No breakpoints.".to_string()]
@@ -54,11 +75,21 @@ pub fn render(action: &BreakAction, reply: &Value) -> (Vec<String>, Vec<String>)
                 for bp in &bps {
                     table.row(describe(bp));
                 }
-                table.render(crate::term::width()).lines().map(str::to_string).collect()
+                table
+                    .render(crate::term::width())
+                    .lines()
+                    .map(str::to_string)
+                    .collect()
             }
         }
-        BreakAction::Rm { .. } => vec![format!("removed breakpoint {} ({} hits)", reply["id"], reply["hits"])],
-        BreakAction::Clear => vec![format!("removed {} breakpoints", reply.as_array().map_or(0, Vec::len))],
+        BreakAction::Rm { .. } => vec![format!(
+            "removed breakpoint {} ({} hits)",
+            reply["id"], reply["hits"]
+        )],
+        BreakAction::Clear => vec![format!(
+            "removed {} breakpoints",
+            reply.as_array().map_or(0, Vec::len)
+        )],
     };
     (lines, notes)
 }
@@ -83,9 +114,21 @@ fn describe(bp: &Value) -> Vec<String> {
     };
     let kind = if bp["kind"] == "watch" { "watch " } else { "" };
     let mut details = Vec::new();
-    for (key, label) in [("watch", "var"), ("tensor", "tensor"), ("condition", "if"), ("log", "log"), ("every", "every"), ("hit_from", "hit"), ("max", "max"), ("pause", "pause")] {
+    for (key, label) in [
+        ("watch", "var"),
+        ("tensor", "tensor"),
+        ("condition", "if"),
+        ("log", "log"),
+        ("every", "every"),
+        ("hit_from", "hit"),
+        ("max", "max"),
+        ("pause", "pause"),
+    ] {
         if !bp[key].is_null() {
-            let value = bp[key].as_str().map(str::to_string).unwrap_or_else(|| bp[key].to_string());
+            let value = bp[key]
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| bp[key].to_string());
             details.push(format!("{label} {value}"));
         }
     }
@@ -93,7 +136,10 @@ fn describe(bp: &Value) -> Vec<String> {
         details.push("[disabled]".to_string());
     }
     for thread in bp["paused"].as_array().into_iter().flatten() {
-        details.push(format!("[paused: thread {}]", thread.as_str().unwrap_or("?")));
+        details.push(format!(
+            "[paused: thread {}]",
+            thread.as_str().unwrap_or("?")
+        ));
     }
     if let Some(note) = bp["note"].as_str() {
         details.push(format!("({note})"));
@@ -108,12 +154,22 @@ fn describe(bp: &Value) -> Vec<String> {
 }
 
 pub fn watch(probe: &Probe, spec: &str, name: &str, tensor: bool) -> Result<u8> {
-    let watch = probe.breakpoints(&json!({"op": "watch", "spec": spec, "name": name, "tensor": tensor}))?;
+    let watch =
+        probe.breakpoints(&json!({"op": "watch", "spec": spec, "name": name, "tensor": tensor}))?;
     if let Some(note) = watch["note"].as_str() {
         eprintln!("note: {note}");
     }
-    let what = if tensor { "in-place changes of tensor" } else { "changes of" };
-    println!("watch {}: {what} {name} in {}:{}", watch["id"], watch["file"].as_str().unwrap_or("?"), watch["line"].as_str().unwrap_or("?"));
+    let what = if tensor {
+        "in-place changes of tensor"
+    } else {
+        "changes of"
+    };
+    println!(
+        "watch {}: {what} {name} in {}:{}",
+        watch["id"],
+        watch["file"].as_str().unwrap_or("?"),
+        watch["line"].as_str().unwrap_or("?")
+    );
     Ok(0)
 }
 
@@ -126,7 +182,10 @@ pub fn attach(probe: &Probe, thread: Option<&str>, wait: Duration) -> Result<u8>
         let paused = probe.breakpoints(&json!({"op": "paused"}))?;
         let paused = paused.as_array().cloned().unwrap_or_default();
         let names: Vec<&str> = paused.iter().filter_map(|s| s["thread"].as_str()).collect();
-        let chosen: Vec<&Value> = paused.iter().filter(|s| thread.is_none_or(|t| s["thread"] == t)).collect();
+        let chosen: Vec<&Value> = paused
+            .iter()
+            .filter(|s| thread.is_none_or(|t| s["thread"] == t))
+            .collect();
         match chosen.as_slice() {
             [one] => break (*one).clone(),
             [_, _, ..] => {
@@ -142,12 +201,21 @@ pub fn attach(probe: &Probe, thread: Option<&str>, wait: Duration) -> Result<u8>
                 } else {
                     format!("paused now: {}", names.join(", "))
                 };
-                let what = thread.map_or("no thread".to_string(), |t| format!("no thread named {t:?}"));
-                return Err(Hinted::new(format!("{what} paused within {:.0} s", wait.as_secs_f64()), hint).into());
+                let what = thread.map_or("no thread".to_string(), |t| {
+                    format!("no thread named {t:?}")
+                });
+                return Err(Hinted::new(
+                    format!("{what} paused within {:.0} s", wait.as_secs_f64()),
+                    hint,
+                )
+                .into());
             }
             [] => {
                 if !told {
-                    eprintln!("waiting for a thread to pause (up to {:.0} s)...", wait.as_secs_f64());
+                    eprintln!(
+                        "waiting for a thread to pause (up to {:.0} s)...",
+                        wait.as_secs_f64()
+                    );
                     told = true;
                 }
                 std::thread::sleep(Duration::from_millis(50));
@@ -156,7 +224,10 @@ pub fn attach(probe: &Probe, thread: Option<&str>, wait: Duration) -> Result<u8>
     };
     let socket = session["socket"].as_str().unwrap_or_default();
     let stream = UnixStream::connect(socket).map_err(|e| {
-        Hinted::new(format!("cannot join the paused thread {}: {e}", session["thread"]), "it may have resumed (pause timeout) or another attach took it")
+        Hinted::new(
+            format!("cannot join the paused thread {}: {e}", session["thread"]),
+            "it may have resumed (pause timeout) or another attach took it",
+        )
     })?;
     super::debug::relay(stream)
 }
@@ -172,15 +243,30 @@ pub fn snapshots(probe: &Probe, format: BtFormat) -> Result<u8> {
         println!("No snapshots recorded.");
     }
     for snap in snaps {
-        println!("snapshot {}: breakpoint {}, hit {}, thread \"{}\"", snap["id"], snap["bp_id"], snap["hit"], snap["thread"].as_str().unwrap_or("?"));
+        println!(
+            "snapshot {}: breakpoint {}, hit {}, thread \"{}\"",
+            snap["id"],
+            snap["bp_id"],
+            snap["hit"],
+            snap["thread"].as_str().unwrap_or("?")
+        );
         if let Some(log) = snap["log"].as_str() {
             println!("    log: {log}");
         }
         for frame in snap["frames"].as_array().into_iter().flatten() {
-            println!("    {} ({}:{})", frame["func"].as_str().unwrap_or("?"), frame["file"].as_str().unwrap_or("?"), frame["lineno"]);
+            println!(
+                "    {} ({}:{})",
+                frame["func"].as_str().unwrap_or("?"),
+                frame["file"].as_str().unwrap_or("?"),
+                frame["lineno"]
+            );
             for local in frame["locals"].as_array().into_iter().flatten() {
                 let [name, repr, _] = snapshot_local(local);
-                println!("        {} = {}", name.as_str().unwrap_or("?"), repr.as_str().unwrap_or("?"));
+                println!(
+                    "        {} = {}",
+                    name.as_str().unwrap_or("?"),
+                    repr.as_str().unwrap_or("?")
+                );
             }
         }
     }

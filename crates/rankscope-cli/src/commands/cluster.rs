@@ -19,9 +19,9 @@ use rankscope_query::table::{Align, Style, Table};
 use rankscope_query::{Fetched, RowSource, Scan};
 use serde::Deserialize;
 
-use crate::stuck;
 use crate::client::Probe;
 use crate::hint::Hinted;
+use crate::stuck;
 use crate::{outside, QueryFormat};
 
 /// One rank as the registry and the endpoint directory describe it.
@@ -122,14 +122,18 @@ fn liveness(entry: &RankEntry, here: &str) -> Liveness {
     }
 }
 
-
 fn read_entries(dir: &std::path::Path, out: &mut Vec<RankEntry>) {
-    let Ok(read) = std::fs::read_dir(dir) else { return };
+    let Ok(read) = std::fs::read_dir(dir) else {
+        return;
+    };
     for path in read.flatten().map(|e| e.path()) {
         if path.extension().and_then(|e| e.to_str()) != Some("json") {
             continue;
         }
-        if let Some(mut entry) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<RankEntry>(&b).ok()) {
+        if let Some(mut entry) = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<RankEntry>(&b).ok())
+        {
             if entry.meta.job_id.is_some() || entry.meta.world_size > 1 {
                 entry.modified = super::crashes::mtime(&path);
                 out.push(entry);
@@ -155,9 +159,17 @@ fn job_at(addr: &str) -> Result<Job> {
         )
     })?;
     let probe = Probe::remote(0, addr, &token);
-    let entries: Vec<RankEntry> = probe.job(Duration::from_secs(5))?.into_iter().filter_map(|v| serde_json::from_value(v).ok()).collect();
+    let entries: Vec<RankEntry> = probe
+        .job(Duration::from_secs(5))?
+        .into_iter()
+        .filter_map(|v| serde_json::from_value(v).ok())
+        .collect();
     let Some(id) = entries.iter().find_map(|e| e.meta.job_id.clone()) else {
-        return Err(Hinted::new(format!("the probe at {addr} is not in a job's registry"), "start the job's ranks with a run directory (RANKSCOPE_RUN_DIR)").into());
+        return Err(Hinted::new(
+            format!("the probe at {addr} is not in a job's registry"),
+            "start the job's ranks with a run directory (RANKSCOPE_RUN_DIR)",
+        )
+        .into());
     };
     Ok(one_per_rank(id, entries))
 }
@@ -198,19 +210,31 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
         }
     }
     let here = rankscope_core::host::hostname();
-    let job_of = |e: &RankEntry| e.meta.job_id.clone().unwrap_or_else(|| "(no job id)".into());
+    let job_of = |e: &RankEntry| {
+        e.meta
+            .job_id
+            .clone()
+            .unwrap_or_else(|| "(no job id)".into())
+    };
     let mut jobs: BTreeMap<String, Vec<RankEntry>> = BTreeMap::new();
     for entry in entries {
         jobs.entry(job_of(&entry)).or_default().push(entry);
     }
     let chosen = match job {
         Some(id) => jobs.remove_entry(id).ok_or_else(|| {
-            Hinted::new(format!("no job {id} found"), format!("jobs found: {}", names(&jobs)))
+            Hinted::new(
+                format!("no job {id} found"),
+                format!("jobs found: {}", names(&jobs)),
+            )
         })?,
         None => {
             let live: Vec<String> = jobs
                 .iter()
-                .filter(|(_, ranks)| ranks.iter().any(|r| liveness(r, &here) == Liveness::Running))
+                .filter(|(_, ranks)| {
+                    ranks
+                        .iter()
+                        .any(|r| liveness(r, &here) == Liveness::Running)
+                })
                 .map(|(id, _)| id.clone())
                 .collect();
             let latest = || {
@@ -255,18 +279,29 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
 
 /// When a job's registry last changed.
 fn newest(ranks: &[RankEntry]) -> f64 {
-    ranks.iter().map(|r| r.modified.max(r.meta.started_at)).fold(0.0, f64::max)
+    ranks
+        .iter()
+        .map(|r| r.modified.max(r.meta.started_at))
+        .fold(0.0, f64::max)
 }
 
 fn one_per_rank(id: String, mut ranks: Vec<RankEntry>) -> Job {
     let mut pids: Vec<u32> = ranks.iter().map(|r| r.meta.pid).collect();
     pids.sort_unstable();
     pids.dedup();
-    let span = (ranks.iter().map(|r| r.meta.started_at).fold(f64::INFINITY, f64::min), newest(&ranks));
+    let span = (
+        ranks
+            .iter()
+            .map(|r| r.meta.started_at)
+            .fold(f64::INFINITY, f64::min),
+        newest(&ranks),
+    );
     // One entry per rank: the registry and the endpoint directory describe
     // the same process twice; a restarted rank's newest process wins.
     ranks.sort_by(|a, b| {
-        (a.meta.rank, a.meta.started_at).partial_cmp(&(b.meta.rank, b.meta.started_at)).unwrap_or(std::cmp::Ordering::Equal)
+        (a.meta.rank, a.meta.started_at)
+            .partial_cmp(&(b.meta.rank, b.meta.started_at))
+            .unwrap_or(std::cmp::Ordering::Equal)
     });
     let mut by_rank: BTreeMap<i64, RankEntry> = BTreeMap::new();
     for entry in ranks {
@@ -287,10 +322,18 @@ fn one_per_rank(id: String, mut ranks: Vec<RankEntry>) -> Job {
             }
         }
     }
-    let mut job_run_dirs: Vec<PathBuf> = by_rank.values().filter_map(|e| e.run_dir.clone()).collect();
+    let mut job_run_dirs: Vec<PathBuf> =
+        by_rank.values().filter_map(|e| e.run_dir.clone()).collect();
     job_run_dirs.sort();
     job_run_dirs.dedup();
-    Job { id, ranks: by_rank.into_values().collect(), run_dirs: job_run_dirs, pids, span, others_pids: Vec::new() }
+    Job {
+        id,
+        ranks: by_rank.into_values().collect(),
+        run_dirs: job_run_dirs,
+        pids,
+        span,
+        others_pids: Vec::new(),
+    }
 }
 
 fn names(jobs: &BTreeMap<String, Vec<RankEntry>>) -> String {
@@ -306,9 +349,17 @@ fn parse_ranks(spec: &str, job: &Job) -> Result<Vec<i64>> {
     let known: Vec<i64> = job.ranks.iter().map(|r| r.meta.rank).collect();
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let bad = || Hinted::new(format!("--ranks: {part:?} is not a rank or a range"), "e.g. --ranks 0,2,4-7");
+        let bad = || {
+            Hinted::new(
+                format!("--ranks: {part:?} is not a rank or a range"),
+                "e.g. --ranks 0,2,4-7",
+            )
+        };
         let (lo, hi) = match part.split_once('-') {
-            Some((a, b)) => (a.parse::<i64>().map_err(|_| bad())?, b.parse::<i64>().map_err(|_| bad())?),
+            Some((a, b)) => (
+                a.parse::<i64>().map_err(|_| bad())?,
+                b.parse::<i64>().map_err(|_| bad())?,
+            ),
             None => {
                 let r = part.parse::<i64>().map_err(|_| bad())?;
                 (r, r)
@@ -340,7 +391,11 @@ fn compress(ranks: &[i64]) -> String {
         while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
             j += 1;
         }
-        parts.push(if i == j { sorted[i].to_string() } else { format!("{}-{}", sorted[i], sorted[j]) });
+        parts.push(if i == j {
+            sorted[i].to_string()
+        } else {
+            format!("{}-{}", sorted[i], sorted[j])
+        });
         i = j + 1;
     }
     parts.join(",")
@@ -352,7 +407,11 @@ impl Job {
             None => Ok(self.ranks.iter().collect()),
             Some(spec) => {
                 let wanted = parse_ranks(spec, self)?;
-                Ok(self.ranks.iter().filter(|r| wanted.contains(&r.meta.rank)).collect())
+                Ok(self
+                    .ranks
+                    .iter()
+                    .filter(|r| wanted.contains(&r.meta.rank))
+                    .collect())
             }
         }
     }
@@ -362,7 +421,10 @@ impl Job {
 fn fan_out<T: Send>(ranks: &[&RankEntry], work: impl Fn(&RankEntry) -> T + Sync) -> Vec<T> {
     std::thread::scope(|scope| {
         let handles: Vec<_> = ranks.iter().map(|r| scope.spawn(|| work(r))).collect();
-        handles.into_iter().map(|h| h.join().expect("a rank's worker panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank's worker panicked"))
+            .collect()
     })
 }
 
@@ -375,7 +437,12 @@ fn probe_of(entry: &RankEntry) -> Result<Probe> {
     Probe::locate(entry.meta.pid)
 }
 
-pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration, format: crate::ListFormat) -> Result<u8> {
+pub fn list(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    deadline: Duration,
+    format: crate::ListFormat,
+) -> Result<u8> {
     let job = find_job(job, run)?;
     let here = rankscope_core::host::hostname();
     let ranks: Vec<&RankEntry> = job.ranks.iter().collect();
@@ -391,7 +458,8 @@ pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration, format:
     });
     // The process's age, not its probe's (an injected probe is younger).
     let uptime = |entry: &RankEntry, state: &str| {
-        (state == "running" || state == "unresponsive").then(|| super::list::process_age(&entry.meta, &here))
+        (state == "running" || state == "unresponsive")
+            .then(|| super::list::process_age(&entry.meta, &here))
     };
     if let crate::ListFormat::Json = format {
         let rows: Vec<serde_json::Value> = job
@@ -420,12 +488,18 @@ pub fn list(job: Option<&str>, run: Option<PathBuf>, deadline: Duration, format:
     for (entry, state) in job.ranks.iter().zip(&states) {
         let m = &entry.meta;
         let uptime = uptime(entry, state.as_str()).map_or("-".into(), |s| format!("{s:.0}s"));
-        table.row(vec![m.rank.to_string(), m.local_rank.to_string(), m.host.clone(), m.pid.to_string(), state.clone(), uptime]);
+        table.row(vec![
+            m.rank.to_string(),
+            m.local_rank.to_string(),
+            m.host.clone(),
+            m.pid.to_string(),
+            state.clone(),
+            uptime,
+        ]);
     }
     crate::term::print(&table);
     Ok(0)
 }
-
 
 enum Stacks {
     FromProbe(StacksReply),
@@ -440,7 +514,10 @@ fn stacks_of(entry: &RankEntry, here: &str, all_frames: bool, deadline: Duration
         Liveness::OtherVersion => {
             return match outside::read_stacks(entry.meta.pid, false, false, all_frames) {
                 Ok((stacks, _)) => Stacks::FromOutside(stacks),
-                Err(e) => Stacks::Missing(format!("other-version, and the outside read failed: {}", crate::commands::first_line(&e))),
+                Err(e) => Stacks::Missing(format!(
+                    "other-version, and the outside read failed: {}",
+                    crate::commands::first_line(&e)
+                )),
             }
         }
         other => return Stacks::Missing(other.word().to_string()),
@@ -448,18 +525,27 @@ fn stacks_of(entry: &RankEntry, here: &str, all_frames: bool, deadline: Duration
     match probe_of(entry).and_then(|p| p.stacks(false, all_frames, deadline)) {
         Ok(stacks) => Stacks::FromProbe(stacks),
         // Another machine's process cannot be read from outside here.
-        Err(e) if entry.meta.host != here => Stacks::Missing(format!("unreachable: {}", crate::commands::first_line(&e))),
+        Err(e) if entry.meta.host != here => {
+            Stacks::Missing(format!("unreachable: {}", crate::commands::first_line(&e)))
+        }
         // A probe stuck behind the GIL: read the rank from outside instead.
         Err(_) => match outside::read_stacks(entry.meta.pid, false, false, all_frames) {
             Ok((stacks, _)) => Stacks::FromOutside(stacks),
-            Err(e) => Stacks::Missing(format!("unresponsive, and the outside read failed: {}", crate::commands::first_line(&e))),
+            Err(e) => Stacks::Missing(format!(
+                "unresponsive, and the outside read failed: {}",
+                crate::commands::first_line(&e)
+            )),
         },
     }
 }
 
 /// The stack a group is formed on: the main thread's, innermost first.
 fn signature(stacks: &StacksReply, ignore_lines: bool) -> Vec<String> {
-    let main = stacks.threads.iter().find(|t| t.is_main).or_else(|| stacks.threads.first());
+    let main = stacks
+        .threads
+        .iter()
+        .find(|t| t.is_main)
+        .or_else(|| stacks.threads.first());
     main.map(|t| {
         t.frames
             .iter()
@@ -476,12 +562,24 @@ fn signature(stacks: &StacksReply, ignore_lines: bool) -> Vec<String> {
     .unwrap_or_default()
 }
 
-pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_lines: bool, all_frames: bool, deadline: Duration) -> Result<u8> {
+pub fn bt(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+    ignore_lines: bool,
+    all_frames: bool,
+    deadline: Duration,
+) -> Result<u8> {
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
     // The stacks, and each rank's collectives (answered without the GIL).
-    let results = fan_out(&selected, |entry| (stacks_of(entry, &here, all_frames, deadline), collectives_of(entry, &here, deadline)));
+    let results = fan_out(&selected, |entry| {
+        (
+            stacks_of(entry, &here, all_frames, deadline),
+            collectives_of(entry, &here, deadline),
+        )
+    });
     let mut groups: BTreeMap<Vec<String>, Vec<i64>> = BTreeMap::new();
     let mut missing = Vec::new();
     let mut outside_ranks = Vec::new();
@@ -490,12 +588,18 @@ pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_l
         let rank = entry.meta.rank;
         match result {
             Stacks::FromProbe(s) => {
-                groups.entry(signature(&s, ignore_lines)).or_default().push(rank);
+                groups
+                    .entry(signature(&s, ignore_lines))
+                    .or_default()
+                    .push(rank);
                 read.push((rank, records, Some(s)));
             }
             Stacks::FromOutside(s) => {
                 outside_ranks.push(rank);
-                groups.entry(signature(&s, ignore_lines)).or_default().push(rank);
+                groups
+                    .entry(signature(&s, ignore_lines))
+                    .or_default()
+                    .push(rank);
                 read.push((rank, records, Some(s)));
             }
             Stacks::Missing(why) => {
@@ -504,19 +608,43 @@ pub fn bt(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, ignore_l
             }
         }
     }
-    let views: Vec<stuck::RankView> =
-        read.iter().map(|(rank, records, stacks)| stuck::RankView { rank: *rank, records: records.clone(), stacks: stacks.as_ref() }).collect();
+    let views: Vec<stuck::RankView> = read
+        .iter()
+        .map(|(rank, records, stacks)| stuck::RankView {
+            rank: *rank,
+            records: records.clone(),
+            stacks: stacks.as_ref(),
+        })
+        .collect();
     let stuck_lines = stuck::stuck_lines(&views, rankscope_core::host::now_seconds());
     let mut ordered: Vec<(Vec<String>, Vec<i64>)> = groups.into_iter().collect();
     ordered.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then_with(|| a.1.cmp(&b.1)));
     let largest = ordered.first().map(|g| g.1.len()).unwrap_or(0);
     let smallest = ordered.last().map(|g| g.1.len()).unwrap_or(0);
-    println!("job {}: {} ranks answered, {} groups (main thread, innermost first)", job.id, selected.len() - missing.len(), ordered.len());
+    println!(
+        "job {}: {} ranks answered, {} groups (main thread, innermost first)",
+        job.id,
+        selected.len() - missing.len(),
+        ordered.len()
+    );
     for (frames, ranks) in &ordered {
-        let label = format!("{} {} ({})", if ranks.len() == 1 { "rank " } else { "ranks" }, compress(ranks), ranks.len());
+        let label = format!(
+            "{} {} ({})",
+            if ranks.len() == 1 { "rank " } else { "ranks" },
+            compress(ranks),
+            ranks.len()
+        );
         let shown: Vec<&str> = frames.iter().take(6).map(String::as_str).collect();
-        let more = if frames.len() > 6 { format!(" <- ... {} more", frames.len() - 6) } else { String::new() };
-        let differs = if ordered.len() > 1 && ranks.len() == smallest && smallest < largest { "    <-- differs" } else { "" };
+        let more = if frames.len() > 6 {
+            format!(" <- ... {} more", frames.len() - 6)
+        } else {
+            String::new()
+        };
+        let differs = if ordered.len() > 1 && ranks.len() == smallest && smallest < largest {
+            "    <-- differs"
+        } else {
+            ""
+        };
         println!("  {label}: {}{more}{differs}", shown.join(" <- "));
     }
     if !outside_ranks.is_empty() {
@@ -544,9 +672,28 @@ fn collectives_of(entry: &RankEntry, here: &str, deadline: Duration) -> Option<V
         return None;
     }
     let probe = probe_of(entry).ok()?;
-    let reply = probe.probe_table("collectives", Some(&stuck::COLUMNS), &[], false, deadline).ok()?;
-    Some(stuck::records(&reply))
+    let recorded = probe
+        .probe_table("collectives", Some(&stuck::COLUMNS), &[], false, deadline)
+        .ok()
+        .map(|r| stuck::records(&r));
+    // Flight Recorder has what the wrappers miss (DDP's buckets); it needs
+    // the GIL, which a rank inside a collective has let go of.
+    let flight = probe
+        .flight_recorder(deadline.min(FLIGHT_RECORDER_WAIT))
+        .ok()
+        .map(|r| stuck::records(&r));
+    match (recorded, flight) {
+        (None, None) => None,
+        (recorded, flight) => Some(stuck::merge(
+            recorded.unwrap_or_default(),
+            flight.unwrap_or_default(),
+        )),
+    }
 }
+
+/// How long `cluster bt` waits for a rank's Flight Recorder (a rank whose
+/// GIL is held has its stacks read from outside meanwhile).
+const FLIGHT_RECORDER_WAIT: Duration = Duration::from_secs(2);
 
 /// How long after its registry's last change a job's launcher may still
 /// write its record (it outlives its workers by a moment).
@@ -555,7 +702,12 @@ const LAUNCHER_GRACE_S: f64 = 60.0;
 /// The crash records of the job's ranks, from the run directory they
 /// registered in: the running job's, else the one that ran last (crashes
 /// are asked for after a job ends), or `--job`'s.
-pub fn crashes(job: Option<&str>, run: Option<PathBuf>, all: bool, format: crate::ListFormat) -> Result<u8> {
+pub fn crashes(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    all: bool,
+    format: crate::ListFormat,
+) -> Result<u8> {
     let job = find_job_or(job, run, NoneRunning::Latest)?;
     match job.run_dirs.as_slice() {
         [dir] => {
@@ -563,7 +715,8 @@ pub fn crashes(job: Option<&str>, run: Option<PathBuf>, all: bool, format: crate
             if !job.others_pids.is_empty() {
                 // Other jobs' records lie here too: this job's are its ranks'
                 // (by PID), and those of no job's rank from while it ran (its launcher's).
-                let (pids, others, (start, end)) = (job.pids.clone(), job.others_pids.clone(), job.span);
+                let (pids, others, (start, end)) =
+                    (job.pids.clone(), job.others_pids.clone(), job.span);
                 select.keep = Some(Box::new(move |pid: Option<u32>, time: f64| match pid {
                     Some(pid) if pids.contains(&pid) => true,
                     Some(pid) if others.contains(&pid) => false,
@@ -582,57 +735,110 @@ pub fn crashes(job: Option<&str>, run: Option<PathBuf>, all: bool, format: crate
         .into()),
         several => {
             let names: Vec<String> = several.iter().map(|d| d.display().to_string()).collect();
-            Err(Hinted::new(format!("job {} registered in several run directories", job.id), format!("pick one with --run: {}", names.join(", "))).into())
+            Err(Hinted::new(
+                format!("job {} registered in several run directories", job.id),
+                format!("pick one with --run: {}", names.join(", ")),
+            )
+            .into())
         }
     }
 }
 
-pub fn eval(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, code: &str, timeout: f64, at: crate::FrameArgs) -> Result<u8> {
+pub fn eval(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+    code: &str,
+    timeout: f64,
+    at: crate::FrameArgs,
+) -> Result<u8> {
     let request = EvalRequest::new(code, timeout).at(at.thread, at.frame);
-    each_rank(job, run, ranks, |probe| super::eval_at(probe, &request), |reply| crate::commands::print_eval(&reply))
+    each_rank(
+        job,
+        run,
+        ranks,
+        |probe| super::eval_at(probe, &request),
+        |reply| crate::commands::print_eval(&reply),
+    )
 }
 
 /// `cluster break ...`: the same breakpoint request to every rank (or
 /// `--ranks`), each answer under its rank; `break list --format json`: one
 /// JSON array, an object per rank.
-pub fn breakpoints(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: &crate::BreakAction) -> Result<u8> {
+pub fn breakpoints(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+    action: &crate::BreakAction,
+) -> Result<u8> {
     let request = super::breakpoints::request_of(action)?;
-    if let crate::BreakAction::List { format: crate::ListFormat::Json } = action {
-        return json_per_rank(job, run, ranks, "breakpoints", |probe| probe.breakpoints(&request));
+    if let crate::BreakAction::List {
+        format: crate::ListFormat::Json,
+    } = action
+    {
+        return json_per_rank(job, run, ranks, "breakpoints", |probe| {
+            probe.breakpoints(&request)
+        });
     }
-    each_rank(job, run, ranks, |probe| probe.breakpoints(&request), |reply| {
-        let (lines, notes) = super::breakpoints::render(action, &reply);
-        for line in notes.iter().chain(&lines) {
-            println!("{line}");
-        }
-        0
-    })
+    each_rank(
+        job,
+        run,
+        ranks,
+        |probe| probe.breakpoints(&request),
+        |reply| {
+            let (lines, notes) = super::breakpoints::render(action, &reply);
+            for line in notes.iter().chain(&lines) {
+                println!("{line}");
+            }
+            0
+        },
+    )
 }
 
 /// `cluster torch ...`: the same torch request to every rank (or
 /// `--ranks`) at once, so a trace starts on the same step boundary
 /// everywhere it can; each answer under its rank.
-pub fn torch(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, action: Option<&crate::TorchAction>, format: crate::BtFormat) -> Result<u8> {
+pub fn torch(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+    action: Option<&crate::TorchAction>,
+    format: crate::BtFormat,
+) -> Result<u8> {
     let request = super::torch::request_of(action)?;
     if let crate::BtFormat::Json = format {
         return json_per_rank(job, run, ranks, "torch", |probe| probe.torch(&request));
     }
-    each_rank(job, run, ranks, |probe| probe.torch(&request), |reply| {
-        print!("{}", super::torch::text_of(action, &reply));
-        0
-    })
+    each_rank(
+        job,
+        run,
+        ranks,
+        |probe| probe.torch(&request),
+        |reply| {
+            print!("{}", super::torch::text_of(action, &reply));
+            0
+        },
+    )
 }
 
 /// `cluster memory`: a light look at every rank at once, one line each,
 /// the rank whose RSS stands out from the others' median marked.
-pub fn memory(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, format: crate::BtFormat) -> Result<u8> {
+pub fn memory(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+    format: crate::BtFormat,
+) -> Result<u8> {
     let request = serde_json::json!({"action": "summary", "light": true});
     if let crate::BtFormat::Json = format {
         return json_per_rank(job, run, ranks, "memory", |probe| probe.memory(&request));
     }
     let job = find_job(job, run)?;
     let answers = ask_ranks(&job, ranks, |probe| probe.memory(&request))?;
-    let rss: Vec<f64> = answers.iter().filter_map(|(_, a)| a.as_ref().ok()?["rss_mb"].as_f64()).collect();
+    let rss: Vec<f64> = answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().ok()?["rss_mb"].as_f64())
+        .collect();
     let mut sorted = rss.clone();
     sorted.sort_by(|a, b| a.total_cmp(b));
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
@@ -646,26 +852,55 @@ pub fn memory(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, form
         .column("", Align::Left);
     let mut code = 0;
     for (entry, answer) in &answers {
-        let mb = |v: &serde_json::Value| v.as_f64().map(|x| format!("{x:.0} MB")).unwrap_or_else(|| "-".into());
+        let mb = |v: &serde_json::Value| {
+            v.as_f64()
+                .map(|x| format!("{x:.0} MB"))
+                .unwrap_or_else(|| "-".into())
+        };
         match answer {
             Ok(r) => {
-                let peak = r["cuda"].as_array().and_then(|d| d.iter().filter_map(|x| x["peak_mb"].as_f64()).reduce(f64::max));
-                let growth = r["growth"]["rss_mb"].as_f64().map(|g| format!("{g:+.0} MB in {:.0} s", r["growth"]["seconds"].as_f64().unwrap_or(0.0)));
+                let peak = r["cuda"].as_array().and_then(|d| {
+                    d.iter()
+                        .filter_map(|x| x["peak_mb"].as_f64())
+                        .reduce(f64::max)
+                });
+                let growth = r["growth"]["rss_mb"].as_f64().map(|g| {
+                    format!(
+                        "{g:+.0} MB in {:.0} s",
+                        r["growth"]["seconds"].as_f64().unwrap_or(0.0)
+                    )
+                });
                 let this = r["rss_mb"].as_f64().unwrap_or(0.0);
-                let outlier = rss.len() > 2 && median > 0.0 && this > median * 1.2 && this == sorted[sorted.len() - 1];
+                let outlier = rss.len() > 2
+                    && median > 0.0
+                    && this > median * 1.2
+                    && this == sorted[sorted.len() - 1];
                 table.row(vec![
                     entry.meta.rank.to_string(),
                     entry.meta.pid.to_string(),
                     mb(&r["rss_mb"]),
                     mb(&r["uss_mb"]),
-                    peak.map(|p| format!("{p:.0} MB")).unwrap_or_else(|| "-".into()),
+                    peak.map(|p| format!("{p:.0} MB"))
+                        .unwrap_or_else(|| "-".into()),
                     growth.unwrap_or_else(|| "-".into()),
-                    if outlier { format!("<-- {:.1}x the median", this / median) } else { String::new() },
+                    if outlier {
+                        format!("<-- {:.1}x the median", this / median)
+                    } else {
+                        String::new()
+                    },
                 ]);
             }
             Err(why) => {
                 code = 1;
-                table.row(vec![entry.meta.rank.to_string(), entry.meta.pid.to_string(), format!("error: {why}"), String::new(), String::new(), String::new(), String::new()]);
+                table.row(vec![
+                    entry.meta.rank.to_string(),
+                    entry.meta.pid.to_string(),
+                    format!("error: {why}"),
+                    String::new(),
+                    String::new(),
+                    String::new(),
+                    String::new(),
+                ]);
             }
         }
     }
@@ -708,14 +943,17 @@ fn ask_ranks<'j, T: Send>(
 ) -> Result<Vec<(&'j RankEntry, Result<T, String>)>> {
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
-    let results = fan_out(&selected, |entry| match liveness(entry, &here) {
-        // A rank's error keeps its hint (a bad --thread/--frame names what exists).
-        Liveness::Running => probe_of(entry).and_then(|p| ask(&p)).map_err(|e| match e.downcast_ref::<Hinted>() {
-            Some(h) => format!("{}\nhint: {}", h.message, h.hint),
-            None => format!("{e:#}"),
-        }),
-        other => Err(other.word().to_string()),
-    });
+    let results =
+        fan_out(&selected, |entry| match liveness(entry, &here) {
+            // A rank's error keeps its hint (a bad --thread/--frame names what exists).
+            Liveness::Running => probe_of(entry).and_then(|p| ask(&p)).map_err(|e| {
+                match e.downcast_ref::<Hinted>() {
+                    Some(h) => format!("{}\nhint: {}", h.message, h.hint),
+                    None => format!("{e:#}"),
+                }
+            }),
+            other => Err(other.word().to_string()),
+        });
     Ok(selected.into_iter().zip(results).collect())
 }
 
@@ -763,8 +1001,15 @@ impl RowSource for AllRanks {
     /// `count(*)` over the job moves one number per rank.
     fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
         let per_rank: Vec<Result<Fetched, String>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self.probes.iter().map(|p| scope.spawn(|| p.scan(table, scan))).collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
+            let handles: Vec<_> = self
+                .probes
+                .iter()
+                .map(|p| scope.spawn(|| p.scan(table, scan)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())))
+                .collect()
         });
         let mut rows = Vec::new();
         let mut counts = Vec::new();
@@ -773,8 +1018,16 @@ impl RowSource for AllRanks {
                 Ok(Fetched::Rows(r)) => rows.extend(r),
                 Ok(Fetched::Counts(c)) => counts.extend(c),
                 // Live ranks answer with rows; only run directories give batches.
-                Ok(Fetched::Batches(_)) => self.warnings.lock().unwrap_or_else(|e| e.into_inner()).push("a live rank answered with files".into()),
-                Err(e) => self.warnings.lock().unwrap_or_else(|e| e.into_inner()).push(e),
+                Ok(Fetched::Batches(_)) => self
+                    .warnings
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push("a live rank answered with files".into()),
+                Err(e) => self
+                    .warnings
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(e),
             }
         }
         if rows.is_empty() {
@@ -791,7 +1044,14 @@ impl RowSource for AllRanks {
     }
 }
 
-pub fn query(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, sql: &str, format: QueryFormat, all_frames: bool) -> Result<u8> {
+pub fn query(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+    sql: &str,
+    format: QueryFormat,
+    all_frames: bool,
+) -> Result<u8> {
     let job = find_job(job, run)?;
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
@@ -799,16 +1059,26 @@ pub fn query(job: Option<&str>, run: Option<PathBuf>, ranks: Option<&str>, sql: 
     let mut skipped = Vec::new();
     for entry in selected {
         match (liveness(entry, &here), probe_of(entry)) {
-            (Liveness::Running, Ok(probe)) => probes.push(Box::new(super::query::LiveProbe::new(probe, false, all_frames))),
+            (Liveness::Running, Ok(probe)) => probes.push(Box::new(super::query::LiveProbe::new(
+                probe, false, all_frames,
+            ))),
             (state, _) => skipped.push(format!("rank {} ({})", entry.meta.rank, state.word())),
         }
     }
     if !skipped.is_empty() {
         eprintln!("note: left out: {}", skipped.join(", "));
     }
-    let source = Arc::new(AllRanks { probes, warnings: Mutex::new(Vec::new()) });
+    let source = Arc::new(AllRanks {
+        probes,
+        warnings: Mutex::new(Vec::new()),
+    });
     let code = super::query::execute(source.clone(), sql, format)?;
-    for warning in source.warnings.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+    for warning in source
+        .warnings
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+    {
         eprintln!("warning: a rank did not answer: {warning}");
     }
     Ok(code)

@@ -70,7 +70,10 @@ impl Entry {
                 None => "(no exception)".to_string(),
             },
             Kind::Native { text, .. } => {
-                let fatal = text.lines().find(|l| l.starts_with("Fatal Python error")).or_else(|| text.lines().next());
+                let fatal = text
+                    .lines()
+                    .find(|l| l.starts_with("Fatal Python error"))
+                    .or_else(|| text.lines().next());
                 format!("native crash: {}", fatal.unwrap_or_default().trim())
             }
         }
@@ -79,7 +82,10 @@ impl Entry {
     /// Where the user looks first: the innermost frame in their own code.
     fn location(&self) -> String {
         match &self.kind {
-            Kind::Exception(r) => r.user_location().map(|f| format!("{}:{}", f.file, f.lineno)).unwrap_or_default(),
+            Kind::Exception(r) => r
+                .user_location()
+                .map(|f| format!("{}:{}", f.file, f.lineno))
+                .unwrap_or_default(),
             Kind::Native { text, .. } => native_location(text).unwrap_or_default(),
         }
     }
@@ -87,8 +93,14 @@ impl Entry {
     /// Where it was raised (or crashed): the innermost frame, library or not.
     fn innermost(&self) -> String {
         match &self.kind {
-            Kind::Exception(r) => r.location().map(|f| format!("{}:{}", f.file, f.lineno)).unwrap_or_default(),
-            Kind::Native { text, .. } => native_frames(crashing_thread(text)).next().map(|(file, line)| place(file, line)).unwrap_or_default(),
+            Kind::Exception(r) => r
+                .location()
+                .map(|f| format!("{}:{}", f.file, f.lineno))
+                .unwrap_or_default(),
+            Kind::Native { text, .. } => native_frames(crashing_thread(text))
+                .next()
+                .map(|(file, line)| place(file, line))
+                .unwrap_or_default(),
         }
     }
 }
@@ -105,7 +117,11 @@ pub struct Select {
 
 impl Select {
     fn wants(&self, entry: &Entry) -> bool {
-        (self.all || !entry.launcher()) && self.keep.as_ref().is_none_or(|keep| keep(entry.pid(), entry.time))
+        (self.all || !entry.launcher())
+            && self
+                .keep
+                .as_ref()
+                .is_none_or(|keep| keep(entry.pid(), entry.time))
     }
 }
 
@@ -120,7 +136,10 @@ fn native_frames(text: &str) -> impl Iterator<Item = (&str, &str)> {
         let rest = line.trim_start().strip_prefix("File \"")?;
         let (file, rest) = rest.split_once('"')?;
         let digits = rest.trim_start_matches(", line ");
-        Some((file, &digits[..digits.bytes().take_while(u8::is_ascii_digit).count()]))
+        Some((
+            file,
+            &digits[..digits.bytes().take_while(u8::is_ascii_digit).count()],
+        ))
     })
 }
 
@@ -148,7 +167,9 @@ fn place(file: &str, line: &str) -> String {
 fn native_location(text: &str) -> Option<String> {
     let mut frames = native_frames(crashing_thread(text)).peekable();
     let innermost = *frames.peek()?;
-    let (file, line) = frames.find(|(file, _)| crash::is_user_file(file)).unwrap_or(innermost);
+    let (file, line) = frames
+        .find(|(file, _)| crash::is_user_file(file))
+        .unwrap_or(innermost);
     Some(place(file, line))
 }
 
@@ -163,7 +184,9 @@ pub(crate) fn mtime(path: &Path) -> f64 {
 }
 
 fn job_of(dir: &Path) -> String {
-    dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string())
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| dir.display().to_string())
 }
 
 fn read_dir_entries(dir: &Path, out: &mut Vec<Entry>) -> Result<()> {
@@ -171,14 +194,23 @@ fn read_dir_entries(dir: &Path, out: &mut Vec<Entry>) -> Result<()> {
     for path in crash::record_files(dir)? {
         let parsed = std::fs::read(&path)
             .map_err(anyhow::Error::from)
-            .and_then(|bytes| serde_json::from_slice::<CrashRecord>(&bytes).map_err(anyhow::Error::from));
+            .and_then(|bytes| {
+                serde_json::from_slice::<CrashRecord>(&bytes).map_err(anyhow::Error::from)
+            });
         match parsed {
-            Ok(record) => out.push(Entry { time: record.time, path, job: job.clone(), kind: Kind::Exception(Box::new(record)) }),
+            Ok(record) => out.push(Entry {
+                time: record.time,
+                path,
+                job: job.clone(),
+                kind: Kind::Exception(Box::new(record)),
+            }),
             Err(err) => eprintln!("warning: skipped {}: {err}", path.display()),
         }
     }
     for path in crash::native_logs(dir)? {
-        let Ok(bytes) = std::fs::read(&path) else { continue };
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
         let pid = crash::native_log_pid(&path);
         if bytes.iter().all(u8::is_ascii_whitespace) {
             // A live process's log, or one left by a process that ended
@@ -189,7 +221,12 @@ fn read_dir_entries(dir: &Path, out: &mut Vec<Entry>) -> Result<()> {
             continue;
         }
         let text = String::from_utf8_lossy(&bytes).into_owned();
-        out.push(Entry { time: mtime(&path), path, job: job.clone(), kind: Kind::Native { pid, text } });
+        out.push(Entry {
+            time: mtime(&path),
+            path,
+            job: job.clone(),
+            kind: Kind::Native { pid, text },
+        });
     }
     Ok(())
 }
@@ -246,7 +283,9 @@ fn local_time(epoch: f64) -> String {
 }
 
 fn opt<T: ToString>(value: Option<T>) -> String {
-    value.map(|v| v.to_string()).unwrap_or_else(|| "?".to_string())
+    value
+        .map(|v| v.to_string())
+        .unwrap_or_else(|| "?".to_string())
 }
 
 /// `python.crashes`: the records of the run directories `rankscope crashes`
@@ -261,7 +300,9 @@ pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>, launcher: bool) -> Res
         }
         let micros = json!((e.time * 1e6).round() as i64);
         let split = |location: &str| match location.rsplit_once(':') {
-            Some((file, line)) if line.parse::<i64>().is_ok() => (json!(file), json!(line.parse::<i64>().ok())),
+            Some((file, line)) if line.parse::<i64>().is_ok() => {
+                (json!(file), json!(line.parse::<i64>().ok()))
+            }
             _ if location.is_empty() => (Value::Null, Value::Null),
             _ => (json!(location), Value::Null),
         };
@@ -342,14 +383,34 @@ fn vanished(run: Option<PathBuf>) -> Vec<Vanished> {
     let here = rankscope_core::host::hostname();
     let mut out = Vec::new();
     for dir in dirs {
-        let Ok(read) = std::fs::read_dir(dir.join("ranks")) else { continue };
-        for path in read.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "json")) {
-            let Some(entry) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()) else { continue };
-            let (Some(pid), Some(rank)) = (entry["pid"].as_u64(), entry["rank"].as_i64()) else { continue };
-            if entry["state"].as_str() != Some("running") || entry["host"].as_str() != Some(here.as_str()) || paths::pid_alive(pid as u32) {
+        let Ok(read) = std::fs::read_dir(dir.join("ranks")) else {
+            continue;
+        };
+        for path in read
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        {
+            let Some(entry) = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            else {
+                continue;
+            };
+            let (Some(pid), Some(rank)) = (entry["pid"].as_u64(), entry["rank"].as_i64()) else {
+                continue;
+            };
+            if entry["state"].as_str() != Some("running")
+                || entry["host"].as_str() != Some(here.as_str())
+                || paths::pid_alive(pid as u32)
+            {
                 continue;
             }
-            out.push(Vanished { rank, pid: pid as u32, last: last_memory(&dir, pid as i64) });
+            out.push(Vanished {
+                rank,
+                pid: pid as u32,
+                last: last_memory(&dir, pid as i64),
+            });
         }
     }
     out.sort_by_key(|v| (v.rank, v.pid));
@@ -359,11 +420,19 @@ fn vanished(run: Option<PathBuf>) -> Vec<Vanished> {
 /// The time and RSS (MB) of a process's last `python.memory` row on disk.
 fn last_memory(dir: &Path, pid: i64) -> Option<(f64, f64)> {
     use arrow_array::{Array, Float64Array, Int64Array, TimestampMicrosecondArray};
-    let batches = rankscope_store::read_table(&[dir.to_path_buf()], &rankscope_core::tables::MEMORY, Some(&["pid", "ts", "rss_mb"])).ok()?;
+    let batches = rankscope_store::read_table(
+        &[dir.to_path_buf()],
+        &rankscope_core::tables::MEMORY,
+        Some(&["pid", "ts", "rss_mb"]),
+    )
+    .ok()?;
     let mut last: Option<(f64, f64)> = None;
     for batch in &batches {
         let pids = batch.column(0).as_any().downcast_ref::<Int64Array>()?;
-        let times = batch.column(1).as_any().downcast_ref::<TimestampMicrosecondArray>()?;
+        let times = batch
+            .column(1)
+            .as_any()
+            .downcast_ref::<TimestampMicrosecondArray>()?;
         let rss = batch.column(2).as_any().downcast_ref::<Float64Array>()?;
         for i in 0..batch.num_rows() {
             if pids.is_valid(i) && pids.value(i) == pid && rss.is_valid(i) {
@@ -381,7 +450,10 @@ fn vanished_text(gone: &[Vanished]) -> String {
     let mut out = String::new();
     for v in gone {
         let last = match v.last {
-            Some((at, rss)) => format!("last seen at {} with RSS {rss:.1} MB (python.memory)", local_time(at)),
+            Some((at, rss)) => format!(
+                "last seen at {} with RSS {rss:.1} MB (python.memory)",
+                local_time(at)
+            ),
             None => "no memory timeline on disk".to_string(),
         };
         out += &format!(
@@ -393,12 +465,26 @@ fn vanished_text(gone: &[Vanished]) -> String {
 }
 
 pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result<u8> {
-    let gone = if matches!(format, ListFormat::Json) { Vec::new() } else { vanished(run.clone()) };
+    let gone = if matches!(format, ListFormat::Json) {
+        Vec::new()
+    } else {
+        vanished(run.clone())
+    };
     let (entries, several) = collect(run)?;
     // Ids are positions among every entry, launcher's included, so an id
     // means the same with and without --all.
-    let shown: Vec<(usize, &Entry)> = entries.iter().enumerate().map(|(i, e)| (i + 1, e)).filter(|(_, e)| select.wants(e)).collect();
-    let hidden = entries.iter().filter(|e| e.launcher() && !select.all && select.keep.as_ref().is_none_or(|k| k(e.pid(), e.time))).count();
+    let shown: Vec<(usize, &Entry)> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (i + 1, e))
+        .filter(|(_, e)| select.wants(e))
+        .collect();
+    let hidden = entries
+        .iter()
+        .filter(|e| {
+            e.launcher() && !select.all && select.keep.as_ref().is_none_or(|k| k(e.pid(), e.time))
+        })
+        .count();
     match format {
         ListFormat::Json => {
             let rows: Vec<_> = shown
@@ -447,9 +533,16 @@ pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result
                 if several {
                     table = table.column("JOB", Align::Left);
                 }
-                table = table.column("EXCEPTION", Align::Left).column("LOCATION", Align::Left);
+                table = table
+                    .column("EXCEPTION", Align::Left)
+                    .column("LOCATION", Align::Left);
                 for &(id, e) in &shown {
-                    let mut row = vec![id.to_string(), local_time(e.time), e.rank_cell(), opt(e.pid())];
+                    let mut row = vec![
+                        id.to_string(),
+                        local_time(e.time),
+                        e.rank_cell(),
+                        opt(e.pid()),
+                    ];
                     if several {
                         row.push(e.job.clone());
                     }
@@ -462,8 +555,14 @@ pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result
     }
     print!("{}", vanished_text(&gone));
     if hidden > 0 {
-        let records = if hidden == 1 { "1 record".to_string() } else { format!("{hidden} records") };
-        eprintln!("note: {records} of the job launcher (torchrun's own exit) left out; --all shows them");
+        let records = if hidden == 1 {
+            "1 record".to_string()
+        } else {
+            format!("{hidden} records")
+        };
+        eprintln!(
+            "note: {records} of the job launcher (torchrun's own exit) left out; --all shows them"
+        );
     }
     Ok(0)
 }
@@ -477,13 +576,19 @@ pub fn show(id: usize, run: Option<PathBuf>, format: ListFormat) -> Result<u8> {
         } else {
             format!("ids go from 1 to {count}; `rankscope crashes` lists them")
         };
-        let there = if count == 1 { "is 1 crash record".to_string() } else { format!("are {count} crash records") };
+        let there = if count == 1 {
+            "is 1 crash record".to_string()
+        } else {
+            format!("are {count} crash records")
+        };
         return Err(Hinted::new(format!("no crash {id}: there {there}"), hint).into());
     };
     let text = match (&entry.kind, format) {
         (Kind::Exception(record), ListFormat::Json) => serde_json::to_string_pretty(record)? + "\n",
         (Kind::Native { pid, text }, ListFormat::Json) => {
-            serde_json::to_string_pretty(&json!({"kind": "native", "pid": pid, "time": entry.time, "log": text}))? + "\n"
+            serde_json::to_string_pretty(
+                &json!({"kind": "native", "pid": pid, "time": entry.time, "log": text}),
+            )? + "\n"
         }
         (Kind::Exception(record), ListFormat::Table) => render(id, count, record, &entry.path),
         (Kind::Native { pid, text }, ListFormat::Table) => {
@@ -514,17 +619,39 @@ fn render(id: usize, count: usize, record: &CrashRecord, path: &Path) -> String 
         if record.is_launcher() {
             "the job launcher (torchrun's own process, not a rank)".to_string()
         } else {
-            format!("rank {}", record.rank.map(|r| r.to_string()).unwrap_or_else(|| "-".into()))
+            format!(
+                "rank {}",
+                record
+                    .rank
+                    .map(|r| r.to_string())
+                    .unwrap_or_else(|| "-".into())
+            )
         },
-        record.pid, record.host, record.thread, record.source
+        record.pid,
+        record.host,
+        record.thread,
+        record.source
     );
-    let python = if record.python_version.is_empty() { String::new() } else { format!(", Python {}", record.python_version) };
-    let _ = writeln!(out, "at {}{python}: {}", local_time(record.time), record.argv.join(" "));
+    let python = if record.python_version.is_empty() {
+        String::new()
+    } else {
+        format!(", Python {}", record.python_version)
+    };
+    let _ = writeln!(
+        out,
+        "at {}{python}: {}",
+        local_time(record.time),
+        record.argv.join(" ")
+    );
     let _ = writeln!(out, "{}", path.display());
     for exception in &record.exceptions {
         match exception.via.as_deref() {
-            Some("cause") => out.push_str("\nThe above exception was the direct cause of the following exception:\n"),
-            Some(_) => out.push_str("\nDuring handling of the above exception, another exception occurred:\n"),
+            Some("cause") => out.push_str(
+                "\nThe above exception was the direct cause of the following exception:\n",
+            ),
+            Some(_) => out.push_str(
+                "\nDuring handling of the above exception, another exception occurred:\n",
+            ),
             None => {}
         }
         if !exception.frames.is_empty() {
@@ -541,13 +668,26 @@ fn render(id: usize, count: usize, record: &CrashRecord, path: &Path) -> String 
             );
         }
         for frame in &exception.frames {
-            let name = if frame.qualname.is_empty() { &frame.func } else { &frame.qualname };
-            let _ = writeln!(out, "  File \"{}\", line {}, in {name}", frame.file, frame.lineno);
+            let name = if frame.qualname.is_empty() {
+                &frame.func
+            } else {
+                &frame.qualname
+            };
+            let _ = writeln!(
+                out,
+                "  File \"{}\", line {}, in {name}",
+                frame.file, frame.lineno
+            );
             if let Some(source) = frame.source.as_deref().filter(|s| !s.is_empty()) {
                 let _ = writeln!(out, "    {source}");
             }
             for local in &frame.locals {
-                let _ = writeln!(out, "        {} = {}", local.name, local.repr.replace('\n', "\n          "));
+                let _ = writeln!(
+                    out,
+                    "        {} = {}",
+                    local.name,
+                    local.repr.replace('\n', "\n          ")
+                );
             }
         }
         if exception.message.is_empty() {
@@ -564,10 +704,26 @@ fn render(id: usize, count: usize, record: &CrashRecord, path: &Path) -> String 
 
 /// The memory picture a record carries, as `crashes show` prints it.
 fn memory_text(memory: &serde_json::Value) -> String {
-    let mb = |key: &str| memory[key].as_f64().map(|v| format!("{v:.1} MB")).unwrap_or_else(|| "?".into());
-    let mut out = format!("\nMemory at the crash: RSS {} (peak {}), USS {}, swap {}\n", mb("rss_mb"), mb("rss_peak_mb"), mb("uss_mb"), mb("swap_mb"));
+    let mb = |key: &str| {
+        memory[key]
+            .as_f64()
+            .map(|v| format!("{v:.1} MB"))
+            .unwrap_or_else(|| "?".into())
+    };
+    let mut out = format!(
+        "\nMemory at the crash: RSS {} (peak {}), USS {}, swap {}\n",
+        mb("rss_mb"),
+        mb("rss_peak_mb"),
+        mb("uss_mb"),
+        mb("swap_mb")
+    );
     for device in memory["cuda"].as_array().into_iter().flatten() {
-        let f = |key: &str| device[key].as_f64().map(|v| format!("{v:.1} MB")).unwrap_or_else(|| "?".into());
+        let f = |key: &str| {
+            device[key]
+                .as_f64()
+                .map(|v| format!("{v:.1} MB"))
+                .unwrap_or_else(|| "?".into())
+        };
         out += &format!(
             "  {}: allocated {}, reserved {}, peak {}, {} OOMs\n",
             device["device"].as_str().unwrap_or("cuda"),
@@ -577,7 +733,10 @@ fn memory_text(memory: &serde_json::Value) -> String {
             device["ooms"]
         );
     }
-    let tensors = memory["largest_tensors"].as_array().cloned().unwrap_or_default();
+    let tensors = memory["largest_tensors"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     if !tensors.is_empty() {
         out += "  largest tensors:\n";
     }
@@ -606,9 +765,15 @@ mod tests {
             time: 0.0,
             path: PathBuf::from("native-5.log"),
             job: "local".into(),
-            kind: Kind::Native { pid: Some(5), text: FAULTHANDLER.into() },
+            kind: Kind::Native {
+                pid: Some(5),
+                text: FAULTHANDLER.into(),
+            },
         };
-        assert_eq!(entry.summary(), "native crash: Fatal Python error: Segmentation fault");
+        assert_eq!(
+            entry.summary(),
+            "native crash: Fatal Python error: Segmentation fault"
+        );
         assert_eq!(entry.location(), "/tmp/t.py:3");
     }
 
@@ -619,9 +784,20 @@ mod tests {
             Current thread 0x02 (most recent call first):\n\
               File \"/usr/lib/python3.11/ctypes/__init__.py\", line 519 in string_at\n\
               File \"/home/u/train.py\", line 40 in step\n";
-        let entry = Entry { time: 0.0, path: PathBuf::from("native-5.log"), job: "local".into(), kind: Kind::Native { pid: Some(5), text: text.into() } };
+        let entry = Entry {
+            time: 0.0,
+            path: PathBuf::from("native-5.log"),
+            job: "local".into(),
+            kind: Kind::Native {
+                pid: Some(5),
+                text: text.into(),
+            },
+        };
         assert_eq!(entry.location(), "/home/u/train.py:40");
-        assert_eq!(entry.innermost(), "/usr/lib/python3.11/ctypes/__init__.py:519");
+        assert_eq!(
+            entry.innermost(),
+            "/usr/lib/python3.11/ctypes/__init__.py:519"
+        );
     }
 
     #[test]
@@ -636,7 +812,15 @@ mod tests {
         )
         .unwrap();
         let text = render(1, 1, &record, Path::new("crash.json"));
-        assert!(text.contains("  File \"t.py\", line 2, in f\n    d['k']\n        d = {}\nKeyError: 'k'\n"), "{text}");
-        assert!(text.contains("direct cause of the following exception:\n\nValueError: bad\n"), "{text}");
+        assert!(
+            text.contains(
+                "  File \"t.py\", line 2, in f\n    d['k']\n        d = {}\nKeyError: 'k'\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("direct cause of the following exception:\n\nValueError: bad\n"),
+            "{text}"
+        );
     }
 }

@@ -21,9 +21,12 @@ fn parse(path: &Path) -> Option<Held> {
     let name = path.file_name()?.to_str()?;
     let rest = name.strip_prefix("debug-rank")?.strip_suffix(".sock")?;
     let (rank, pid) = rest.split_once("-pid")?;
-    Some(Held { rank: rank.parse().ok()?, pid: pid.parse().ok()?, socket: path.to_path_buf() })
+    Some(Held {
+        rank: rank.parse().ok()?,
+        pid: pid.parse().ok()?,
+        socket: path.to_path_buf(),
+    })
 }
-
 
 fn held_processes(run: Option<PathBuf>) -> Vec<Held> {
     let mut held: Vec<Held> = crash::run_dirs(run)
@@ -38,12 +41,18 @@ fn held_processes(run: Option<PathBuf>) -> Vec<Held> {
 
 pub fn run(rank: Option<i64>, pid: Option<u32>, run: Option<PathBuf>) -> Result<u8> {
     let held = held_processes(run);
-    let matching: Vec<&Held> = held.iter().filter(|h| rank.is_none_or(|r| h.rank == r) && pid.is_none_or(|p| h.pid == p)).collect();
+    let matching: Vec<&Held> = held
+        .iter()
+        .filter(|h| rank.is_none_or(|r| h.rank == r) && pid.is_none_or(|p| h.pid == p))
+        .collect();
     let listing = || {
         if held.is_empty() {
             "no process is held for a debugger; run the job with RANKSCOPE_ON_ERROR=socket (or console), and `rankscope crashes` shows what was recorded".to_string()
         } else {
-            let names: Vec<String> = held.iter().map(|h| format!("rank {} (pid {})", h.rank, h.pid)).collect();
+            let names: Vec<String> = held
+                .iter()
+                .map(|h| format!("rank {} (pid {})", h.rank, h.pid))
+                .collect();
             format!("held now: {}", names.join(", "))
         }
     };
@@ -55,15 +64,26 @@ pub fn run(rank: Option<i64>, pid: Option<u32>, run: Option<PathBuf>) -> Result<
                 (None, Some(p)) => format!("pid {p}"),
                 (None, None) => "any process".to_string(),
             };
-            return Err(Hinted::new(format!("no crashed process is waiting for a debugger as {what}"), listing()).into());
+            return Err(Hinted::new(
+                format!("no crashed process is waiting for a debugger as {what}"),
+                listing(),
+            )
+            .into());
         }
         (_, _, _) => {
-            return Err(Hinted::new("several crashed processes are waiting for a debugger", format!("pick one with --pid; {}", listing())).into());
+            return Err(Hinted::new(
+                "several crashed processes are waiting for a debugger",
+                format!("pick one with --pid; {}", listing()),
+            )
+            .into());
         }
     };
     let stream = UnixStream::connect(&target.socket).map_err(|e| {
         Hinted::new(
-            format!("cannot connect to rank {} (pid {}): {e}", target.rank, target.pid),
+            format!(
+                "cannot connect to rank {} (pid {}): {e}",
+                target.rank, target.pid
+            ),
             "another debugger may have taken the session, or the hold timed out",
         )
     })?;

@@ -24,11 +24,16 @@ impl Drop for Sample {
 }
 
 fn find_python(explicit: Option<PathBuf>) -> PathBuf {
-    if let Some(python) = explicit.or_else(|| std::env::var_os("RANKSCOPE_PYTHON").map(PathBuf::from)) {
+    if let Some(python) =
+        explicit.or_else(|| std::env::var_os("RANKSCOPE_PYTHON").map(PathBuf::from))
+    {
         return python;
     }
     // Installed by pip, the CLI sits next to the interpreter that has the package.
-    if let Some(bin) = std::env::current_exe().ok().and_then(|exe| exe.parent().map(PathBuf::from)) {
+    if let Some(bin) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(PathBuf::from))
+    {
         for name in ["python", "python3"] {
             let candidate = bin.join(name);
             if candidate.exists() {
@@ -47,7 +52,12 @@ pub fn run(python: Option<PathBuf>) -> Result<u8> {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .map_err(|e| Hinted::new(format!("cannot start {}: {e}", python.display()), "pass --python /path/to/python"))?;
+        .map_err(|e| {
+            Hinted::new(
+                format!("cannot start {}: {e}", python.display()),
+                "pass --python /path/to/python",
+            )
+        })?;
     let stdout = child.stdout.take().expect("piped");
     let sample = Sample(child);
     let pid = sample.0.id();
@@ -63,8 +73,14 @@ pub fn run(python: Option<PathBuf>) -> Result<u8> {
     });
     ready_rx.recv_timeout(READY_TIMEOUT).map_err(|_| {
         Hinted::new(
-            format!("the sample program (PID {pid}) did not get ready in {}s", READY_TIMEOUT.as_secs()),
-            format!("check that `{} -c 'import rankscope'` works", python.display()),
+            format!(
+                "the sample program (PID {pid}) did not get ready in {}s",
+                READY_TIMEOUT.as_secs()
+            ),
+            format!(
+                "check that `{} -c 'import rankscope'` works",
+                python.display()
+            ),
         )
     })?;
 
@@ -91,9 +107,21 @@ pub fn run(python: Option<PathBuf>) -> Result<u8> {
             wait_for_hits(&me, &pid_s, 3);
         }
         println!("# {title}");
-        let shown: Vec<String> = args.iter().map(|a| if a.contains(' ') { format!("\"{a}\"") } else { a.to_string() }).collect();
+        let shown: Vec<String> = args
+            .iter()
+            .map(|a| {
+                if a.contains(' ') {
+                    format!("\"{a}\"")
+                } else {
+                    a.to_string()
+                }
+            })
+            .collect();
         println!("$ rankscope {}", shown.join(" "));
-        let status = Command::new(&me).args(&args).status().context("cannot run rankscope")?;
+        let status = Command::new(&me)
+            .args(&args)
+            .status()
+            .context("cannot run rankscope")?;
         if !status.success() && !args.contains(&"1 / step_zero") {
             anyhow::bail!("`rankscope {}` failed in the demo", args.join(" "));
         }
@@ -111,7 +139,9 @@ pub fn run(python: Option<PathBuf>) -> Result<u8> {
 fn wait_for_hits(me: &std::path::Path, pid: &str, hits: usize) {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while std::time::Instant::now() < deadline {
-        let out = Command::new(me).args([pid, "snapshots", "--format", "json"]).output();
+        let out = Command::new(me)
+            .args([pid, "snapshots", "--format", "json"])
+            .output();
         let recorded = out
             .ok()
             .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())

@@ -67,17 +67,28 @@ impl Stage {
         let package = package_dir()?;
         let dir = stage(&package)?;
         let library = native_library(&dir.join("rankscope"))?;
-        Ok(Stage { dir, library, endpoints: paths::endpoint_dir() })
+        Ok(Stage {
+            dir,
+            library,
+            endpoints: paths::endpoint_dir(),
+        })
     }
 
     /// Loads the probe into `pid` and waits until it answers (its metadata
     /// file is written last). Safe to run for several processes at once.
-    fn inject(&self, pid: u32, python: &PythonInfo, deadline: Instant, timeout: Duration) -> Result<()> {
+    fn inject(
+        &self,
+        pid: u32,
+        python: &PythonInfo,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<()> {
         let _ = std::fs::remove_file(paths::inject_error_path(&self.endpoints, pid));
         if python.minor() >= (3, 14) {
             remote_exec(pid, &self.dir)?;
         } else {
-            rankscope_inject::load_probe(pid, &self.library, &self.dir, timeout).map_err(|e| explain(pid, e))?;
+            rankscope_inject::load_probe(pid, &self.library, &self.dir, timeout)
+                .map_err(|e| explain(pid, e))?;
         }
         wait_until_ready(pid, &self.endpoints, deadline)
     }
@@ -98,9 +109,13 @@ fn rank_in_environment(pid: u32) -> Option<i64> {
             Some((&entry[..eq], &entry[eq + 1..]))
         })
         .collect();
-    RANK_VARIABLES
-        .iter()
-        .find_map(|name| std::str::from_utf8(vars.get(name.as_bytes())?).ok()?.trim().parse().ok())
+    RANK_VARIABLES.iter().find_map(|name| {
+        std::str::from_utf8(vars.get(name.as_bytes())?)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    })
 }
 
 /// Parent to children, read once from `/proc/*/stat`.
@@ -112,10 +127,20 @@ impl Tree {
     fn read() -> Tree {
         let mut children: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
         for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
             // The command name may hold spaces and parentheses: fields follow the last ')'.
-            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
             if let Some(ppid) = ppid {
                 children.entry(ppid).or_default().push(pid);
             }
@@ -124,7 +149,10 @@ impl Tree {
     }
 
     fn children(&self, pid: u32) -> &[u32] {
-        self.children.get(&pid).map(Vec::as_slice).unwrap_or_default()
+        self.children
+            .get(&pid)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
     }
 }
 
@@ -142,16 +170,21 @@ struct Member {
 fn job_below(launcher: u32, tree: &Tree) -> Option<Vec<Member>> {
     let mut members = Vec::new();
     // (pid, the rank process above it, if any)
-    let mut stack: Vec<(u32, Option<(u32, i64)>)> = tree.children(launcher).iter().rev().map(|&c| (c, None)).collect();
+    let mut stack: Vec<(u32, Option<(u32, i64)>)> = tree
+        .children(launcher)
+        .iter()
+        .rev()
+        .map(|&c| (c, None))
+        .collect();
     let mut any_rank = false;
     while let Some((pid, above)) = stack.pop() {
         let rank = rank_in_environment(pid);
         any_rank |= rank.is_some();
         let mut below = above;
         let found = match (above, rank) {
-            (Some((owner, owner_rank)), _) => {
-                Err(Outcome::Skipped(format!("a child of rank {owner_rank} (pid {owner}), not a rank itself")))
-            }
+            (Some((owner, owner_rank)), _) => Err(Outcome::Skipped(format!(
+                "a child of rank {owner_rank} (pid {owner}), not a rank itself"
+            ))),
             (None, None) => Err(Outcome::Skipped("no rank in its environment".into())),
             (None, Some(rank)) => match rankscope_inject::python_in(pid) {
                 Ok(python) => {
@@ -168,8 +201,16 @@ fn job_below(launcher: u32, tree: &Tree) -> Option<Vec<Member>> {
     any_rank.then_some(members)
 }
 
-fn inject_job(launcher: u32, members: Vec<Member>, started: Instant, timeout: Duration) -> Result<u8> {
-    println!("{} runs a job; injecting its ranks", crate::client::describe(launcher));
+fn inject_job(
+    launcher: u32,
+    members: Vec<Member>,
+    started: Instant,
+    timeout: Duration,
+) -> Result<u8> {
+    println!(
+        "{} runs a job; injecting its ranks",
+        crate::client::describe(launcher)
+    );
     let stage = Stage::prepare()?;
     let deadline = started + timeout;
     // One thread per rank: each inject waits for its own probe to start (and
@@ -182,9 +223,14 @@ fn inject_job(launcher: u32, members: Vec<Member>, started: Instant, timeout: Du
                     Ok(_) if already_probed(pid) => Err(Outcome::AlreadyProbed),
                     Ok(python) => {
                         let stage = &stage;
-                        Ok(scope.spawn(move || match stage.inject(pid, &python, deadline, timeout) {
-                            Ok(()) => Outcome::Injected { version: python.version.clone(), after: started.elapsed() },
-                            Err(err) => Outcome::Failed(super::first_line(&err)),
+                        Ok(scope.spawn(move || {
+                            match stage.inject(pid, &python, deadline, timeout) {
+                                Ok(()) => Outcome::Injected {
+                                    version: python.version.clone(),
+                                    after: started.elapsed(),
+                                },
+                                Err(err) => Outcome::Failed(super::first_line(&err)),
+                            }
                         }))
                     }
                     Err(done) => Err(done),
@@ -196,24 +242,33 @@ fn inject_job(launcher: u32, members: Vec<Member>, started: Instant, timeout: Du
             .into_iter()
             .map(|(pid, rank, outcome)| {
                 let outcome = match outcome {
-                    Ok(handle) => handle.join().unwrap_or_else(|_| Outcome::Failed("the inject thread panicked".into())),
+                    Ok(handle) => handle
+                        .join()
+                        .unwrap_or_else(|_| Outcome::Failed("the inject thread panicked".into())),
                     Err(done) => done,
                 };
                 (pid, rank, outcome)
             })
             .collect()
     });
-    outcomes.sort_by_key(|(pid, rank, outcome)| (!matches!(outcome, Outcome::Injected { .. }), *rank, *pid));
+    outcomes.sort_by_key(|(pid, rank, outcome)| {
+        (!matches!(outcome, Outcome::Injected { .. }), *rank, *pid)
+    });
     let (mut injected, mut failed) = (0, 0);
     for (pid, rank, outcome) in &outcomes {
-        let rank = rank.map(|r| format!("rank {r}")).unwrap_or_else(|| "-".into());
+        let rank = rank
+            .map(|r| format!("rank {r}"))
+            .unwrap_or_else(|| "-".into());
         let what = match outcome {
             Outcome::Injected { version, after } => {
                 injected += 1;
                 format!("injected (Python {version}, {} ms)", after.as_millis())
             }
             Outcome::AlreadyProbed => "skipped: already probed".into(),
-            Outcome::Skipped(why) => format!("skipped: {why}: {}", crate::client::command_line(*pid).unwrap_or_default()),
+            Outcome::Skipped(why) => format!(
+                "skipped: {why}: {}",
+                crate::client::command_line(*pid).unwrap_or_default()
+            ),
             Outcome::Failed(why) => {
                 failed += 1;
                 format!("failed: {why}")
@@ -221,7 +276,10 @@ fn inject_job(launcher: u32, members: Vec<Member>, started: Instant, timeout: Du
         };
         println!("  {rank:<8} pid {pid:<8} {what}");
     }
-    println!("injected {injected} of {}; try `rankscope cluster list` or `rankscope cluster bt`", outcomes.len());
+    println!(
+        "injected {injected} of {}; try `rankscope cluster list` or `rankscope cluster bt`",
+        outcomes.len()
+    );
     if failed > 0 {
         return Err(Hinted::new(
             format!("{failed} rank(s) of the job could not be injected (see above)"),
@@ -246,9 +304,15 @@ fn package_dir() -> Result<PathBuf> {
         return Ok(PathBuf::from(dir));
     }
     let exe = std::env::current_exe()?;
-    let prefix = exe.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_default();
+    let prefix = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
     for lib in ["lib", "lib64"] {
-        let Ok(entries) = std::fs::read_dir(prefix.join(lib)) else { continue };
+        let Ok(entries) = std::fs::read_dir(prefix.join(lib)) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let candidate = entry.path().join("site-packages").join("rankscope");
             if candidate.join("__init__.py").is_file() {
@@ -270,10 +334,17 @@ fn package_dir() -> Result<PathBuf> {
 fn stage(package: &Path) -> Result<PathBuf> {
     let dir = paths::endpoint_dir();
     paths::ensure_private_dir(&dir)?;
-    let stage = dir.join(format!("inject-{:016x}", fnv1a(package.as_os_str().as_encoded_bytes())));
+    let stage = dir.join(format!(
+        "inject-{:016x}",
+        fnv1a(package.as_os_str().as_encoded_bytes())
+    ));
     std::fs::create_dir_all(&stage)?;
     link_into(&stage, "rankscope", package)?;
-    if let Some(dependency) = package.parent().map(|p| p.join("bytecode")).filter(|d| d.join("__init__.py").is_file()) {
+    if let Some(dependency) = package
+        .parent()
+        .map(|p| p.join("bytecode"))
+        .filter(|d| d.join("__init__.py").is_file())
+    {
         link_into(&stage, "bytecode", &dependency)?;
     }
     Ok(stage)
@@ -291,14 +362,19 @@ fn link_into(stage: &Path, name: &str, target: &Path) -> Result<()> {
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
 }
 
 fn native_library(package: &Path) -> Result<PathBuf> {
-    let found = std::fs::read_dir(package)?.flatten().map(|e| e.path()).find(|p| {
-        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        name.starts_with("_native") && name.ends_with(".so")
-    });
+    let found = std::fs::read_dir(package)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            name.starts_with("_native") && name.ends_with(".so")
+        });
     found.ok_or_else(|| {
         Hinted::new(
             format!("{} has no _native library", package.display()),
@@ -319,7 +395,11 @@ fn remote_exec(pid: u32, stage: &Path) -> Result<()> {
     )?;
     let exe = format!("/proc/{pid}/exe");
     let status = std::process::Command::new(&exe)
-        .args(["-c", "import sys; sys.remote_exec(int(sys.argv[1]), sys.argv[2])", &pid.to_string()])
+        .args([
+            "-c",
+            "import sys; sys.remote_exec(int(sys.argv[1]), sys.argv[2])",
+            &pid.to_string(),
+        ])
         .arg(&script)
         .status()?;
     if !status.success() {
@@ -347,7 +427,11 @@ fn wait_until_ready(pid: u32, dir: &Path, deadline: Instant) -> Result<()> {
             .into());
         }
         if !paths::pid_alive(pid) {
-            return Err(Hinted::new(format!("process {pid} exited during the inject"), "nothing is left to attach to").into());
+            return Err(Hinted::new(
+                format!("process {pid} exited during the inject"),
+                "nothing is left to attach to",
+            )
+            .into());
         }
         if Instant::now() >= deadline {
             return Err(Hinted::new(

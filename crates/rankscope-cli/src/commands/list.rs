@@ -38,7 +38,8 @@ pub fn process_age(meta: &ProcessMeta, here: &str) -> f64 {
             return age;
         }
     }
-    (rankscope_core::host::now_seconds() - meta.process_started_at.unwrap_or(meta.started_at)).max(0.0)
+    (rankscope_core::host::now_seconds() - meta.process_started_at.unwrap_or(meta.started_at))
+        .max(0.0)
 }
 
 pub fn run(format: ListFormat) -> Result<u8> {
@@ -66,7 +67,11 @@ pub fn run(format: ListFormat) -> Result<u8> {
                     let socket = paths::socket_path(dir_ref, pid);
                     if let Err(e) = std::os::unix::net::UnixStream::connect(&socket) {
                         if e.kind() == std::io::ErrorKind::ConnectionRefused {
-                            return Entry { pid, meta: None, responsive: false };
+                            return Entry {
+                                pid,
+                                meta: None,
+                                responsive: false,
+                            };
                         }
                     }
                     let answer = Probe::locate(pid).and_then(|p| p.meta(PING_TIMEOUT));
@@ -75,7 +80,11 @@ pub fn run(format: ListFormat) -> Result<u8> {
                         let text = std::fs::read(paths::meta_path(dir_ref, pid)).ok()?;
                         serde_json::from_slice(&text).ok()
                     });
-                    Entry { pid, meta, responsive }
+                    Entry {
+                        pid,
+                        meta,
+                        responsive,
+                    }
                 })
             })
             .collect();
@@ -116,7 +125,9 @@ pub fn run(format: ListFormat) -> Result<u8> {
         ListFormat::Table => {
             if entries.is_empty() {
                 println!("No probed Python processes on this machine.");
-                println!("hint: start one with `rankscope run -- python your_script.py` or RANKSCOPE=1");
+                println!(
+                    "hint: start one with `rankscope run -- python your_script.py` or RANKSCOPE=1"
+                );
             } else {
                 let mut table = Table::new(Style::Plain)
                     .whole_column("PID", Align::Left)
@@ -135,15 +146,29 @@ pub fn run(format: ListFormat) -> Result<u8> {
                         ),
                         None => ("?".into(), "?".into(), "?".into(), String::new()),
                     };
-                    let state = if e.responsive { "ready" } else { "unresponsive" };
-                    table.row(vec![e.pid.to_string(), rank, state.to_string(), uptime, python, cmd]);
+                    let state = if e.responsive {
+                        "ready"
+                    } else {
+                        "unresponsive"
+                    };
+                    table.row(vec![
+                        e.pid.to_string(),
+                        rank,
+                        state.to_string(),
+                        uptime,
+                        python,
+                        cmd,
+                    ]);
                 }
                 crate::term::print(&table);
             }
         }
     }
     if cleaned > 0 {
-        eprintln!("(removed {cleaned} stale endpoint{} left by exited processes)", if cleaned == 1 { "" } else { "s" });
+        eprintln!(
+            "(removed {cleaned} stale endpoint{} left by exited processes)",
+            if cleaned == 1 { "" } else { "s" }
+        );
     }
     Ok(0)
 }
@@ -166,7 +191,10 @@ mod tests {
         // Not this machine's PID 1: its own start time, not /proc's.
         let age = super::process_age(&meta, "here");
         assert!((599.0..610.0).contains(&age), "{age}");
-        let old_probe = ProcessMeta { process_started_at: None, ..meta };
+        let old_probe = ProcessMeta {
+            process_started_at: None,
+            ..meta
+        };
         assert!(super::process_age(&old_probe, "here") < 10.0);
     }
 

@@ -12,7 +12,11 @@ use crate::{BtFormat, MemoryAction, Switch};
 pub fn request_of(action: Option<&MemoryAction>, top: usize) -> Value {
     match action {
         None => json!({"action": "summary", "top": top}),
-        Some(MemoryAction::Track { switch, python, cuda }) => json!({
+        Some(MemoryAction::Track {
+            switch,
+            python,
+            cuda,
+        }) => json!({
             "action": "track", "switch": if *switch == Switch::On { "on" } else { "off" }, "python": python, "cuda": cuda,
         }),
         Some(MemoryAction::Diff { .. }) => json!({"action": "diff", "top": top}),
@@ -26,10 +30,16 @@ pub fn request_of(action: Option<&MemoryAction>, top: usize) -> Value {
 
 /// `A..B` -> (A, B).
 fn span(text: &str) -> Result<(u64, u64)> {
-    let parsed = text.split_once("..").and_then(|(a, b)| Some((a.trim().parse::<u64>().ok()?, b.trim().parse::<u64>().ok()?)));
+    let parsed = text
+        .split_once("..")
+        .and_then(|(a, b)| Some((a.trim().parse::<u64>().ok()?, b.trim().parse::<u64>().ok()?)));
     match parsed {
         Some((a, b)) if a < b => Ok((a, b)),
-        _ => Err(Hinted::new(format!("--steps {text} is not a span of steps"), "e.g. --steps 100..200: from the end of step 100 to the end of step 200").into()),
+        _ => Err(Hinted::new(
+            format!("--steps {text} is not a span of steps"),
+            "e.g. --steps 100..200: from the end of step 100 to the end of step 200",
+        )
+        .into()),
     }
 }
 
@@ -47,12 +57,18 @@ fn diff_steps(probe: &Probe, text: &str, wait: f64, top: usize) -> Result<Value>
             return Ok(reply);
         }
         if !told {
-            eprintln!("waiting for step {last} (now at step {}); Ctrl-C leaves the span armed", reply["step"]);
+            eprintln!(
+                "waiting for step {last} (now at step {}); Ctrl-C leaves the span armed",
+                reply["step"]
+            );
             told = true;
         }
         if std::time::Instant::now() >= deadline {
             return Err(Hinted::new(
-                format!("step {last} did not end within {wait:.0} s (the training is at step {})", reply["step"]),
+                format!(
+                    "step {last} did not end within {wait:.0} s (the training is at step {})",
+                    reply["step"]
+                ),
                 "ask again later with the same --steps: the span stays armed",
             )
             .into());
@@ -61,9 +77,17 @@ fn diff_steps(probe: &Probe, text: &str, wait: f64, top: usize) -> Result<Value>
     }
 }
 
-pub fn run(probe: &Probe, action: Option<MemoryAction>, top: usize, format: BtFormat) -> Result<u8> {
+pub fn run(
+    probe: &Probe,
+    action: Option<MemoryAction>,
+    top: usize,
+    format: BtFormat,
+) -> Result<u8> {
     let reply = match &action {
-        Some(MemoryAction::Diff { steps: Some(steps), wait }) => diff_steps(probe, steps, *wait, top)?,
+        Some(MemoryAction::Diff {
+            steps: Some(steps),
+            wait,
+        }) => diff_steps(probe, steps, *wait, top)?,
         _ => probe.memory(&request_of(action.as_ref(), top))?,
     };
     if let BtFormat::Json = format {
@@ -79,7 +103,9 @@ pub fn text_of(action: Option<&MemoryAction>, reply: &Value) -> String {
         None => summary_text(reply),
         Some(MemoryAction::Track { .. }) => tracking_text(reply),
         Some(MemoryAction::Diff { .. }) => diff_text(reply),
-        Some(MemoryAction::Export { .. }) => format!("written: {}\n", reply["path"].as_str().unwrap_or("?")),
+        Some(MemoryAction::Export { .. }) => {
+            format!("written: {}\n", reply["path"].as_str().unwrap_or("?"))
+        }
     }
 }
 
@@ -93,7 +119,11 @@ fn mb(v: &Value) -> String {
 
 fn signed_mb(v: &Value) -> String {
     match v.as_f64() {
-        Some(x) => format!("{}{}", if x >= 0.0 { "+" } else { "-" }, mb(&json!(x.abs()))),
+        Some(x) => format!(
+            "{}{}",
+            if x >= 0.0 { "+" } else { "-" },
+            mb(&json!(x.abs()))
+        ),
         None => "?".to_string(),
     }
 }
@@ -107,9 +137,16 @@ fn summary_text(r: &Value) -> String {
         mb(&r["pss_mb"]),
         mb(&r["swap_mb"])
     );
-    out += &format!("python: {} objects tracked by gc, {} allocated blocks", r["gc_objects"], r["python_blocks"]);
+    out += &format!(
+        "python: {} objects tracked by gc, {} allocated blocks",
+        r["gc_objects"], r["python_blocks"]
+    );
     if !r["python_traced_mb"].is_null() {
-        out += &format!(", {} traced by tracemalloc (peak {})", mb(&r["python_traced_mb"]), mb(&r["python_traced_peak_mb"]));
+        out += &format!(
+            ", {} traced by tracemalloc (peak {})",
+            mb(&r["python_traced_mb"]),
+            mb(&r["python_traced_peak_mb"])
+        );
     }
     out += "\n";
     for d in r["cuda"].as_array().into_iter().flatten() {
@@ -128,7 +165,11 @@ fn summary_text(r: &Value) -> String {
             "tensors: {} storages, {}{}\n",
             t["count"],
             mb(&t["mb"]),
-            if t["complete"].as_bool() == Some(false) { " (scan cut short)" } else { "" }
+            if t["complete"].as_bool() == Some(false) {
+                " (scan cut short)"
+            } else {
+                ""
+            }
         );
         for row in t["largest"].as_array().into_iter().flatten() {
             out += &format!(
@@ -157,11 +198,14 @@ fn summary_text(r: &Value) -> String {
 }
 
 fn tracking_line(t: &Value) -> String {
-    let on: Vec<&str> = [("python", "Python (tracemalloc)"), ("cuda", "CUDA (memory history)")]
-        .iter()
-        .filter(|(k, _)| t[*k].as_bool() == Some(true))
-        .map(|(_, name)| *name)
-        .collect();
+    let on: Vec<&str> = [
+        ("python", "Python (tracemalloc)"),
+        ("cuda", "CUDA (memory history)"),
+    ]
+    .iter()
+    .filter(|(k, _)| t[*k].as_bool() == Some(true))
+    .map(|(_, name)| *name)
+    .collect();
     if on.is_empty() {
         "tracking: off (`memory track on` records allocation sites)\n".to_string()
     } else {
@@ -180,7 +224,10 @@ fn tracking_text(r: &Value) -> String {
 fn diff_text(r: &Value) -> String {
     let sites = r["sites"].as_array().cloned().unwrap_or_default();
     let since = match r["steps"].as_array() {
-        Some(steps) if steps.len() == 2 => format!("from the end of step {} to the end of step {}", steps[0], steps[1]),
+        Some(steps) if steps.len() == 2 => format!(
+            "from the end of step {} to the end of step {}",
+            steps[0], steps[1]
+        ),
         _ => "since the last look".to_string(),
     };
     let mut out = format!(
@@ -200,7 +247,14 @@ fn diff_text(r: &Value) -> String {
             s["lineno"]
         );
         let site = format!("{}:{}", s["file"].as_str().unwrap_or("?"), s["lineno"]);
-        for frame in s["stack"].as_array().into_iter().flatten().filter_map(Value::as_str).filter(|f| *f != site).take(4) {
+        for frame in s["stack"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .filter(|f| *f != site)
+            .take(4)
+        {
             out += &format!("              via {frame}\n");
         }
     }

@@ -2,8 +2,8 @@ pub mod breakpoints;
 pub mod cluster;
 pub mod crashes;
 pub mod debug;
-pub mod inject;
 pub mod demo;
+pub mod inject;
 pub mod list;
 pub mod memory;
 pub mod query;
@@ -23,7 +23,11 @@ use crate::{outside, stacks_text, Action, BtFormat};
 
 fn seconds(value: f64, flag: &str) -> Result<Duration> {
     if !(value.is_finite() && value > 0.0) {
-        return Err(Hinted::new(format!("{flag} must be a positive number of seconds, not {value}"), format!("e.g. {flag} 5")).into());
+        return Err(Hinted::new(
+            format!("{flag} must be a positive number of seconds, not {value}"),
+            format!("e.g. {flag} 5"),
+        )
+        .into());
     }
     Ok(Duration::from_secs_f64(value))
 }
@@ -32,21 +36,37 @@ fn seconds(value: f64, flag: &str) -> Result<Duration> {
 const PROBE_DEADLINE_S: f64 = 1.0;
 
 pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
-    if let Action::Bt { locals, native, format, timeout, all_frames } = action {
+    if let Action::Bt {
+        locals,
+        native,
+        format,
+        timeout,
+        all_frames,
+    } = action
+    {
         let deadline = seconds(timeout.unwrap_or(PROBE_DEADLINE_S), "--timeout")?;
         return bt(pid, locals, native, all_frames, format, deadline);
     }
     let probe = Probe::locate(pid)?;
     match action {
         Action::Bt { .. } => unreachable!("handled above"),
-        Action::Eval { code, file, timeout, at } => {
+        Action::Eval {
+            code,
+            file,
+            timeout,
+            at,
+        } => {
             seconds(timeout, "--timeout")?;
             let code = match (code, file) {
-                (_, Some(path)) => std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?,
+                (_, Some(path)) => std::fs::read_to_string(&path)
+                    .with_context(|| format!("cannot read {}", path.display()))?,
                 (Some(code), None) => code,
                 (None, None) => unreachable!("clap requires one of them"),
             };
-            let reply = eval_at(&probe, &EvalRequest::new(code, timeout).at(at.thread, at.frame))?;
+            let reply = eval_at(
+                &probe,
+                &EvalRequest::new(code, timeout).at(at.thread, at.frame),
+            )?;
             Ok(print_eval(&reply))
         }
         Action::Repl { timeout, at } => {
@@ -55,32 +75,57 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
             }
             repl::run(&probe, timeout, &at)
         }
-        Action::Query { sql, native, format, all_frames } => query::run(probe, &sql, native, all_frames, format),
+        Action::Query {
+            sql,
+            native,
+            format,
+            all_frames,
+        } => query::run(probe, &sql, native, all_frames, format),
         Action::Break { action } => breakpoints::run(&probe, action),
         Action::Snapshots { format } => breakpoints::snapshots(&probe, format),
         Action::Watch { spec, name, tensor } => breakpoints::watch(&probe, &spec, &name, tensor),
-        Action::Attach { thread, wait } => breakpoints::attach(&probe, thread.as_deref(), seconds(wait, "--wait")?),
+        Action::Attach { thread, wait } => {
+            breakpoints::attach(&probe, thread.as_deref(), seconds(wait, "--wait")?)
+        }
         Action::Torch { action, format } => torch::run(&probe, action, format),
-        Action::Memory { action, top, format } => memory::run(&probe, action, top, format),
+        Action::Memory {
+            action,
+            top,
+            format,
+        } => memory::run(&probe, action, top, format),
     }
 }
 
 /// Asks the probe first; without one, or when it does not answer within the
 /// deadline (a thread holding the GIL in C blocks it), reads from outside.
-fn bt(pid: u32, locals: bool, native: bool, all_frames: bool, format: BtFormat, deadline: Duration) -> Result<u8> {
+fn bt(
+    pid: u32,
+    locals: bool,
+    native: bool,
+    all_frames: bool,
+    format: BtFormat,
+    deadline: Duration,
+) -> Result<u8> {
     let probe = Probe::find(pid)?;
     let (meta, stacks, note) = match probe {
         // Only the outside read sees native frames; the probe still names the process.
         Some(probe) if native => {
             let (stacks, version) = outside::read_stacks(pid, locals, true, all_frames)?;
-            let meta = probe.meta(deadline).unwrap_or_else(|_| outside::meta_from_proc(pid, version));
+            let meta = probe
+                .meta(deadline)
+                .unwrap_or_else(|_| outside::meta_from_proc(pid, version));
             (meta, stacks, None)
         }
-        Some(probe) => match probe.stacks(locals, all_frames, deadline).and_then(|s| Ok((probe.meta(deadline)?, s))) {
+        Some(probe) => match probe
+            .stacks(locals, all_frames, deadline)
+            .and_then(|s| Ok((probe.meta(deadline)?, s)))
+        {
             Ok((meta, stacks)) => (meta, stacks, None),
             Err(probe_err) => {
                 let (stacks, version) = outside::read_stacks(pid, locals, false, all_frames)
-                    .map_err(|outside_err| outside_err.context(format!("and the probe failed too: {probe_err:#}")))?;
+                    .map_err(|outside_err| {
+                        outside_err.context(format!("and the probe failed too: {probe_err:#}"))
+                    })?;
                 let note = format!(
                     "note: the probe did not answer ({}); stacks were read from outside the process",
                     first_line(&probe_err)
@@ -90,7 +135,8 @@ fn bt(pid: u32, locals: bool, native: bool, all_frames: bool, format: BtFormat, 
         },
         None => {
             let (stacks, version) = outside::read_stacks(pid, locals, native, all_frames)?;
-            let note = "note: no probe in this process; stacks were read from outside it".to_string();
+            let note =
+                "note: no probe in this process; stacks were read from outside it".to_string();
             (outside::meta_from_proc(pid, version), stacks, Some(note))
         }
     };
@@ -111,7 +157,11 @@ fn bt(pid: u32, locals: bool, native: bool, all_frames: bool, format: BtFormat, 
 pub fn eval_at(probe: &Probe, request: &EvalRequest) -> Result<EvalReply> {
     let reply = probe.eval(request)?;
     if let Some(hint) = &reply.hint {
-        return Err(Hinted::new(reply.error.clone().unwrap_or_default().trim_end(), hint.clone()).into());
+        return Err(Hinted::new(
+            reply.error.clone().unwrap_or_default().trim_end(),
+            hint.clone(),
+        )
+        .into());
     }
     if request.in_frame() && !request.check_only && reply.frame.is_none() {
         return Err(Hinted::new(
@@ -124,7 +174,11 @@ pub fn eval_at(probe: &Probe, request: &EvalRequest) -> Result<EvalReply> {
 }
 
 pub fn first_line(err: &anyhow::Error) -> String {
-    err.to_string().lines().next().unwrap_or_default().to_string()
+    err.to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// Prints what the code printed, then its value or its traceback. Exit code 1

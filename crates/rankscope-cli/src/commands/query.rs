@@ -32,25 +32,43 @@ pub struct LiveProbe {
 
 impl LiveProbe {
     pub fn new(probe: Probe, native: bool, all_frames: bool) -> LiveProbe {
-        LiveProbe { probe, native, all_frames, meta: Mutex::new(None), stacks: Mutex::new(HashMap::new()) }
+        LiveProbe {
+            probe,
+            native,
+            all_frames,
+            meta: Mutex::new(None),
+            stacks: Mutex::new(HashMap::new()),
+        }
     }
 
     fn meta(&self) -> Result<ProcessMeta, String> {
         let mut cached = self.meta.lock().unwrap_or_else(|e| e.into_inner());
         if cached.is_none() {
-            *cached = Some(self.probe.meta(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?);
+            *cached = Some(
+                self.probe
+                    .meta(PROBE_TIMEOUT)
+                    .map_err(|e| format!("{e:#}"))?,
+            );
         }
         Ok(cached.clone().expect("set above"))
     }
 
     fn stacks(&self, query: &StacksQuery) -> Result<StacksReply, String> {
         // An outside read cannot leave anything out: it reads everything once.
-        let query = if self.native { StacksQuery::default() } else { query.clone() };
-        let query = StacksQuery { all_frames: self.all_frames, ..query };
+        let query = if self.native {
+            StacksQuery::default()
+        } else {
+            query.clone()
+        };
+        let query = StacksQuery {
+            all_frames: self.all_frames,
+            ..query
+        };
         let mut cached = self.stacks.lock().unwrap_or_else(|e| e.into_inner());
         if !cached.contains_key(&query) {
             let stacks = if self.native {
-                crate::outside::read_stacks(self.probe.pid, false, true, self.all_frames).map(|(s, _)| s)
+                crate::outside::read_stacks(self.probe.pid, false, true, self.all_frames)
+                    .map(|(s, _)| s)
             } else {
                 self.probe.stacks_query(&query, PROBE_TIMEOUT)
             };
@@ -67,15 +85,31 @@ fn stacks_query(table: &TableDef, scan: &Scan) -> StacksQuery {
         query.count_only = true;
         return query;
     }
-    query.thread_name = scan.literal("thread_name", CmpOp::Eq).and_then(|v| v.as_str()).map(str::to_string);
-    query.thread_id = scan.literal("thread_id", CmpOp::Eq).and_then(serde_json::Value::as_i64);
+    query.thread_name = scan
+        .literal("thread_name", CmpOp::Eq)
+        .and_then(|v| v.as_str())
+        .map(str::to_string);
+    query.thread_id = scan
+        .literal("thread_id", CmpOp::Eq)
+        .and_then(serde_json::Value::as_i64);
     if table.name == "backtrace" {
         // depth < N keeps the N innermost frames; depth <= N and depth = N one more.
-        let below = scan.literal("depth", CmpOp::Lt).and_then(serde_json::Value::as_i64);
-        let up_to = [CmpOp::LtEq, CmpOp::Eq].iter().find_map(|&op| scan.literal("depth", op)).and_then(serde_json::Value::as_i64).map(|d| d + 1);
+        let below = scan
+            .literal("depth", CmpOp::Lt)
+            .and_then(serde_json::Value::as_i64);
+        let up_to = [CmpOp::LtEq, CmpOp::Eq]
+            .iter()
+            .find_map(|&op| scan.literal("depth", op))
+            .and_then(serde_json::Value::as_i64)
+            .map(|d| d + 1);
         query.max_depth = below.into_iter().chain(up_to).min().map(|d| d.max(0));
         if let Some(columns) = &scan.columns {
-            query.fields = Some(["file", "qualname"].into_iter().filter(|f| columns.contains(f)).collect());
+            query.fields = Some(
+                ["file", "qualname"]
+                    .into_iter()
+                    .filter(|f| columns.contains(f))
+                    .collect(),
+            );
         }
     }
     query
@@ -85,36 +119,74 @@ impl RowSource for LiveProbe {
     fn rows(&self, table: &TableDef) -> Result<Rows, String> {
         let meta = self.meta()?;
         match (table.schema, table.name) {
-            ("python", "backtrace") => Ok(tables::backtrace_rows(&meta, &self.stacks(&StacksQuery::default())?)),
-            ("python", "threads") => Ok(tables::threads_rows(&meta, &self.stacks(&StacksQuery::default())?)),
-            ("process", "info") => Ok(tables::info_rows(&meta, rankscope_core::host::now_seconds())),
+            ("python", "backtrace") => Ok(tables::backtrace_rows(
+                &meta,
+                &self.stacks(&StacksQuery::default())?,
+            )),
+            ("python", "threads") => Ok(tables::threads_rows(
+                &meta,
+                &self.stacks(&StacksQuery::default())?,
+            )),
+            ("process", "info") => Ok(tables::info_rows(
+                &meta,
+                rankscope_core::host::now_seconds(),
+            )),
             ("process", "env") => {
-                let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
-                Ok(tables::env_rows(&meta, &env, rankscope_core::host::now_seconds()))
+                let env = self
+                    .probe
+                    .env(PROBE_TIMEOUT)
+                    .map_err(|e| format!("{e:#}"))?;
+                Ok(tables::env_rows(
+                    &meta,
+                    &env,
+                    rankscope_core::host::now_seconds(),
+                ))
             }
             ("python", "snapshots") | ("python", "snapshot_locals") => {
-                let snaps = self.probe.breakpoints(&serde_json::json!({"op": "snapshots"})).map_err(|e| format!("{e:#}"))?;
-                Ok(snapshot_rows(table.name, Some(&meta), snaps.as_array().map(Vec::as_slice).unwrap_or_default()))
+                let snaps = self
+                    .probe
+                    .breakpoints(&serde_json::json!({"op": "snapshots"}))
+                    .map_err(|e| format!("{e:#}"))?;
+                Ok(snapshot_rows(
+                    table.name,
+                    Some(&meta),
+                    snaps.as_array().map(Vec::as_slice).unwrap_or_default(),
+                ))
             }
             ("python", "tensors") | ("python", "objects") => {
-                let reply = self.probe.memory(&serde_json::json!({"action": table.name})).map_err(|e| format!("{e:#}"))?;
-                let reply: rankscope_core::protocol::ProbeTableReply = serde_json::from_value(reply).map_err(|e| e.to_string())?;
+                let reply = self
+                    .probe
+                    .memory(&serde_json::json!({"action": table.name}))
+                    .map_err(|e| format!("{e:#}"))?;
+                let reply: rankscope_core::protocol::ProbeTableReply =
+                    serde_json::from_value(reply).map_err(|e| e.to_string())?;
                 Ok(tables::probe_table_rows(table, &meta, &reply))
             }
-            _ if tables::is_probe_table(table) => match self.probe_table(table, &Scan::default())? {
-                Fetched::Rows(rows) => Ok(rows),
-                Fetched::Counts(_) | Fetched::Batches(_) => Err("a full scan came back as counts".into()),
-            },
+            _ if tables::is_probe_table(table) => {
+                match self.probe_table(table, &Scan::default())? {
+                    Fetched::Rows(rows) => Ok(rows),
+                    Fetched::Counts(_) | Fetched::Batches(_) => {
+                        Err("a full scan came back as counts".into())
+                    }
+                }
+            }
             ("python", "crashes") => {
                 // The target's run directory, from the target's environment.
-                let env = self.probe.env(PROBE_TIMEOUT).map_err(|e| format!("{e:#}"))?;
+                let env = self
+                    .probe
+                    .env(PROBE_TIMEOUT)
+                    .map_err(|e| format!("{e:#}"))?;
                 let dir = rankscope_core::crash::run_dir_of(|name| {
-                    env.vars.iter().find(|v| v.name == name && !v.hidden).map(|v| v.value.clone())
+                    env.vars
+                        .iter()
+                        .find(|v| v.name == name && !v.hidden)
+                        .map(|v| v.value.clone())
                 });
                 if !dir.is_dir() {
                     return Ok(Vec::new());
                 }
-                super::crashes::table_rows(Some(dir), Some(meta.pid), true).map_err(|e| format!("{e:#}"))
+                super::crashes::table_rows(Some(dir), Some(meta.pid), true)
+                    .map_err(|e| format!("{e:#}"))
             }
             _ => Err(format!("no rows for {}", table.qualified_name())),
         }
@@ -124,16 +196,28 @@ impl RowSource for LiveProbe {
         if tables::is_probe_table(table) {
             return self.probe_table(table, scan);
         }
-        if table.schema != "python" || !matches!(table.name, "backtrace" | "threads") || self.native {
+        if table.schema != "python" || !matches!(table.name, "backtrace" | "threads") || self.native
+        {
             return self.rows(table).map(Fetched::Rows);
         }
         let meta = self.meta()?;
         let stacks = self.stacks(&stacks_query(table, scan))?;
         if let Some(counts) = stacks.counts {
-            let count = if table.name == "backtrace" { counts.frames } else { counts.threads };
-            return Ok(Fetched::Counts(vec![(tables::identity(&meta, stacks.taken_at), count as usize)]));
+            let count = if table.name == "backtrace" {
+                counts.frames
+            } else {
+                counts.threads
+            };
+            return Ok(Fetched::Counts(vec![(
+                tables::identity(&meta, stacks.taken_at),
+                count as usize,
+            )]));
         }
-        Ok(Fetched::Rows(if table.name == "backtrace" { tables::backtrace_rows(&meta, &stacks) } else { tables::threads_rows(&meta, &stacks) }))
+        Ok(Fetched::Rows(if table.name == "backtrace" {
+            tables::backtrace_rows(&meta, &stacks)
+        } else {
+            tables::threads_rows(&meta, &stacks)
+        }))
     }
 }
 
@@ -160,16 +244,28 @@ impl LiveProbe {
             })
             .collect();
         // Every row has its own ts, so only pid, rank and host make a count enough.
-        let count = scan.reads_identity_only() && scan.columns.as_ref().is_some_and(|c| !c.contains(&"ts"));
+        let count =
+            scan.reads_identity_only() && scan.columns.as_ref().is_some_and(|c| !c.contains(&"ts"));
         let reply = self
             .probe
-            .probe_table(&table.qualified_name(), scan.columns.as_deref(), &filters, count, PROBE_TIMEOUT)
+            .probe_table(
+                &table.qualified_name(),
+                scan.columns.as_deref(),
+                &filters,
+                count,
+                PROBE_TIMEOUT,
+            )
             .map_err(|e| format!("{e:#}"))?;
         if count {
             let n = reply.count.unwrap_or(0) as usize;
-            return Ok(Fetched::Counts(vec![(tables::identity(&meta, rankscope_core::host::now_seconds()), n)]));
+            return Ok(Fetched::Counts(vec![(
+                tables::identity(&meta, rankscope_core::host::now_seconds()),
+                n,
+            )]));
         }
-        Ok(Fetched::Rows(tables::probe_table_rows(table, &meta, &reply)))
+        Ok(Fetched::Rows(tables::probe_table_rows(
+            table, &meta, &reply,
+        )))
     }
 }
 
@@ -183,9 +279,18 @@ fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::V
     for snap in snaps {
         let (pid, rank, host) = match meta {
             Some(m) => (json!(m.pid), json!(m.rank), json!(m.host)),
-            None => (snap["pid"].clone(), snap["rank"].clone(), snap["host"].clone()),
+            None => (
+                snap["pid"].clone(),
+                snap["rank"].clone(),
+                snap["host"].clone(),
+            ),
         };
-        let identity = [pid, rank, host, json!((snap["time"].as_f64().unwrap_or(0.0) * 1e6).round() as i64)];
+        let identity = [
+            pid,
+            rank,
+            host,
+            json!((snap["time"].as_f64().unwrap_or(0.0) * 1e6).round() as i64),
+        ];
         let frame = &snap["frames"][0];
         if table == "snapshots" {
             let mut row = identity.to_vec();
@@ -214,7 +319,11 @@ fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::V
         } else {
             for local in frame["locals"].as_array().into_iter().flatten() {
                 let mut row = identity.to_vec();
-                row.extend([snap["id"].clone(), snap["bp_id"].clone(), snap["hit"].clone()]);
+                row.extend([
+                    snap["id"].clone(),
+                    snap["bp_id"].clone(),
+                    snap["hit"].clone(),
+                ]);
                 row.extend(super::breakpoints::snapshot_local(local));
                 rows.push(row);
             }
@@ -227,13 +336,24 @@ fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::V
 fn spilled_snapshots(run: Option<PathBuf>) -> Vec<serde_json::Value> {
     let mut snaps = Vec::new();
     for dir in rankscope_core::crash::run_dirs(run) {
-        let Ok(read) = std::fs::read_dir(dir.join("snapshots")) else { continue };
-        let mut files: Vec<PathBuf> = read.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "jsonl")).collect();
+        let Ok(read) = std::fs::read_dir(dir.join("snapshots")) else {
+            continue;
+        };
+        let mut files: Vec<PathBuf> = read
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
+            .collect();
         files.sort();
         for file in files {
-            let Ok(text) = std::fs::read_to_string(&file) else { continue };
+            let Ok(text) = std::fs::read_to_string(&file) else {
+                continue;
+            };
             // A line cut short by a kill is skipped; the rest still count.
-            snaps.extend(text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()));
+            snaps.extend(
+                text.lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()),
+            );
         }
     }
     snaps
@@ -252,7 +372,9 @@ impl RowSource for RunDirs {
             // The run store's files, read as they are (Arrow batches), the
             // query's columns only.
             let dirs = rankscope_core::crash::run_dirs(self.run.clone());
-            return rankscope_store::read_table(&dirs, table, scan.columns.as_deref()).map(Fetched::Batches).map_err(|e| e.to_string());
+            return rankscope_store::read_table(&dirs, table, scan.columns.as_deref())
+                .map(Fetched::Batches)
+                .map_err(|e| e.to_string());
         }
         self.rows(table).map(Fetched::Rows)
     }
@@ -276,12 +398,22 @@ pub fn run_offline(run: Option<PathBuf>, all: bool, sql: &str, format: QueryForm
     execute(Arc::new(RunDirs { run, all }), sql, format)
 }
 
-pub fn run(probe: Probe, sql: &str, native: bool, all_frames: bool, format: QueryFormat) -> Result<u8> {
+pub fn run(
+    probe: Probe,
+    sql: &str,
+    native: bool,
+    all_frames: bool,
+    format: QueryFormat,
+) -> Result<u8> {
     if native {
         // Said before any SQL runs, whatever tables the query names.
         crate::outside::require_native()?;
     }
-    execute(Arc::new(LiveProbe::new(probe, native, all_frames)), sql, format)
+    execute(
+        Arc::new(LiveProbe::new(probe, native, all_frames)),
+        sql,
+        format,
+    )
 }
 
 pub fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Result<u8> {

@@ -40,7 +40,9 @@ fn history_file() -> Option<std::path::PathBuf> {
 pub fn run(probe: &Probe, timeout_s: Option<f64>, at: &FrameArgs) -> Result<u8> {
     let timeout_s = timeout_s.unwrap_or(NO_TIMEOUT_S);
     let meta = probe.meta(Duration::from_secs(5))?;
-    let request = |code: String, timeout_s: f64| EvalRequest::new(code, timeout_s).at(at.thread.clone(), at.frame);
+    let request = |code: String, timeout_s: f64| {
+        EvalRequest::new(code, timeout_s).at(at.thread.clone(), at.frame)
+    };
     let place = match request(String::new(), CHECK_TIMEOUT_S) {
         // Nothing runs; a thread or frame that is not there ends the session
         // before it starts, and one that is says where it is.
@@ -72,7 +74,10 @@ pub fn run(probe: &Probe, timeout_s: Option<f64>, at: &FrameArgs) -> Result<u8> 
                 buffer.push_str(&line);
                 // Only codeop runs for this: a short wait, so that a target whose GIL
                 // is held cannot hang the prompt (Ctrl-C is caught here).
-                let check = EvalRequest { check_only: true, ..request(buffer.clone(), CHECK_TIMEOUT_S) };
+                let check = EvalRequest {
+                    check_only: true,
+                    ..request(buffer.clone(), CHECK_TIMEOUT_S)
+                };
                 let check = match probe.eval(&check) {
                     Ok(check) => check,
                     Err(err) if !rankscope_core::paths::pid_alive(probe.pid) => return Err(err),
@@ -88,7 +93,10 @@ pub fn run(probe: &Probe, timeout_s: Option<f64>, at: &FrameArgs) -> Result<u8> 
                 let _ = editor.add_history_entry(buffer.trim_end());
                 evals += 1;
                 let id = format!("repl-{}-{evals}", std::process::id());
-                let request = EvalRequest { id: Some(id), ..request(std::mem::take(&mut buffer), timeout_s) };
+                let request = EvalRequest {
+                    id: Some(id),
+                    ..request(std::mem::take(&mut buffer), timeout_s)
+                };
                 match eval_interruptibly(probe, request) {
                     Ok(Some(reply)) => {
                         super::print_eval(&reply);
@@ -120,18 +128,22 @@ fn eval_interruptibly(probe: &Probe, request: EvalRequest) -> Result<Option<Eval
     let (sender, replies) = mpsc::channel();
     let worker = probe.clone();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
-    std::thread::Builder::new().name("rankscope-eval".into()).spawn(move || {
-        // SIGINT goes to the watching thread, never interrupts this read.
-        block_sigint_here();
-        let _ = sender.send(super::eval_at(&worker, &request));
-    })?;
+    std::thread::Builder::new()
+        .name("rankscope-eval".into())
+        .spawn(move || {
+            // SIGINT goes to the watching thread, never interrupts this read.
+            block_sigint_here();
+            let _ = sender.send(super::eval_at(&worker, &request));
+        })?;
     let mut interrupted_at: Option<Instant> = None;
     let mut told_blocked = false;
     loop {
         match replies.recv_timeout(Duration::from_millis(20)) {
             Ok(reply) => return reply.map(Some),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => anyhow::bail!("the eval's thread ended without an answer"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                anyhow::bail!("the eval's thread ended without an answer")
+            }
         }
         if SIGINT_SEEN.swap(false, Ordering::SeqCst) {
             if interrupted_at.is_some() {

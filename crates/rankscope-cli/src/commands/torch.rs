@@ -24,21 +24,42 @@ pub fn run(probe: &Probe, action: Option<TorchAction>, format: BtFormat) -> Resu
 pub fn request_of(action: Option<&TorchAction>) -> Result<Value> {
     Ok(match action {
         None => json!({"action": "status"}),
-        Some(TorchAction::Trace { action: TraceAction::On { every, modules, backward } }) => {
+        Some(TorchAction::Trace {
+            action:
+                TraceAction::On {
+                    every,
+                    modules,
+                    backward,
+                },
+        }) => {
             if *every == 0 {
-                return Err(Hinted::new("--every must be 1 or more", "e.g. --every 20: one step in 20 is traced").into());
+                return Err(Hinted::new(
+                    "--every must be 1 or more",
+                    "e.g. --every 20: one step in 20 is traced",
+                )
+                .into());
             }
             json!({"action": "trace_on", "every": every, "modules": modules, "backward": backward})
         }
-        Some(TorchAction::Trace { action: TraceAction::Off }) => json!({"action": "trace_off"}),
-        Some(TorchAction::Nan { switch }) => json!({"action": "nan", "switch": switch_word(*switch)}),
+        Some(TorchAction::Trace {
+            action: TraceAction::Off,
+        }) => json!({"action": "trace_off"}),
+        Some(TorchAction::Nan { switch }) => {
+            json!({"action": "nan", "switch": switch_word(*switch)})
+        }
         Some(TorchAction::Grads { switch, every }) => {
             json!({"action": "grads", "switch": switch_word(*switch).unwrap_or("on"), "every": at_least_one(*every)?})
         }
-        Some(TorchAction::Activations { switch, modules, every }) => json!({
+        Some(TorchAction::Activations {
+            switch,
+            modules,
+            every,
+        }) => json!({
             "action": "activations", "switch": switch_word(*switch).unwrap_or("on"), "modules": modules, "every": at_least_one(*every)?,
         }),
-        Some(TorchAction::Collectives { switch }) => json!({"action": "collectives", "switch": switch_word(*switch)}),
+        Some(TorchAction::Collectives { switch }) => {
+            json!({"action": "collectives", "switch": switch_word(*switch)})
+        }
     })
 }
 
@@ -51,7 +72,11 @@ fn switch_word(switch: Option<Switch>) -> Option<&'static str> {
 
 fn at_least_one(every: u64) -> Result<u64> {
     if every == 0 {
-        return Err(Hinted::new("--every must be 1 or more", "e.g. --every 10: one step in 10").into());
+        return Err(Hinted::new(
+            "--every must be 1 or more",
+            "e.g. --every 10: one step in 10",
+        )
+        .into());
     }
     Ok(every)
 }
@@ -60,11 +85,19 @@ fn at_least_one(every: u64) -> Result<u64> {
 pub fn text_of(action: Option<&TorchAction>, reply: &Value) -> String {
     match action {
         None => status_text(reply),
-        Some(TorchAction::Trace { action: TraceAction::On { .. } }) => trace_on_text(reply),
-        Some(TorchAction::Trace { action: TraceAction::Off }) => trace_off_text(reply),
+        Some(TorchAction::Trace {
+            action: TraceAction::On { .. },
+        }) => trace_on_text(reply),
+        Some(TorchAction::Trace {
+            action: TraceAction::Off,
+        }) => trace_off_text(reply),
         Some(TorchAction::Nan { .. }) => nan_text(reply),
-        Some(TorchAction::Grads { .. }) => stats_text("grads", "python.grad_stats", "parameters", reply),
-        Some(TorchAction::Activations { .. }) => stats_text("activations", "python.activation_stats", "modules", reply),
+        Some(TorchAction::Grads { .. }) => {
+            stats_text("grads", "python.grad_stats", "parameters", reply)
+        }
+        Some(TorchAction::Activations { .. }) => {
+            stats_text("activations", "python.activation_stats", "modules", reply)
+        }
         Some(TorchAction::Collectives { .. }) => collectives_text(reply),
     }
 }
@@ -72,7 +105,10 @@ pub fn text_of(action: Option<&TorchAction>, reply: &Value) -> String {
 fn number(v: &Value) -> String {
     match v.as_f64() {
         Some(x) if v.is_f64() => format!("{x:.4e}"),
-        _ => v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string()),
+        _ => v
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| v.to_string()),
     }
 }
 
@@ -94,7 +130,10 @@ fn nan_text(reply: &Value) -> String {
     }
     for e in &events {
         let module = e["module"].as_str().unwrap_or("?");
-        let kind = e["module_type"].as_str().map(|t| format!(" ({t})")).unwrap_or_default();
+        let kind = e["module_type"]
+            .as_str()
+            .map(|t| format!(" ({t})"))
+            .unwrap_or_default();
         out += &format!(
             "step {}: first non-finite in {}, module {module}{kind}: {} ({} non-finite)\n",
             e["step"],
@@ -159,8 +198,13 @@ fn stats_text(feature: &str, table: &str, what: &str, reply: &Value) -> String {
 fn collectives_text(reply: &Value) -> String {
     let mut out = String::new();
     out += &match (reply["on"].as_bool(), reply["initialized"].as_bool()) {
-        (Some(true), Some(true)) => format!("collectives: recorded ({} backend)\n", reply["backend"].as_str().unwrap_or("?")),
-        (Some(true), _) => "collectives: on; torch.distributed is not initialised yet\n".to_string(),
+        (Some(true), Some(true)) => format!(
+            "collectives: recorded ({} backend)\n",
+            reply["backend"].as_str().unwrap_or("?")
+        ),
+        (Some(true), _) => {
+            "collectives: on; torch.distributed is not initialised yet\n".to_string()
+        }
         _ => "collectives: off\n".to_string(),
     };
     for group in reply["groups"].as_array().into_iter().flatten() {
@@ -183,12 +227,39 @@ fn collectives_text(reply: &Value) -> String {
             );
         }
     }
+    let flight = &reply["flight_recorder"];
+    if flight["enabled"].as_bool() == Some(true) {
+        let rows = flight["rows"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let now = rankscope_core::host::now_seconds();
+        out += &format!(
+            "flight recorder: on, its last {} collectives read
+",
+            rows.len()
+        );
+        // Rows are [seq, op, group, members, state, caller, ts] (stuck::COLUMNS).
+        for row in rows.iter().filter(|r| r[4].as_str() == Some("in flight")) {
+            out += &format!(
+                "    in flight: {} #{} on group {} for {:.1} s (Flight Recorder)\n",
+                row[1].as_str().unwrap_or("?"),
+                row[0],
+                row[2].as_str().unwrap_or("?"),
+                now - row[6].as_f64().unwrap_or(now),
+            );
+        }
+    } else if reply["initialized"].as_bool() == Some(true) && !flight.is_null() {
+        out += "flight recorder: off (collectives issued from C++, such as DDP's, are seen where the job starts with TORCH_FR_BUFFER_SIZE=2000)\n";
+    }
     out
 }
 
 /// 1234567 -> "1,234,567".
 fn thousands(n: &Value) -> String {
-    let Some(n) = n.as_i64() else { return n.to_string() };
+    let Some(n) = n.as_i64() else {
+        return n.to_string();
+    };
     let digits = n.unsigned_abs().to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
@@ -197,22 +268,45 @@ fn thousands(n: &Value) -> String {
         }
         out.push(c);
     }
-    if n < 0 { format!("-{out}") } else { out }
+    if n < 0 {
+        format!("-{out}")
+    } else {
+        out
+    }
 }
 
 fn words(list: &Value) -> String {
-    list.as_array().map(|v| v.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default()
+    list.as_array()
+        .map(|v| {
+            v.iter()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
 }
 
 fn status_text(status: &Value) -> String {
     let mut out = String::new();
-    let cuda = if status["cuda_initialized"].as_bool() == Some(true) { "CUDA in use" } else { "CUDA not initialised" };
-    out += &format!("torch {} ({cuda})\n", status["torch_version"].as_str().unwrap_or("?"));
+    let cuda = if status["cuda_initialized"].as_bool() == Some(true) {
+        "CUDA in use"
+    } else {
+        "CUDA not initialised"
+    };
+    out += &format!(
+        "torch {} ({cuda})\n",
+        status["torch_version"].as_str().unwrap_or("?")
+    );
     out += &match (status["step"].as_i64(), status["step_source"].as_str()) {
-        (Some(step), Some("optimizer")) => format!("step {step} (the optimizer's steps mark them)\n"),
+        (Some(step), Some("optimizer")) => {
+            format!("step {step} (the optimizer's steps mark them)\n")
+        }
         (Some(step), Some(source)) => format!("step {step} (from {source})\n"),
         (Some(step), None) => format!("step {step}\n"),
-        (None, _) => "step unknown (counted while the trace is on: optimizer steps, or rankscope.step())\n".to_string(),
+        (None, _) => {
+            "step unknown (counted while the trace is on: optimizer steps, or rankscope.step())\n"
+                .to_string()
+        }
     };
     let models = status["models"].as_array().cloned().unwrap_or_default();
     if models.is_empty() {
@@ -227,11 +321,25 @@ fn status_text(status: &Value) -> String {
             thousands(&model["trainable"]),
             words(&model["dtypes"]),
             words(&model["devices"]),
-            if model["training"].as_bool() == Some(true) { "training" } else { "eval" },
+            if model["training"].as_bool() == Some(true) {
+                "training"
+            } else {
+                "eval"
+            },
         );
         let children = model["children"].as_array().cloned().unwrap_or_default();
-        let width = children.iter().filter_map(|c| c["name"].as_str()).map(str::len).max().unwrap_or(0);
-        let type_width = children.iter().filter_map(|c| c["type"].as_str()).map(str::len).max().unwrap_or(0);
+        let width = children
+            .iter()
+            .filter_map(|c| c["name"].as_str())
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let type_width = children
+            .iter()
+            .filter_map(|c| c["type"].as_str())
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
         for child in &children {
             out += &format!(
                 "  {:width$}  {:type_width$}  {:>12} parameters\n",
@@ -240,22 +348,46 @@ fn status_text(status: &Value) -> String {
                 thousands(&child["parameters"]),
             );
         }
-        let more = model["children_total"].as_u64().unwrap_or(0).saturating_sub(children.len() as u64);
+        let more = model["children_total"]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(children.len() as u64);
         if more > 0 {
             out += &format!("  ... {more} more children\n");
         }
     }
-    for (i, opt) in status["optimizers"].as_array().into_iter().flatten().enumerate() {
+    for (i, opt) in status["optimizers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
         let groups = opt["param_groups"].as_array().cloned().unwrap_or_default();
-        out += &format!("optimizer {i}: {}, {} param group{}\n", opt["type"].as_str().unwrap_or("?"), groups.len(), if groups.len() == 1 { "" } else { "s" });
+        out += &format!(
+            "optimizer {i}: {}, {} param group{}\n",
+            opt["type"].as_str().unwrap_or("?"),
+            groups.len(),
+            if groups.len() == 1 { "" } else { "s" }
+        );
         for (g, group) in groups.iter().enumerate() {
             let hyper: Vec<String> = group["hyperparameters"]
                 .as_object()
                 .into_iter()
                 .flatten()
-                .map(|(k, v)| format!("{k}={}", v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string())))
+                .map(|(k, v)| {
+                    format!(
+                        "{k}={}",
+                        v.as_str()
+                            .map(str::to_string)
+                            .unwrap_or_else(|| v.to_string())
+                    )
+                })
                 .collect();
-            out += &format!("  group {g} ({} tensors): {}\n", group["params"], hyper.join(" "));
+            out += &format!(
+                "  group {g} ({} tensors): {}\n",
+                group["params"],
+                hyper.join(" ")
+            );
         }
     }
     if let Some(losses) = status["losses"].as_array().filter(|l| !l.is_empty()) {
@@ -270,47 +402,77 @@ fn status_text(status: &Value) -> String {
 fn features_lines(features: &Value) -> String {
     let mut out = String::new();
     if let Some(nan) = features.get("nan") {
-        let state = if nan["armed"].as_bool() == Some(true) { "armed" } else { "off" };
+        let state = if nan["armed"].as_bool() == Some(true) {
+            "armed"
+        } else {
+            "off"
+        };
         let found = match nan["tripped_at"].as_i64() {
             Some(step) => format!("first non-finite at step {step} (`torch nan` says where)"),
             None => "no non-finite value seen".to_string(),
         };
-        out += &format!("nan watch: {state}, {} steps checked, {found}\n", nan["checked_steps"]);
+        out += &format!(
+            "nan watch: {state}, {} steps checked, {found}\n",
+            nan["checked_steps"]
+        );
     }
     for (name, what) in [("grads", "parameters"), ("activations", "modules")] {
-        if let Some(f) = features.get(name).filter(|f| f["on"].as_bool() == Some(true)) {
-            out += &format!("{name}: on, {} {what}, every {}, {} rows\n", f["count"], f["every"], f["rows"]);
+        if let Some(f) = features
+            .get(name)
+            .filter(|f| f["on"].as_bool() == Some(true))
+        {
+            out += &format!(
+                "{name}: on, {} {what}, every {}, {} rows\n",
+                f["count"], f["every"], f["rows"]
+            );
         }
     }
-    if let Some(c) = features.get("collectives").filter(|c| c["on"].as_bool() == Some(true)) {
+    if let Some(c) = features
+        .get("collectives")
+        .filter(|c| c["on"].as_bool() == Some(true))
+    {
         let groups = c["groups"].as_array().map(Vec::len).unwrap_or(0);
-        out += &format!("collectives: recorded, {groups} group{}\n", if groups == 1 { "" } else { "s" });
+        out += &format!(
+            "collectives: recorded, {groups} group{}\n",
+            if groups == 1 { "" } else { "s" }
+        );
     }
     out
 }
 
 fn trace_line(trace: &Value) -> String {
     let rows = &trace["rows"];
-    let kept = format!("{} rows in python.torch_trace, {} in python.torch_steps", rows["torch_trace"], rows["torch_steps"]);
-    let mut out = if trace["on"].as_bool() == Some(true) {
-        let stages = if trace["backward"].as_bool() == Some(true) { "forward and backward" } else { "forward" };
-        let now = if trace["sampling_now"].as_bool() == Some(true) {
-            format!("hooks on {} modules now", trace["hooked_modules"])
-        } else {
-            "no module hooks now (between sampled steps)".to_string()
-        };
-        format!(
+    let kept = format!(
+        "{} rows in python.torch_trace, {} in python.torch_steps",
+        rows["torch_trace"], rows["torch_steps"]
+    );
+    let mut out =
+        if trace["on"].as_bool() == Some(true) {
+            let stages = if trace["backward"].as_bool() == Some(true) {
+                "forward and backward"
+            } else {
+                "forward"
+            };
+            let now = if trace["sampling_now"].as_bool() == Some(true) {
+                format!("hooks on {} modules now", trace["hooked_modules"])
+            } else {
+                "no module hooks now (between sampled steps)".to_string()
+            };
+            format!(
             "trace: on, every {} step{}, modules '{}', {stages}; {now}; {} sampled steps; {kept}\n",
             trace["every"],
             if trace["every"].as_i64() == Some(1) { "" } else { "s" },
             trace["modules"].as_str().unwrap_or("*"),
             trace["sampled_steps"],
         )
-    } else {
-        format!("trace: off; {kept}\n")
-    };
+        } else {
+            format!("trace: off; {kept}\n")
+        };
     if let Some(reason) = trace["disabled"].as_str() {
-        out += &format!("trace: turned itself off after an error ({} in all): {reason}\n", trace["errors"]);
+        out += &format!(
+            "trace: turned itself off after an error ({} in all): {reason}\n",
+            trace["errors"]
+        );
     }
     if trace["on"].as_bool() != Some(true) && trace["optimizer_hooks"].as_i64().unwrap_or(0) > 0 {
         out += "note: the optimizer hooks come off at the end of the step in progress\n";
@@ -328,13 +490,17 @@ fn trace_on_text(reply: &Value) -> String {
         out += "note: the optimizer step hooks are not in yet (the program stayed inside an optimizer step); try again\n";
     }
     let every = status["trace"]["every"].as_i64().unwrap_or(1);
-    let first = status["trace"]["step"].as_i64().map(|s| (s / every + 1) * every);
+    let first = status["trace"]["step"]
+        .as_i64()
+        .map(|s| (s / every + 1) * every);
     out += &format!(
         "trace on: {} modules, every {} step{}{}; the hooks go on at the next step boundary\n",
         reply["modules"],
         every,
         if every == 1 { "" } else { "s" },
-        first.map(|f| format!(" (first sampled step: {f})")).unwrap_or_default(),
+        first
+            .map(|f| format!(" (first sampled step: {f})"))
+            .unwrap_or_default(),
     );
     out += &trace_line(&status["trace"]);
     out
@@ -342,7 +508,10 @@ fn trace_on_text(reply: &Value) -> String {
 
 fn trace_off_text(reply: &Value) -> String {
     let mut out = if reply["was_on"].as_bool() == Some(true) {
-        format!("trace off: {} module hooks removed\n", reply["module_hooks_removed"])
+        format!(
+            "trace off: {} module hooks removed\n",
+            reply["module_hooks_removed"]
+        )
     } else {
         "trace was off\n".to_string()
     };
@@ -367,6 +536,11 @@ mod tests {
                            "rows": {"torch_trace": 3, "torch_steps": 1}, "optimizer_hooks": 0});
         let text = trace_line(&trace);
         assert!(text.contains("trace: off; 3 rows"), "{text}");
-        assert!(text.contains("turned itself off after an error (1 in all): the forward hook of fc1 failed"), "{text}");
+        assert!(
+            text.contains(
+                "turned itself off after an error (1 in all): the forward hook of fc1 failed"
+            ),
+            "{text}"
+        );
     }
 }

@@ -86,7 +86,17 @@ def _feature(action: str, request: dict) -> dict:
 
         if switch == "on":
             return RECORDER.turn_on()
-        return RECORDER.turn_off() if switch == "off" else RECORDER.describe()
+        if switch == "flight":
+            from rankscope._probe.torch.collectives import flight
+
+            return flight()
+        if switch == "off":
+            return RECORDER.turn_off()
+        from rankscope._probe.torch.collectives import flight
+
+        described = RECORDER.describe()
+        described["flight_recorder"] = flight(tail=4)
+        return described
     if action == "nan":
         from rankscope._probe.torch.nan import WATCH
 

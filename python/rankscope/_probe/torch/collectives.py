@@ -9,9 +9,13 @@ without the GIL, and closes it when the call returns (an ``async_op``
 call when its work completes, where the backend gives a future). That is
 what ``cluster bt`` reads to say which collective each rank is stuck in.
 
-What is not seen: collectives issued from C++ (DDP's gradient buckets),
-functional collectives, and, in an injected process, a function the
-program bound to a name of its own before the wrapping.
+What the wrappers do not see: collectives issued from C++ (DDP's gradient
+buckets), functional collectives, and, in an injected process, a function
+the program bound to a name of its own before the wrapping. Where torch's
+Flight Recorder runs (by default in torch 2.15, else with
+``TORCH_FR_BUFFER_SIZE`` set at start), ``flight()`` reads its ring,
+which has every collective of every group, C++ ones included; ``cluster
+bt`` merges the two.
 Numbers are torch's own sequence numbers of the group (every collective
 counts, DDP's too, alike on every rank; Flight Recorder uses the same),
 or, on a backend without them, the wrapped calls counted from when
@@ -284,6 +288,65 @@ class Recorder:
             "groups": groups,
             "errors": self.errors,
         }
+
+
+# The columns `cluster bt` reads (crates/rankscope-cli/src/stuck.rs).
+FLIGHT_COLUMNS = ["seq", "op", "process_group", "group_ranks", "state", "caller", "ts"]
+
+
+def flight(tail: int = 16) -> dict:
+    """The last ``tail`` collectives of each group from torch's Flight
+    Recorder, as rows of ``FLIGHT_COLUMNS`` (none where it is off: it keeps
+    nothing unless its buffer size was set before the process group began).
+    Read on request only: the dump walks the recorder's whole ring."""
+    out = {"columns": FLIGHT_COLUMNS, "rows": [], "enabled": False}
+    c10d = sys.modules.get(_C10D)
+    dist = sys.modules.get("torch.distributed")
+    if c10d is None or dist is None or not dist.is_available() or not dist.is_initialized():
+        return out
+    dump = getattr(sys.modules["torch"]._C._distributed_c10d, "_dump_fr_trace_json", None)
+    if dump is None:
+        return out
+    import json
+
+    try:
+        trace = json.loads(dump(True, False))
+    except Exception as exc:  # noqa: BLE001 - an older torch, a backend without it
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    entries = [e for e in trace.get("entries", ()) if not e.get("is_p2p")]
+    out["enabled"] = bool(entries)
+    members = {}
+    try:
+        for group, name in list(c10d._world.pg_names.items()):
+            members[str(name)] = ",".join(map(str, c10d.get_process_group_ranks(group)))
+    except Exception:  # noqa: BLE001 - torch's private registry moved: no members
+        pass
+    by_group: dict = {}
+    for entry in entries:
+        group = entry.get("process_group") or [str(entry.get("pg_id", "?"))]
+        by_group.setdefault(str(group[0]), []).append(entry)
+    for name, items in by_group.items():
+        items.sort(key=lambda e: e.get("collective_seq_id", 0))
+        for entry in items[-tail:]:
+            op = str(entry.get("profiling_name") or "?")
+            # "gloo:all_reduce", "nccl:all_reduce_coalesced"
+            op = op.split(":", 1)[-1]
+            # Gloo leaves a finished entry "scheduled" and marks it retired;
+            # NCCL moves it on to "completed".
+            finished = entry.get("state") == "completed" or entry.get("retired")
+            out["rows"].append(
+                [
+                    entry.get("collective_seq_id"),
+                    op,
+                    name,
+                    members.get(name, ""),
+                    "done" if finished else "in flight",
+                    None,
+                    (entry.get("time_created_ns") or 0) / 1e9,
+                ]
+            )
+    return out
 
 
 def _thread_name() -> str:
