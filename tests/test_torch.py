@@ -267,6 +267,9 @@ def test_the_trace_is_queried_live_then_from_the_run_store_after_sigkill(torch_p
     sql = "SELECT step, count(*) AS n, sum(duration_ms) > 0 AS timed FROM python.torch_trace GROUP BY step ORDER BY step"
     live = query_json(cli, target.pid, sql)
     assert [r["step"] for r in live] == [1, 2, 3, 4, 5] and all(r["n"] == 6 and r["timed"] for r in live), live
+    # GPU time and the allocator's deltas are CUDA's; on a CPU they are null, not zero.
+    cuda_only = query_json(cli, target.pid, "SELECT count(gpu_ms) AS g, count(alloc_delta_mb) AS a, count(peak_delta_mb) AS p, count(*) AS n FROM python.torch_trace")
+    assert cuda_only == [{"g": 0, "a": 0, "p": 0, "n": 30}], cuda_only
     status = torch_json(cli, target.pid)
     run_dir = target.script.parent / "run"
     assert status["trace"]["store"]["spill"]["dir"] == str(run_dir / "tables"), status["trace"]["store"]

@@ -191,6 +191,11 @@ pub const TORCH_TRACE: TableDef = TableDef {
         col("calls", Int64),
         col("duration_ms", Float64),
         col("gpu_ms", Float64),
+        // CUDA only: the caching allocator's allocated bytes after minus
+        // before, and the peak above the start (exact when the module set
+        // a new peak; torch's peak counter is never reset).
+        col("alloc_delta_mb", Float64),
+        col("peak_delta_mb", Float64),
     ],
 };
 

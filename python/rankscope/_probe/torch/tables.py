@@ -18,7 +18,7 @@ import collections
 from rankscope import _native
 
 COLUMNS = {
-    "torch_trace": ["ts", "step", "module", "module_type", "depth", "stage", "calls", "duration_ms", "gpu_ms"],
+    "torch_trace": ["ts", "step", "module", "module_type", "depth", "stage", "calls", "duration_ms", "gpu_ms", "alloc_delta_mb", "peak_delta_mb"],
     "torch_steps": [
         "ts",
         "step",

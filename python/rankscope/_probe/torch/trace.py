@@ -73,6 +73,9 @@ class _Slot:
         "bwd_end",
         "bwd_ns",
         "bwd_calls",
+        "mem_starts",
+        "alloc_delta",
+        "peak_delta",
         "start_hook",
         "end_hook",
     )
@@ -81,12 +84,15 @@ class _Slot:
         self.name, self.type, self.depth, self.rows, self.cuda = name, type_name, depth, rows, cuda
         self.starts: list = []
         self.open_events: list = []
+        self.mem_starts: list = []
         self.start_hook = self.end_hook = None
         self.reset()
 
     def reset(self):
         self.starts.clear()
         self.open_events.clear()
+        self.mem_starts.clear()
+        self.alloc_delta = self.peak_delta = 0
         self.fwd_ns = self.calls = self.bwd_ns = self.bwd_calls = 0
         self.events = []
         self.bwd_start = self.bwd_end = None
@@ -96,6 +102,26 @@ def _cuda_event():
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
+
+
+def _memory_start(slot):
+    # The caching allocator's counters: host-side reads, no device sync.
+    slot.mem_starts.append((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+
+
+def _memory_end(slot):
+    """Allocated and peak deltas of one call. torch's peak counter is never
+    reset (a program that logs it would see the reset), so the peak is exact
+    when the call set a new one, and otherwise the most the counters can show:
+    what the call left allocated above its start."""
+    if not slot.mem_starts:
+        return
+    allocated, peak = slot.mem_starts.pop()
+    now, now_peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    slot.alloc_delta += now - allocated
+    rise = now_peak - allocated if now_peak > peak else now - allocated
+    if rise > slot.peak_delta:
+        slot.peak_delta = rise
 
 
 def _gpu_ms(pairs):
@@ -527,14 +553,16 @@ class Tracer:
             if not slot.rows:
                 continue
             if slot.calls:
-                row = [wall, step, slot.name, slot.type, slot.depth, "forward", slot.calls, _ms(slot.fwd_ns), None]
+                row = [wall, step, slot.name, slot.type, slot.depth, "forward", slot.calls, _ms(slot.fwd_ns), None, None, None]
+                if slot.cuda:
+                    row[9], row[10] = slot.alloc_delta / 2**20, slot.peak_delta / 2**20
                 if slot.events:
                     tables.append("torch_trace", row, [(8, _gpu_ms(slot.events))])
                 else:
                     whole.append(row)
             if slot.bwd_calls:
                 # GPU time of backward is not measured (hooks run on autograd's threads).
-                whole.append([wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None])
+                whole.append([wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None, None, None])
         tables.extend("torch_trace", whole)
 
     # ---- module hooks, around sampled steps only
@@ -583,6 +611,7 @@ class Tracer:
                         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                             tensor.register_hook(slot.end_hook)
                 if cuda:
+                    _memory_start(slot)
                     slot.open_events.append(_cuda_event())
             except Exception as exc:  # noqa: BLE001
                 tracer._fail(f"the forward pre-hook of {slot.name}", exc)
@@ -595,6 +624,7 @@ class Tracer:
                     slot.calls += 1
                 if cuda and slot.open_events:
                     slot.events.append((slot.open_events.pop(), _cuda_event()))
+                    _memory_end(slot)
                 if is_root:
                     loss = _scalar_loss(output)
                     if loss is not None:
