@@ -130,6 +130,31 @@ def ask(proc, line) -> object:
     return json.loads(answer)
 
 
+def overhead_table(times: dict, base_mode: str, targets: dict) -> None:
+    """Prints each mode against `base_mode`, from rounds of `[wall, thread
+    CPU]` seconds per step, one per mode per round, taken alternately. The
+    figure judged is the median of the per-round paired ratios of thread
+    CPU time (the hooks run on the timed thread; waiting for a core, this
+    machine's noise, is left out); wall-clock figures are printed beside."""
+    base = times[base_mode]
+
+    def paired(mode, i):
+        return (statistics.median(t[i] / b[i] for t, b in zip(times[mode], base)) - 1) * 100
+
+    print(f"{base_mode:22s} {statistics.median(b[1] for b in base) * 1e3:8.3f} ms/step thread CPU "
+          f"(median round; wall {statistics.median(b[0] for b in base) * 1e3:.3f})")
+    for mode in times:
+        if mode == base_mode:
+            continue
+        cpu = paired(mode, 1)
+        us = (statistics.median(t[1] - b[1] for t, b in zip(times[mode], base))) * 1e6
+        best_wall = (min(t[0] for t in times[mode]) / min(b[0] for b in base) - 1) * 100
+        target = targets.get(mode)
+        verdict = "" if target is None else (f"  target <= {target} %: " + ("met" if cpu <= target else "NOT met"))
+        print(f"{mode:22s} {cpu:+6.2f} % thread CPU ({us:+6.1f} us/step; wall: paired median {paired(mode, 0):+6.2f} %, "
+              f"best rounds {best_wall:+6.2f} %){verdict}")
+
+
 def probe_cli(rankscope: str, pids, env: dict[str, str]):
     """`cli(*words)`: `rankscope PID *words` for each of `pids`; a failure is a BenchError."""
 

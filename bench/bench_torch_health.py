@@ -7,14 +7,14 @@ CPU, one torch thread) trains in a target with the probe on. Rounds
 alternate between the modes, each switched through the installed CLI
 (`rankscope PID torch nan on|off`, `torch grads --every 10|off`, and
 `eval "torch.autograd.set_detect_anomaly(True|False)"`), and time --steps
-steps each. A mode's figure is its best round against the best round with
-nothing on (other processes on a shared machine only add time); the median
-of the paired ratios is printed beside it.
+steps each, timed by the wall clock and by the training thread's CPU time;
+a mode's figure is the median of its paired ratios against nothing on in
+the same round (see bench_torch_trace.py).
 
 Targets (from the issue): NaN watch armed <= 1 %; grads --every 10 <= 1 %;
 detect_anomaly: reported, for comparison.
 
-    .venv/bin/python bench/bench_torch_health.py [--width 256] [--layers 4] [--rounds 20] [--steps 50]
+    .venv/bin/python bench/bench_torch_health.py [--width 256] [--layers 4] [--rounds 40] [--steps 60]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import argparse
 import os
 import statistics
 
-from _common import ask, probe_cli, base_env, machine, private_dir, run_main, start_target, stop_target, tool
+from _common import ask, base_env, machine, overhead_table, private_dir, probe_cli, run_main, start_target, stop_target, tool
 from bench_torch_trace import TARGET  # the same model and loop
 
 OFF = [("torch", "nan", "off"), ("torch", "grads", "off"), ("eval", "torch.autograd.set_detect_anomaly(False)")]
@@ -39,8 +39,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     rankscope = tool("rankscope")
     endpoint = private_dir("rs-bench-health-")
@@ -51,7 +51,7 @@ def main() -> int:
     def measure(n):
         return ask(proc, n)
 
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    times: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
     try:
         for _ in range(args.rounds):
             for mode, requests in MODES.items():
@@ -67,19 +67,10 @@ def main() -> int:
     finally:
         stop_target(proc)
 
-    base = min(times["nothing on"])
     print(f"machine: {machine()}")
     print(f"MLP: {args.layers} x Linear({args.width}, {args.width}) + ReLU, batch 64, Adam, CPU, 1 thread; "
           f"{args.rounds} rounds x {args.steps} steps per mode, alternating")
-    targets = {"nan watch armed": 1.0, "grads --every 10": 1.0}
-    print(f"{'nothing on':20s} {base * 1e3:8.3f} ms/step (best round; median {statistics.median(times['nothing on']) * 1e3:.3f})")
-    for mode in list(MODES)[1:]:
-        best = min(times[mode])
-        overhead = (best / base - 1) * 100
-        paired = (statistics.median(t / b for t, b in zip(times[mode], times["nothing on"])) - 1) * 100
-        target = targets.get(mode)
-        verdict = "" if target is None else (f"  target <= {target} %: " + ("met" if overhead <= target else "NOT met"))
-        print(f"{mode:20s} {best * 1e3:8.3f} ms/step  {overhead:+6.2f} % ({(best - base) * 1e6:+6.1f} us/step; paired median {paired:+6.2f} %){verdict}")
+    overhead_table(times, "nothing on", {"nan watch armed": 1.0, "grads --every 10": 1.0})
     return 0
 
 

@@ -19,6 +19,15 @@ mod store;
 
 use std::sync::{Arc, Mutex};
 
+/// The probe's own heap, apart from the program's. Its allocations are made
+/// on the program's threads (a torch row is built on the training thread);
+/// from glibc's heap they changed how it hands memory back and forth with
+/// torch's per-step tensors: one row a step cost the loop about 50 page
+/// faults and tens of microseconds (bench/bench_torch_trace.py). mimalloc
+/// keeps them in its own mapped segments.
+#[global_allocator]
+static PROBE_HEAP: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
