@@ -267,8 +267,10 @@ while True:
     target = spawn(python, source, env=env)
     run_dir = target.script.parent / "run"
     deadline = time.monotonic() + 30
+    # Until a row taken after the 200 MB were filled in is on disk (the first
+    # sample may come while they are still being written).
     while not list((run_dir / "tables" / "memory").glob("*.arrows")) or target.pid not in [
-        r["pid"] for r in json.loads(cli("query", "--run", run_dir, "SELECT DISTINCT pid FROM python.memory", "--format", "json").stdout or "[]")
+        r["pid"] for r in json.loads(cli("query", "--run", run_dir, "SELECT DISTINCT pid FROM python.memory WHERE rss_mb > 200", "--format", "json").stdout or "[]")
     ]:
         assert time.monotonic() < deadline, "no memory row reached the disk"
         time.sleep(0.1)

@@ -13,6 +13,9 @@ use anyhow::Result;
 use py_spy::config::LockingStrategy;
 use py_spy::{Config, PythonSpy};
 use rankscope_core::protocol::{Frame, Local, ProcessMeta, StacksReply, ThreadStack};
+// The probe's own threads (one waiting for the GIL shows up as a Python
+// thread) are not the user's business.
+use rankscope_profile::is_probe_thread;
 
 use crate::hint::Hinted;
 
@@ -58,14 +61,6 @@ fn explain(pid: u32, err: anyhow::Error) -> anyhow::Error {
         "check that the process still runs",
     )
     .into()
-}
-
-/// The probe's own threads (one waiting for the GIL shows up as a Python
-/// thread) are not the user's business.
-fn is_probe_thread(pid: u32, tid: Option<u64>) -> bool {
-    let Some(tid) = tid else { return false };
-    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
-        .is_ok_and(|name| name.starts_with("rankscope-"))
 }
 
 /// Whether this build can unwind native stacks (py-spy's `unwind` feature,

@@ -177,7 +177,7 @@ fn eval_interruptibly(probe: &Probe, request: EvalRequest) -> Result<Option<Eval
     }
 }
 
-static SIGINT_SEEN: AtomicBool = AtomicBool::new(false);
+pub(crate) static SIGINT_SEEN: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_sigint(_: libc::c_int) {
     SIGINT_SEEN.store(true, Ordering::SeqCst);
@@ -186,12 +186,12 @@ extern "C" fn on_sigint(_: libc::c_int) {
 /// Catches SIGINT for the REPL's lifetime (rustyline swaps in its own handler
 /// during each `readline` and puts this one back), and restores the previous
 /// disposition when dropped.
-struct SigintCatcher {
+pub(crate) struct SigintCatcher {
     previous: libc::sigaction,
 }
 
 impl SigintCatcher {
-    fn install() -> SigintCatcher {
+    pub(crate) fn install() -> SigintCatcher {
         // SAFETY: sigaction with a handler that only stores to an atomic.
         unsafe {
             let mut action: libc::sigaction = std::mem::zeroed();

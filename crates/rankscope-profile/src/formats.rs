@@ -1,0 +1,448 @@
+//! The formats a profile is written in, chosen by the output's name:
+//! `.svg` (a flame graph, by inferno), `.speedscope.json` (speedscope),
+//! `.json` (Chrome's trace event format, which Perfetto opens), `.folded`
+//! (Brendan Gregg's folded stacks) and `.txt` (the top table).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Write;
+
+use serde_json::{json, Value};
+
+use crate::profile::{Profile, StackKey};
+use crate::ProfileError;
+
+/// What is appended to the innermost frame of an idle sample (sleeping, or
+/// waiting on a lock, I/O or a collective): idle time is kept by default,
+/// since a hang or a collective wait is what users look for.
+pub const IDLE: &str = " [idle]";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Svg,
+    Speedscope,
+    Chrome,
+    Folded,
+    Top,
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Format::Svg => "flame graph",
+            Format::Speedscope => "speedscope",
+            Format::Chrome => "Chrome trace",
+            Format::Folded => "folded stacks",
+            Format::Top => "top table",
+        })
+    }
+}
+
+impl Format {
+    pub fn of(path: &str) -> Result<Format, ProfileError> {
+        let lower = path.to_ascii_lowercase();
+        Ok(if lower.ends_with(".speedscope.json") {
+            Format::Speedscope
+        } else if lower.ends_with(".json") {
+            Format::Chrome
+        } else if lower.ends_with(".svg") {
+            Format::Svg
+        } else if lower.ends_with(".folded") || lower.ends_with(".collapsed") {
+            Format::Folded
+        } else if lower.ends_with(".txt") {
+            Format::Top
+        } else {
+            return Err(ProfileError::Format(path.to_string()));
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct WriteOptions {
+    /// Line numbers in frame names (`func (file.py:12)`), else `func (file.py)`.
+    pub lines: bool,
+    /// `rank;thread;` (or `pid;thread;`) before each folded stack.
+    pub prefix: bool,
+    /// Rows of the top table.
+    pub top: usize,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        WriteOptions {
+            lines: true,
+            prefix: true,
+            top: 20,
+        }
+    }
+}
+
+fn process_label(p: &Profile) -> String {
+    match p.rank {
+        Some(rank) => format!("rank {rank}"),
+        None => format!("pid {}", p.pid),
+    }
+}
+
+fn thread_label(p: &Profile, thread: usize) -> String {
+    let t = &p.threads[thread];
+    if t.name.is_empty() {
+        format!("thread {}", t.id)
+    } else {
+        format!("{} ({})", t.name, t.id)
+    }
+}
+
+/// A stack's frame labels, outermost first, the innermost marked when idle.
+fn labels(p: &Profile, key: &StackKey, lines: bool) -> Vec<String> {
+    let mut out: Vec<String> = p.stacks[key.stack]
+        .iter()
+        .map(|&f| p.frames[f].label(lines).replace(';', ":"))
+        .collect();
+    if key.idle {
+        match out.last_mut() {
+            Some(last) => last.push_str(IDLE),
+            None => out.push(IDLE.trim().to_string()),
+        }
+    }
+    out
+}
+
+pub fn folded(p: &Profile, options: &WriteOptions) -> String {
+    let mut out = String::new();
+    for (key, count) in p.sorted_counts() {
+        let mut parts = Vec::new();
+        if options.prefix {
+            parts.push(process_label(p));
+            parts.push(thread_label(p, key.thread).replace(';', ":"));
+        }
+        parts.extend(labels(p, &key, options.lines));
+        if parts.is_empty() {
+            continue;
+        }
+        out += &format!("{} {count}\n", parts.join(";"));
+    }
+    out
+}
+
+pub fn svg(p: &Profile, options: &WriteOptions) -> Result<Vec<u8>, ProfileError> {
+    let text = folded(p, options);
+    let mut flame = inferno::flamegraph::Options::default();
+    flame.title = format!(
+        "{}: {} samples, {:.1} s at {} Hz",
+        process_label(p),
+        p.total(),
+        p.duration_s,
+        p.rate_hz
+    );
+    flame.count_name = "samples".into();
+    let mut out = Vec::new();
+    inferno::flamegraph::from_lines(&mut flame, text.lines(), &mut out)
+        .map_err(|e| ProfileError::FlameGraph(e.to_string()))?;
+    Ok(out)
+}
+
+/// speedscope's file format: one sampled profile per thread, then one
+/// that merges them all, weighted in seconds.
+pub fn speedscope(p: &Profile, options: &WriteOptions) -> Value {
+    let mut frames: Vec<Value> = Vec::new();
+    let mut ids: HashMap<String, usize> = HashMap::new();
+    let mut frame_of = |label: String, file: &str, line: i64| -> usize {
+        *ids.entry(label.clone()).or_insert_with(|| {
+            frames.push(json!({"name": label, "file": file, "line": line}));
+            frames.len() - 1
+        })
+    };
+    let interval = 1.0 / p.rate_hz.max(0.001);
+    let mut per_thread: BTreeMap<usize, (Vec<Value>, Vec<f64>)> = BTreeMap::new();
+    let mut merged: (Vec<Value>, Vec<f64>) = (Vec::new(), Vec::new());
+    for (key, count) in p.sorted_counts() {
+        let names = labels(p, &key, options.lines);
+        let stack: Vec<usize> = names
+            .into_iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let at = p.stacks[key.stack].get(i).map(|&f| &p.frames[f]);
+                frame_of(
+                    name,
+                    at.map(|f| f.file.as_str()).unwrap_or(""),
+                    at.map(|f| f.line).unwrap_or(0),
+                )
+            })
+            .collect();
+        let weight = count as f64 * interval;
+        let entry = per_thread.entry(key.thread).or_default();
+        entry.0.push(json!(stack));
+        entry.1.push(weight);
+        merged.0.push(json!(stack));
+        merged.1.push(weight);
+    }
+    let profile = |name: String, (samples, weights): (Vec<Value>, Vec<f64>)| {
+        let end: f64 = weights.iter().sum();
+        json!({"type": "sampled", "name": name, "unit": "seconds", "startValue": 0.0, "endValue": end, "samples": samples, "weights": weights})
+    };
+    let mut profiles: Vec<Value> = per_thread
+        .into_iter()
+        .map(|(thread, data)| {
+            profile(
+                format!("{} · {}", process_label(p), thread_label(p, thread)),
+                data,
+            )
+        })
+        .collect();
+    profiles.push(profile(
+        format!("{} · all threads", process_label(p)),
+        merged,
+    ));
+    json!({
+        "$schema": "https://www.speedscope.app/file-format-schema.json",
+        "shared": {"frames": frames},
+        "profiles": profiles,
+        "name": format!("rankscope profile of {}", process_label(p)),
+        "activeProfileIndex": 0,
+        "exporter": concat!("rankscope ", env!("CARGO_PKG_VERSION")),
+    })
+}
+
+/// Chrome's trace event format (Perfetto opens it): a process named after
+/// the rank or pid, a lane per thread, and a complete event ("X") per frame
+/// for each run of samples in which that frame stayed on the stack.
+pub fn chrome(p: &Profile, options: &WriteOptions) -> Value {
+    let pid = p.pid;
+    let mut events = vec![
+        json!({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": match p.rank {
+            Some(rank) => format!("rank {rank} (pid {pid})"),
+            None => format!("pid {pid}"),
+        }}}),
+    ];
+    for (i, t) in p.threads.iter().enumerate() {
+        events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": t.id, "args": {"name": thread_label(p, i)}}));
+    }
+    let origin_us = p.started_at * 1e6;
+    let gap = 1.5 / p.rate_hz.max(0.001);
+    let mut by_thread: BTreeMap<usize, Vec<&crate::profile::Slice>> = BTreeMap::new();
+    for s in &p.slices {
+        by_thread.entry(s.thread).or_default().push(s);
+    }
+    for (thread, mut slices) in by_thread {
+        slices.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+        let tid = p.threads[thread].id;
+        // (label, start in seconds) of the frames open now, outermost first.
+        let mut open: Vec<(String, f64)> = Vec::new();
+        let mut last_end = 0.0;
+        let close =
+            |open: &mut Vec<(String, f64)>, keep: usize, at: f64, events: &mut Vec<Value>| {
+                while open.len() > keep {
+                    let (name, start) = open.pop().expect("non-empty");
+                    events.push(
+                        json!({"ph": "X", "name": name, "cat": "python", "pid": pid, "tid": tid,
+                    "ts": origin_us + start * 1e6, "dur": (at - start).max(0.0) * 1e6}),
+                    );
+                }
+            };
+        for s in slices {
+            if s.start_s - last_end > gap {
+                close(&mut open, 0, last_end, &mut events);
+            }
+            let key = StackKey {
+                thread,
+                stack: s.stack,
+                idle: s.idle,
+                gil: s.gil,
+            };
+            let names = labels(p, &key, options.lines);
+            let common = open
+                .iter()
+                .zip(&names)
+                .take_while(|((a, _), b)| a == *b)
+                .count();
+            close(&mut open, common, s.start_s, &mut events);
+            for name in names.into_iter().skip(common) {
+                open.push((name, s.start_s));
+            }
+            last_end = s.end_s;
+        }
+        close(&mut open, 0, last_end, &mut events);
+    }
+    json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"exporter": "rankscope", "pid": pid, "rate_hz": p.rate_hz}})
+}
+
+/// The terminal's view: per function, the share of samples in which it was
+/// running itself (self) and on the stack at all (total).
+pub fn top(p: &Profile, options: &WriteOptions) -> String {
+    let total = p.total();
+    let idle: u64 = p
+        .counts
+        .iter()
+        .filter(|(k, _)| k.idle)
+        .map(|(_, c)| c)
+        .sum();
+    let mut own: HashMap<String, u64> = HashMap::new();
+    let mut inside: HashMap<String, u64> = HashMap::new();
+    for (key, count) in &p.counts {
+        let stack = &p.stacks[key.stack];
+        let mut seen = HashSet::new();
+        for &f in stack {
+            let name = p.frames[f].label(false);
+            if seen.insert(name.clone()) {
+                *inside.entry(name).or_default() += count;
+            }
+        }
+        if let Some(&leaf) = stack.last() {
+            let mut name = p.frames[leaf].label(false);
+            if key.idle {
+                name.push_str(IDLE);
+            }
+            *own.entry(name).or_default() += count;
+        }
+    }
+    let mut rows: Vec<(String, u64)> = own.into_iter().collect();
+    rows.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let pct = |n: u64| {
+        if total == 0 {
+            0.0
+        } else {
+            n as f64 * 100.0 / total as f64
+        }
+    };
+    let mut out = format!(
+        "{}: {total} samples of {} threads over {:.1} s at {} Hz ({} idle{}{})\n",
+        process_label(p),
+        p.threads.len(),
+        p.duration_s,
+        p.rate_hz,
+        idle,
+        if p.missed > 0 {
+            format!(", {} ticks missed", p.missed)
+        } else {
+            String::new()
+        },
+        if p.errors > 0 {
+            format!(", {} failed reads", p.errors)
+        } else {
+            String::new()
+        },
+    );
+    out += &format!("{:>7} {:>7}  function\n", "self%", "total%");
+    for (name, count) in rows.into_iter().take(options.top) {
+        let base = name.strip_suffix(IDLE).unwrap_or(&name);
+        let total_count = inside.get(base).copied().unwrap_or(count);
+        out += &format!("{:>6.1}% {:>6.1}%  {name}\n", pct(count), pct(total_count));
+    }
+    out
+}
+
+/// Writes `p` to `path` in the format its name says.
+pub fn write(p: &Profile, path: &str, options: &WriteOptions) -> Result<Format, ProfileError> {
+    let format = Format::of(path)?;
+    let bytes = match format {
+        Format::Svg => svg(p, options)?,
+        Format::Speedscope => serde_json::to_vec(&speedscope(p, options)).expect("JSON"),
+        Format::Chrome => serde_json::to_vec(&chrome(p, options)).expect("JSON"),
+        Format::Folded => folded(p, options).into_bytes(),
+        Format::Top => top(p, options).into_bytes(),
+    };
+    let fail = |source| ProfileError::Write {
+        path: path.to_string(),
+        source,
+    };
+    let mut file = std::fs::File::create(path).map_err(fail)?;
+    file.write_all(&bytes).map_err(fail)?;
+    Ok(format)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::FrameKey;
+
+    fn sample_profile() -> Profile {
+        let mut p = Profile::new(42, 100.0, 1000.0);
+        let t = p.thread(42, "MainThread");
+        let w = p.thread(43, "worker");
+        let f = |p: &mut Profile, n: &str, l| {
+            p.frame(FrameKey {
+                func: n.into(),
+                file: "/job/train.py".into(),
+                line: l,
+            })
+        };
+        let (main, hot, nap) = (
+            f(&mut p, "main", 10),
+            f(&mut p, "hot", 3),
+            f(&mut p, "sleep", 0),
+        );
+        for i in 0..8 {
+            p.add(t, vec![main, hot], false, true, i as f64 * 0.01);
+            p.add(w, vec![nap], true, false, i as f64 * 0.01);
+        }
+        p.add(t, vec![main], false, true, 0.08);
+        p.finish(0.09);
+        p
+    }
+
+    #[test]
+    fn folded_lines_carry_the_prefix_and_the_idle_mark() {
+        let text = folded(&sample_profile(), &WriteOptions::default());
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0],
+            "pid 42;MainThread (42);main (train.py:10);hot (train.py:3) 8"
+        );
+        assert!(
+            lines.contains(&"pid 42;worker (43);sleep (train.py) [idle] 8"),
+            "{lines:?}"
+        );
+        let bare = folded(
+            &sample_profile(),
+            &WriteOptions {
+                prefix: false,
+                ..WriteOptions::default()
+            },
+        );
+        assert!(
+            bare.starts_with("main (train.py:10);hot (train.py:3) 8\n"),
+            "{bare}"
+        );
+    }
+
+    #[test]
+    fn top_counts_self_and_total() {
+        let text = top(&sample_profile(), &WriteOptions::default());
+        assert!(text.contains("  47.1%   47.1%  hot (train.py)"), "{text}");
+        assert!(
+            text.contains("  47.1%   47.1%  sleep (train.py) [idle]"),
+            "{text}"
+        );
+        assert!(text.contains("   5.9%   52.9%  main (train.py)"), "{text}");
+    }
+
+    #[test]
+    fn chrome_nests_frames_and_speedscope_has_a_merged_profile() {
+        let p = sample_profile();
+        let trace = chrome(&p, &WriteOptions::default());
+        let events = trace["traceEvents"].as_array().unwrap();
+        let main = events
+            .iter()
+            .find(|e| e["name"] == "main (train.py:10)")
+            .unwrap();
+        let hot = events
+            .iter()
+            .find(|e| e["name"] == "hot (train.py:3)")
+            .unwrap();
+        assert!(
+            (main["dur"].as_f64().unwrap() - 90_000.0).abs() < 1.0,
+            "{main}"
+        );
+        assert!(
+            (hot["dur"].as_f64().unwrap() - 80_000.0).abs() < 1.0,
+            "{hot}"
+        );
+        assert_eq!(main["ts"], hot["ts"]);
+        let scope = speedscope(&p, &WriteOptions::default());
+        assert_eq!(scope["profiles"].as_array().unwrap().len(), 3);
+        assert_eq!(scope["profiles"][2]["samples"].as_array().unwrap().len(), 3);
+        assert!(svg(&p, &WriteOptions::default())
+            .unwrap()
+            .starts_with(b"<?xml"));
+    }
+}

@@ -1,0 +1,126 @@
+//! Reading a process's stacks at a fixed rate, from outside.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use py_spy::config::LockingStrategy;
+use py_spy::{Config, PythonSpy};
+
+use crate::profile::{FrameKey, Profile};
+use crate::ProfileError;
+
+#[derive(Debug, Clone)]
+pub struct SampleOptions {
+    pub rate_hz: f64,
+    pub duration: Duration,
+    /// Native frames too: py-spy pauses each thread to unwind it.
+    pub native: bool,
+    /// rankscope's own threads and frames stay in (they are left out otherwise).
+    pub all_frames: bool,
+}
+
+/// rankscope's own threads (the probe's server, its store and sampler)
+/// are named `rankscope-*`; they are not the user's program.
+pub fn is_probe_thread(pid: u32, tid: Option<u64>) -> bool {
+    let Some(tid) = tid else { return false };
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .is_ok_and(|name| name.starts_with("rankscope-"))
+}
+
+fn is_own_frame(file: &str) -> bool {
+    file.contains("/rankscope/_probe/")
+}
+
+/// Samples `pid` until `options.duration` has passed, `stop` is set, or the
+/// process is gone; `progress(ticks, elapsed)` is called about five times a
+/// second.
+pub fn sample(
+    pid: u32,
+    options: &SampleOptions,
+    stop: &AtomicBool,
+    mut progress: impl FnMut(u64, f64),
+) -> Result<Profile, ProfileError> {
+    let config = Config {
+        native: options.native,
+        // Non-blocking: the target never stops for a sample (a read may
+        // see a stack that changes under it, rarely: such a read fails or
+        // is slightly off, and is counted as it is).
+        blocking: if options.native {
+            LockingStrategy::Lock
+        } else {
+            LockingStrategy::NonBlocking
+        },
+        include_idle: true,
+        collect_thread_names: true,
+        full_filenames: true,
+        ..Config::default()
+    };
+    let mut spy = PythonSpy::new(pid as py_spy::Pid, &config).map_err(|e| ProfileError::Read {
+        pid,
+        message: format!("{e:#}"),
+    })?;
+    let wall = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    let mut profile = Profile::new(pid, options.rate_hz, wall);
+    let interval = Duration::from_secs_f64(1.0 / options.rate_hz.max(0.001));
+    let start = Instant::now();
+    let mut next = start;
+    let mut last_progress = start;
+    let mut names_read = std::collections::HashSet::new();
+    while start.elapsed() < options.duration && !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+        } else if now - next > interval {
+            // Reads fell behind: those ticks are not taken, and said so.
+            let behind = ((now - next).as_secs_f64() / interval.as_secs_f64()) as u64;
+            profile.missed += behind;
+            next += interval * behind as u32;
+        }
+        next += interval;
+        let at = start.elapsed().as_secs_f64();
+        match spy.get_stack_traces() {
+            Ok(traces) => {
+                profile.ticks += 1;
+                for trace in traces {
+                    if !options.all_frames && is_probe_thread(pid, trace.os_thread_id) {
+                        continue;
+                    }
+                    let name = trace.thread_name.clone().unwrap_or_default();
+                    let thread =
+                        profile.thread(trace.os_thread_id.unwrap_or(trace.thread_id), &name);
+                    if !name.is_empty() {
+                        names_read.insert(thread);
+                    }
+                    let frames: Vec<usize> = trace
+                        .frames
+                        .iter()
+                        .rev()
+                        .filter(|f| {
+                            options.all_frames || f.module.is_some() || !is_own_frame(&f.filename)
+                        })
+                        .map(|f| {
+                            profile.frame(FrameKey {
+                                func: f.name.clone(),
+                                file: f.filename.clone(),
+                                line: i64::from(f.line),
+                            })
+                        })
+                        .collect();
+                    profile.add(thread, frames, !trace.active, trace.owns_gil, at);
+                }
+            }
+            Err(_) if !std::path::Path::new(&format!("/proc/{pid}")).exists() => break,
+            Err(_) => profile.errors += 1,
+        }
+        if last_progress.elapsed() >= Duration::from_millis(200) {
+            progress(profile.ticks, start.elapsed().as_secs_f64());
+            last_progress = Instant::now();
+        }
+    }
+    profile.finish(start.elapsed().as_secs_f64());
+    progress(profile.ticks, profile.duration_s);
+    Ok(profile)
+}

@@ -1,0 +1,153 @@
+"""`rankscope PID profile`: a live process sampled from outside for a while,
+written as a flame graph (SVG), speedscope, a Chrome/Perfetto trace, folded
+stacks and a top table; each output parsed back and checked for what a user
+looks for: the hot function, the idle thread, a thread stuck holding the
+GIL, and a process with no probe at all."""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+
+WORKLOAD = """
+import re, sys, threading, time
+
+def burn(n):
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+def napper():
+    while True:
+        time.sleep(0.05)
+
+def stuck():
+    # A regular expression that backtracks for minutes: one C call that
+    # holds the GIL the whole time.
+    re.match(r"(a+)+$", "a" * 40 + "b")
+
+threading.Thread(target=napper, name="napper", daemon=True).start()
+print("READY", flush=True)
+if "--stuck" in sys.argv:
+    threading.Thread(target=stuck, name="stuck", daemon=True).start()
+while True:
+    burn(20000)
+"""
+
+
+def profile(cli, pid, *args, timeout=60):
+    result = cli(pid, "profile", "--duration", "1.5", *args, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def folded_counts(path) -> dict[str, int]:
+    counts = {}
+    for line in path.read_text().splitlines():
+        stack, count = line.rsplit(" ", 1)
+        counts[stack] = int(count)
+    return counts
+
+
+def test_the_hot_function_dominates_in_every_format(python, spawn, cli, tmp_path):
+    target = spawn(python, WORKLOAD)
+    out = tmp_path / "p.folded"
+    done = profile(cli, target.pid, "-o", out)
+    assert re.search(r"wrote .*p\.folded \(folded stacks\): \d+ samples over 1\.\d s", done.stdout), done.stdout
+    counts = folded_counts(out)
+    main = {s: c for s, c in counts.items() if s.startswith(f"pid {target.pid};MainThread ({target.pid});")}
+    hot = sum(c for s, c in main.items() if ";burn (script.py:" in s or "burn (" in s.rsplit(";", 1)[-1])
+    assert sum(main.values()) >= 20 and hot / sum(main.values()) > 0.8, main
+    napping = {s: c for s, c in counts.items() if ";napper (" in s}
+    # Between two sleeps it runs Python for a moment: most samples, not all, are idle.
+    idle = sum(c for s, c in napping.items() if s.endswith(" [idle]"))
+    assert napping and idle / sum(napping.values()) > 0.8, napping
+    assert not any("rankscope-" in s or "/_probe/" in s for s in counts), "the probe's own threads and frames are left out"
+
+    bare = tmp_path / "bare.folded"
+    profile(cli, target.pid, "-o", bare, "--no-prefix", "--no-lines", "--no-idle")
+    lines = bare.read_text().splitlines()
+    assert lines and not any(line.startswith("pid ") or "[idle]" in line for line in lines), lines[:5]
+    assert any(line.startswith("<module> (") and "burn (" in line and ":" not in line.split(" (")[1] for line in lines), lines[:5]
+
+    top = profile(cli, target.pid, "--top", "3").stdout
+    rows = top.splitlines()
+    assert re.match(rf"pid {target.pid}: \d+ samples of 2 threads over 1\.\d s at 100 Hz \(\d+ idle\)", rows[0]), top
+    assert rows[1].split() == ["self%", "total%", "function"], top
+    first = rows[2].split()
+    assert first[2:] == ["burn", f"({target.script.name})"] or first[2:4] == ["sleep", "(time)"] or "napper" in rows[2], top
+    assert 3 <= len(rows) <= 5, top  # --top 3: at most three functions
+
+    svg = tmp_path / "p.svg"
+    profile(cli, target.pid, "-o", svg)
+    root = ET.fromstring(svg.read_bytes())
+    assert root.tag.endswith("svg")
+    titles = [t.text or "" for t in root.iter() if t.tag.endswith("title")]
+    assert any(t.startswith("burn (") for t in titles), titles[:10]
+
+    scope = tmp_path / "p.speedscope.json"
+    profile(cli, target.pid, "-o", scope)
+    data = json.loads(scope.read_text())
+    assert data["$schema"] == "https://www.speedscope.app/file-format-schema.json"
+    frames = data["shared"]["frames"]
+    assert all(type(f["name"]) is str for f in frames)
+    names = [p["name"] for p in data["profiles"]]
+    assert names[-1] == f"pid {target.pid} · all threads" and any("MainThread" in n for n in names) and any("napper" in n for n in names), names
+    for p in data["profiles"]:
+        assert p["type"] == "sampled" and p["unit"] == "seconds" and len(p["samples"]) == len(p["weights"]) > 0
+        assert all(0 <= i < len(frames) for s in p["samples"] for i in s)
+        assert abs(p["endValue"] - sum(p["weights"])) < 1e-6
+
+    trace = tmp_path / "p.json"
+    profile(cli, target.pid, "-o", trace)
+    events = json.loads(trace.read_text())["traceEvents"]
+    meta = {(e["name"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert meta[("process_name", 0)] == f"pid {target.pid}", meta
+    assert meta[("thread_name", target.pid)] == f"MainThread ({target.pid})", meta
+    slices = [e for e in events if e["ph"] == "X"]
+    assert slices and all(e["dur"] >= 0 and e["pid"] == target.pid and isinstance(e["ts"], (int, float)) for e in slices)
+    burns = [e for e in slices if e["name"].startswith("burn (") and e["tid"] == target.pid]
+    outer = [e for e in slices if e["name"].startswith("<module> (") and e["tid"] == target.pid]
+    # Frames nest: the module's slices hold the calls made from it.
+    assert burns and outer and sum(e["dur"] for e in outer) >= sum(e["dur"] for e in burns) * 0.9
+
+
+def test_a_thread_holding_the_gil_in_c_is_still_profiled(python, spawn, cli, tmp_path):
+    target = spawn(python, WORKLOAD, args=["--stuck"])
+    out = tmp_path / "gil.folded"
+    profile(cli, target.pid, "-o", out, "--gil")
+    counts = folded_counts(out)
+    stuck = sum(c for s, c in counts.items() if ";stuck (" in s)
+    assert stuck >= 20 and stuck / sum(counts.values()) > 0.8, counts
+
+
+def test_a_process_without_a_probe_is_profiled(python, spawn, cli, tmp_path):
+    target = spawn(python, WORKLOAD, probe=False)
+    out = tmp_path / "bare.txt"
+    profile(cli, target.pid, "-o", out)
+    assert "burn (" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--duration", "0"], "--duration must be a positive number of seconds"),
+        (["--rate", "0"], "--rate must be between 1 and 10000"),
+        (["-o", "p.png"], "cannot tell the format of p.png"),
+        (["--idle", "--no-idle"], "--idle and --no-idle contradict each other"),
+    ],
+)
+def test_bad_arguments_get_one_line_and_a_hint(python, spawn, cli, args, message):
+    target = spawn(python, WORKLOAD)
+    result = cli(target.pid, "profile", *args)
+    assert result.returncode != 0
+    assert message in result.stderr and "hint:" in result.stderr, result.stderr
+
+
+def test_a_pid_that_is_not_python(cli):
+    result = cli("1", "profile", "--duration", "0.5")
+    assert result.returncode != 0 and "hint:" in result.stderr, result.stderr
