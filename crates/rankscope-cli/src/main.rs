@@ -458,38 +458,7 @@ pub enum Action {
         format: BtFormat,
     },
     /// Sample the process for a while (from outside: it never stops) and write a flame graph or trace; the format follows -o's extension
-    Profile {
-        /// Seconds to sample (Ctrl-C ends early and still writes)
-        #[arg(long, default_value_t = 10.0)]
-        duration: f64,
-        /// Samples a second
-        #[arg(long, default_value_t = 100.0)]
-        rate: f64,
-        /// Native (C, C++, Rust) frames too; pauses each thread briefly at every sample
-        #[arg(long)]
-        native: bool,
-        /// Only idle samples (sleeping, or waiting on a lock, I/O or a collective); by default they are kept and marked [idle]
-        #[arg(long)]
-        idle: bool,
-        /// Leave idle samples out
-        #[arg(long)]
-        no_idle: bool,
-        /// Only samples of threads holding the GIL
-        #[arg(long)]
-        gil: bool,
-        /// .svg (flame graph), .speedscope.json, .json (Chrome/Perfetto), .folded or .txt; without it, the top table
-        #[arg(long, short)]
-        output: Option<PathBuf>,
-        /// Folded stacks without the `pid;thread;` prefix
-        #[arg(long)]
-        no_prefix: bool,
-        /// Frames as function and file, without line numbers
-        #[arg(long)]
-        no_lines: bool,
-        /// Rows of the top table
-        #[arg(long, default_value_t = 20)]
-        top: usize,
-    },
+    Profile(commands::profile::ProfileArgs),
     /// Run SQL over the process's tables (SHOW TABLES lists them)
     Query {
         sql: String,

@@ -48,36 +48,12 @@ pub fn on_pid(pid: u32, action: Action) -> Result<u8> {
         let deadline = seconds(timeout.unwrap_or(PROBE_DEADLINE_S), "--timeout")?;
         return bt(pid, locals, native, all_frames, format, deadline);
     }
-    if let Action::Profile {
-        duration,
-        rate,
-        native,
-        idle,
-        no_idle,
-        gil,
-        output,
-        no_prefix,
-        no_lines,
-        top,
-    } = action
-    {
-        let args = profile::ProfileArgs {
-            duration,
-            rate,
-            native,
-            idle,
-            no_idle,
-            gil,
-            output,
-            no_prefix,
-            no_lines,
-            top,
-        };
+    if let Action::Profile(args) = action {
         return profile::run(pid, args);
     }
     let probe = Probe::locate(pid)?;
     match action {
-        Action::Bt { .. } | Action::Profile { .. } => unreachable!("handled above"),
+        Action::Bt { .. } | Action::Profile(_) => unreachable!("handled above"),
         Action::Eval {
             code,
             file,

@@ -16,16 +16,37 @@ use crate::client::Probe;
 use crate::hint::Hinted;
 use crate::outside;
 
+#[derive(clap::Args)]
 pub struct ProfileArgs {
+    /// Seconds to sample (Ctrl-C ends early and still writes)
+    #[arg(long, default_value_t = 10.0)]
     pub duration: f64,
+    /// Samples a second
+    #[arg(long, default_value_t = 100.0)]
     pub rate: f64,
+    /// Native (C, C++, Rust) frames too; pauses each thread briefly at every sample
+    #[arg(long)]
     pub native: bool,
+    /// Only idle samples (sleeping, or waiting on a lock, I/O or a collective); by default they are kept and marked [idle]
+    #[arg(long)]
     pub idle: bool,
+    /// Leave idle samples out
+    #[arg(long)]
     pub no_idle: bool,
+    /// Only samples of threads holding the GIL
+    #[arg(long)]
     pub gil: bool,
+    /// .svg (flame graph), .speedscope.json, .json (Chrome/Perfetto), .folded or .txt; without it, the top table
+    #[arg(long, short)]
     pub output: Option<PathBuf>,
+    /// Folded stacks without the `pid;thread;` prefix
+    #[arg(long)]
     pub no_prefix: bool,
+    /// Frames as function and file, without line numbers
+    #[arg(long)]
     pub no_lines: bool,
+    /// Rows of the top table
+    #[arg(long, default_value_t = 20)]
     pub top: usize,
 }
 
