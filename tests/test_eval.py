@@ -1,5 +1,7 @@
 """Eval and repl: code runs in the target's __main__, output comes back here."""
 
+import threading
+
 from conftest import query_json  # noqa: F401
 
 COUNTER = """
@@ -84,3 +86,39 @@ def test_repl_keeps_state_and_accepts_multiline_blocks(python, spawn, cli):
     assert result.returncode == 0, result.stderr
     assert "60\n" in result.stdout
     assert "256\n" in result.stdout
+
+
+PRINTER = """
+import os
+print("READY", flush=True)
+n = 0
+while True:
+    n += 1
+    if n % 500 == 0:
+        os.path.exists("/nonexistent")  # lets the GIL go, as file I/O does
+    if n % 5000 == 0:
+        print("tick", n, flush=True)
+"""
+
+
+def test_evals_that_end_while_the_program_prints_leave_it_running(python, spawn, cli):
+    """GIVEN a busy program that prints all the time from its main thread,
+    WHEN evals that print start and end over and over,
+    THEN the program keeps running and its own output stays its own.
+    print() holds a borrowed reference to sys.stdout while it writes: the
+    stream the probe puts there for an eval's capture must outlive the eval
+    (it did not, and the program segfaulted within a few evals)."""
+    target = spawn(python, PRINTER)
+    printed: list[bytes] = []
+    drain = threading.Thread(target=lambda: printed.extend(iter(target.proc.stdout.readline, b"")), daemon=True)
+    drain.start()
+    for i in range(20):
+        result = cli(target.pid, "eval", f"print('eval {i}'); sum(range(2_000_000))")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == f"eval {i}\n1999999000000\n", result.stdout
+        assert target.proc.poll() is None, f"the program died (exit {target.proc.returncode}) after eval {i}"
+    target.proc.kill()
+    drain.join(timeout=10)
+    lines = [line.decode(errors="replace").rstrip("\n") for line in printed]
+    assert len(lines) > 10, lines
+    assert all(line.startswith("tick ") for line in lines), [x for x in lines if not x.startswith("tick ")][:5]

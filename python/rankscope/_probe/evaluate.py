@@ -48,6 +48,12 @@ class _Router:
 
 
 _captures: dict[int, tuple[io.StringIO, io.StringIO]] = {}
+# Every router ever installed, kept for the life of the process: print()
+# holds a borrowed reference to sys.stdout while its write may release the
+# GIL, so a router dropped when an eval ends could be freed under another
+# thread's print (a segfault, seen on 3.11). One per stream, so this stays
+# small however many evals run.
+_routers: list[_Router] = []
 # _thread, not threading: a probe thread must not be the first to import
 # threading (see mainthread.py).
 _capture_lock = _thread.allocate_lock()
@@ -60,10 +66,19 @@ def _begin_capture() -> tuple[io.StringIO, io.StringIO]:
     with _capture_lock:
         if not _captures:
             _saved_streams = (sys.stdout, sys.stderr)
-            sys.stdout = _Router(sys.stdout, 0)
-            sys.stderr = _Router(sys.stderr, 1)
+            sys.stdout = _router_for(sys.stdout, 0)
+            sys.stderr = _router_for(sys.stderr, 1)
         _captures[_thread.get_ident()] = buffers
     return buffers
+
+
+def _router_for(original, index: int) -> _Router:
+    for router in _routers:
+        if router._original is original and router._index == index:
+            return router
+    router = _Router(original, index)
+    _routers.append(router)
+    return router
 
 
 def _end_capture() -> None:
@@ -72,9 +87,9 @@ def _end_capture() -> None:
         _captures.pop(_thread.get_ident(), None)
         if not _captures and _saved_streams is not None:
             # Put the originals back unless the eval replaced the streams itself.
-            if isinstance(sys.stdout, _Router):
+            if type(sys.stdout) is _Router:
                 sys.stdout = _saved_streams[0]
-            if isinstance(sys.stderr, _Router):
+            if type(sys.stderr) is _Router:
                 sys.stderr = _saved_streams[1]
             _saved_streams = None
 
