@@ -262,3 +262,25 @@ def bare_venvs(tmp_path_factory):
         return made[python]
 
     return _bare
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser():
+    """A headless Chromium driven by selenium (Debian's chromium and
+    chromium-driver); the test skips where they are missing."""
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        pytest.skip("Debian's chromium and chromium-driver are not installed")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()

@@ -1,8 +1,6 @@
 """RANKSCOPE_ON_ERROR=web: the crashed rank's page, driven in a real headless
 Chromium (Debian's chromium and chromium-driver, through selenium)."""
 
-import os
-import shutil
 import socket
 import subprocess
 import urllib.error
@@ -13,30 +11,10 @@ import pytest
 from test_crashes import CRASH
 from test_postmortem import start_crashing, wait_for_stderr
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def browser():
-    webdriver = pytest.importorskip("selenium.webdriver")
-    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-        pytest.skip("Debian's chromium and chromium-driver are not installed")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
 
 
 def test_the_web_page_shows_the_stack_and_runs_pdb(default_python, endpoint_dir, tmp_path, browser):

@@ -257,6 +257,17 @@ enum ClusterAction {
         #[arg(long, value_enum, default_value = "text", global = true)]
         format: BtFormat,
     },
+    /// Sample every rank at once from outside, without stopping them: a flame graph of all ranks merged (each frame names the ranks it was seen on), a Chrome trace with a process per rank, or one rank against the others (--diff)
+    Profile {
+        /// Only these ranks (e.g. 0-7)
+        #[arg(long)]
+        ranks: Option<String>,
+        /// This rank against the median of the others: a differential flame graph (.svg), folded before/after counts (.folded), or a table
+        #[arg(long)]
+        diff: Option<i64>,
+        #[command(flatten)]
+        args: commands::profile::ProfileArgs,
+    },
     /// SQL over the tables of every rank, as one table with a rank column
     Query {
         sql: String,
@@ -527,6 +538,9 @@ fn run_cluster(
             format,
             all_frames,
         } => cluster::query(job, run, ranks.as_deref(), &sql, format, all_frames),
+        ClusterAction::Profile { ranks, diff, args } => {
+            commands::profile::cluster(job, run, ranks.as_deref(), diff, args)
+        }
     }
 }
 

@@ -8,6 +8,7 @@ pub mod host;
 pub mod http;
 pub mod paths;
 pub mod protocol;
+pub mod ranks;
 pub mod secrets;
 pub mod tables;
 

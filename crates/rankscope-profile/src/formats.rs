@@ -76,14 +76,14 @@ impl Default for WriteOptions {
     }
 }
 
-fn process_label(p: &Profile) -> String {
+pub(crate) fn process_label(p: &Profile) -> String {
     match p.rank {
         Some(rank) => format!("rank {rank}"),
         None => format!("pid {}", p.pid),
     }
 }
 
-fn thread_label(p: &Profile, thread: usize) -> String {
+pub(crate) fn thread_label(p: &Profile, thread: usize) -> String {
     let t = &p.threads[thread];
     if t.name.is_empty() {
         format!("thread {}", t.id)
@@ -93,7 +93,7 @@ fn thread_label(p: &Profile, thread: usize) -> String {
 }
 
 /// A stack's frame labels, outermost first, the innermost marked when idle.
-fn labels(p: &Profile, key: &StackKey, lines: bool) -> Vec<String> {
+pub(crate) fn labels(p: &Profile, key: &StackKey, lines: bool) -> Vec<String> {
     let mut out: Vec<String> = p.stacks[key.stack]
         .iter()
         .map(|&f| p.frames[f].label(lines).replace(';', ":"))
@@ -125,18 +125,29 @@ pub fn folded(p: &Profile, options: &WriteOptions) -> String {
 }
 
 pub fn svg(p: &Profile, options: &WriteOptions) -> Result<Vec<u8>, ProfileError> {
-    let text = folded(p, options);
-    let mut flame = inferno::flamegraph::Options::default();
-    flame.title = format!(
+    let title = format!(
         "{}: {} samples, {:.1} s at {} Hz",
         process_label(p),
         p.total(),
         p.duration_s,
         p.rate_hz
     );
+    flame_graph(&folded(p, options), title, None)
+}
+
+/// An SVG flame graph of folded lines (`stack count`, or `stack before
+/// after` for a differential one).
+pub(crate) fn flame_graph(
+    folded: &str,
+    title: String,
+    subtitle: Option<String>,
+) -> Result<Vec<u8>, ProfileError> {
+    let mut flame = inferno::flamegraph::Options::default();
+    flame.title = title;
+    flame.subtitle = subtitle;
     flame.count_name = "samples".into();
     let mut out = Vec::new();
-    inferno::flamegraph::from_lines(&mut flame, text.lines(), &mut out)
+    inferno::flamegraph::from_lines(&mut flame, folded.lines(), &mut out)
         .map_err(|e| ProfileError::FlameGraph(e.to_string()))?;
     Ok(out)
 }
@@ -144,6 +155,12 @@ pub fn svg(p: &Profile, options: &WriteOptions) -> Result<Vec<u8>, ProfileError>
 /// speedscope's file format: one sampled profile per thread, then one
 /// that merges them all, weighted in seconds.
 pub fn speedscope(p: &Profile, options: &WriteOptions) -> Value {
+    speedscope_of(&[p], &process_label(p), options)
+}
+
+/// The same for several processes (a job's ranks): a profile per process
+/// and thread, then one that merges every process and thread.
+pub(crate) fn speedscope_of(ps: &[&Profile], name: &str, options: &WriteOptions) -> Value {
     let mut frames: Vec<Value> = Vec::new();
     let mut ids: HashMap<String, usize> = HashMap::new();
     let mut frame_of = |label: String, file: &str, line: i64| -> usize {
@@ -152,29 +169,31 @@ pub fn speedscope(p: &Profile, options: &WriteOptions) -> Value {
             frames.len() - 1
         })
     };
-    let interval = 1.0 / p.rate_hz.max(0.001);
-    let mut per_thread: BTreeMap<usize, (Vec<Value>, Vec<f64>)> = BTreeMap::new();
+    let mut per_thread: BTreeMap<(usize, usize), (Vec<Value>, Vec<f64>)> = BTreeMap::new();
     let mut merged: (Vec<Value>, Vec<f64>) = (Vec::new(), Vec::new());
-    for (key, count) in p.sorted_counts() {
-        let names = labels(p, &key, options.lines);
-        let stack: Vec<usize> = names
-            .into_iter()
-            .enumerate()
-            .map(|(i, name)| {
-                let at = p.stacks[key.stack].get(i).map(|&f| &p.frames[f]);
-                frame_of(
-                    name,
-                    at.map(|f| f.file.as_str()).unwrap_or(""),
-                    at.map(|f| f.line).unwrap_or(0),
-                )
-            })
-            .collect();
-        let weight = count as f64 * interval;
-        let entry = per_thread.entry(key.thread).or_default();
-        entry.0.push(json!(stack));
-        entry.1.push(weight);
-        merged.0.push(json!(stack));
-        merged.1.push(weight);
+    for (at, p) in ps.iter().enumerate() {
+        let interval = 1.0 / p.rate_hz.max(0.001);
+        for (key, count) in p.sorted_counts() {
+            let names = labels(p, &key, options.lines);
+            let stack: Vec<usize> = names
+                .into_iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    let frame = p.stacks[key.stack].get(i).map(|&f| &p.frames[f]);
+                    frame_of(
+                        name,
+                        frame.map(|f| f.file.as_str()).unwrap_or(""),
+                        frame.map(|f| f.line).unwrap_or(0),
+                    )
+                })
+                .collect();
+            let weight = count as f64 * interval;
+            let entry = per_thread.entry((at, key.thread)).or_default();
+            entry.0.push(json!(stack));
+            entry.1.push(weight);
+            merged.0.push(json!(stack));
+            merged.1.push(weight);
+        }
     }
     let profile = |name: String, (samples, weights): (Vec<Value>, Vec<f64>)| {
         let end: f64 = weights.iter().sum();
@@ -182,22 +201,25 @@ pub fn speedscope(p: &Profile, options: &WriteOptions) -> Value {
     };
     let mut profiles: Vec<Value> = per_thread
         .into_iter()
-        .map(|(thread, data)| {
+        .map(|((at, thread), data)| {
+            let p = ps[at];
             profile(
                 format!("{} · {}", process_label(p), thread_label(p, thread)),
                 data,
             )
         })
         .collect();
-    profiles.push(profile(
-        format!("{} · all threads", process_label(p)),
-        merged,
-    ));
+    let everything = if ps.len() > 1 {
+        format!("{name} · all ranks and threads")
+    } else {
+        format!("{name} · all threads")
+    };
+    profiles.push(profile(everything, merged));
     json!({
         "$schema": "https://www.speedscope.app/file-format-schema.json",
         "shared": {"frames": frames},
         "profiles": profiles,
-        "name": format!("rankscope profile of {}", process_label(p)),
+        "name": format!("rankscope profile of {name}"),
         "activeProfileIndex": 0,
         "exporter": concat!("rankscope ", env!("CARGO_PKG_VERSION")),
     })
@@ -207,13 +229,33 @@ pub fn speedscope(p: &Profile, options: &WriteOptions) -> Value {
 /// the rank or pid, a lane per thread, and a complete event ("X") per frame
 /// for each run of samples in which that frame stayed on the stack.
 pub fn chrome(p: &Profile, options: &WriteOptions) -> Value {
+    chrome_of(&[p], options)
+}
+
+/// The same for several processes (a job's ranks): a process each, on one
+/// wall clock.
+pub(crate) fn chrome_of(ps: &[&Profile], options: &WriteOptions) -> Value {
+    let mut events = Vec::new();
+    for p in ps {
+        chrome_events(p, options, &mut events);
+    }
+    let pids: Vec<u32> = ps.iter().map(|p| p.pid).collect();
+    let rate = ps.first().map(|p| p.rate_hz).unwrap_or(0.0);
+    json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"exporter": "rankscope", "pids": pids, "rate_hz": rate}})
+}
+
+fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
     let pid = p.pid;
-    let mut events = vec![
+    events.push(
         json!({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": match p.rank {
             Some(rank) => format!("rank {rank} (pid {pid})"),
             None => format!("pid {pid}"),
         }}}),
-    ];
+    );
+    if let Some(rank) = p.rank {
+        // Perfetto and chrome://tracing order processes by this.
+        events.push(json!({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}}));
+    }
     for (i, t) in p.threads.iter().enumerate() {
         events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": t.id, "args": {"name": thread_label(p, i)}}));
     }
@@ -241,7 +283,7 @@ pub fn chrome(p: &Profile, options: &WriteOptions) -> Value {
             };
         for s in slices {
             if s.start_s - last_end > gap {
-                close(&mut open, 0, last_end, &mut events);
+                close(&mut open, 0, last_end, events);
             }
             let key = StackKey {
                 thread,
@@ -255,15 +297,47 @@ pub fn chrome(p: &Profile, options: &WriteOptions) -> Value {
                 .zip(&names)
                 .take_while(|((a, _), b)| a == *b)
                 .count();
-            close(&mut open, common, s.start_s, &mut events);
+            close(&mut open, common, s.start_s, events);
             for name in names.into_iter().skip(common) {
                 open.push((name, s.start_s));
             }
             last_end = s.end_s;
         }
-        close(&mut open, 0, last_end, &mut events);
+        close(&mut open, 0, last_end, events);
     }
-    json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"exporter": "rankscope", "pid": pid, "rate_hz": p.rate_hz}})
+}
+
+/// Per function: the samples in which it was running itself (`own`, its
+/// idle samples under the name marked `[idle]`) and those in which it was
+/// on the stack at all (`inside`).
+#[derive(Default)]
+pub(crate) struct Tally {
+    pub own: HashMap<String, u64>,
+    pub inside: HashMap<String, u64>,
+}
+
+impl Tally {
+    /// Adds `p`'s samples; `leaf` is told each name `own` counts.
+    pub fn add(&mut self, p: &Profile, mut leaf: impl FnMut(&str)) {
+        for (key, count) in &p.counts {
+            let stack = &p.stacks[key.stack];
+            let mut seen = HashSet::new();
+            for &f in stack {
+                let name = p.frames[f].label(false);
+                if seen.insert(name.clone()) {
+                    *self.inside.entry(name).or_default() += count;
+                }
+            }
+            if let Some(&last) = stack.last() {
+                let mut name = p.frames[last].label(false);
+                if key.idle {
+                    name.push_str(IDLE);
+                }
+                leaf(&name);
+                *self.own.entry(name).or_default() += count;
+            }
+        }
+    }
 }
 
 /// The terminal's view: per function, the share of samples in which it was
@@ -276,25 +350,9 @@ pub fn top(p: &Profile, options: &WriteOptions) -> String {
         .filter(|(k, _)| k.idle)
         .map(|(_, c)| c)
         .sum();
-    let mut own: HashMap<String, u64> = HashMap::new();
-    let mut inside: HashMap<String, u64> = HashMap::new();
-    for (key, count) in &p.counts {
-        let stack = &p.stacks[key.stack];
-        let mut seen = HashSet::new();
-        for &f in stack {
-            let name = p.frames[f].label(false);
-            if seen.insert(name.clone()) {
-                *inside.entry(name).or_default() += count;
-            }
-        }
-        if let Some(&leaf) = stack.last() {
-            let mut name = p.frames[leaf].label(false);
-            if key.idle {
-                name.push_str(IDLE);
-            }
-            *own.entry(name).or_default() += count;
-        }
-    }
+    let mut tally = Tally::default();
+    tally.add(p, |_| {});
+    let Tally { own, inside } = tally;
     let mut rows: Vec<(String, u64)> = own.into_iter().collect();
     rows.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let pct = |n: u64| {
@@ -341,13 +399,17 @@ pub fn write(p: &Profile, path: &str, options: &WriteOptions) -> Result<Format, 
         Format::Folded => folded(p, options).into_bytes(),
         Format::Top => top(p, options).into_bytes(),
     };
+    write_bytes(path, &bytes)?;
+    Ok(format)
+}
+
+pub(crate) fn write_bytes(path: &str, bytes: &[u8]) -> Result<(), ProfileError> {
     let fail = |source| ProfileError::Write {
         path: path.to_string(),
         source,
     };
     let mut file = std::fs::File::create(path).map_err(fail)?;
-    file.write_all(&bytes).map_err(fail)?;
-    Ok(format)
+    file.write_all(bytes).map_err(fail)
 }
 
 #[cfg(test)]

@@ -6,12 +6,15 @@
 //! is taken into a [`Profile`]: interned frames, interned stacks, and a count
 //! per (thread, stack, idle, GIL). What leaves the sampler is that fold and,
 //! for the Chrome trace, the runs of equal stacks per thread; never one
-//! record per sample. `formats` writes the formats people open.
+//! record per sample. `formats` writes the formats people open; `job`
+//! merges the ranks of a job and sets one rank against the others.
 
 pub mod formats;
+pub mod job;
 mod profile;
 mod sampler;
 
+pub use job::JobProfile;
 pub use profile::{FrameKey, Profile, Slice, StackKey, ThreadInfo};
 pub use sampler::{is_probe_thread, sample, SampleOptions};
 
@@ -28,4 +31,6 @@ pub enum ProfileError {
     Format(String),
     #[error("flame graph: {0}")]
     FlameGraph(String),
+    #[error("{0}")]
+    Diff(String),
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use rankscope_core::protocol::{EvalRequest, ProcessMeta, StacksReply};
+use rankscope_core::ranks::compress;
 use rankscope_core::tables::{Rows, TableDef};
 use rankscope_core::{crash, paths};
 use rankscope_query::table::{Align, Style, Table};
@@ -369,7 +370,7 @@ fn parse_ranks(spec: &str, job: &Job) -> Result<Vec<i64>> {
             if !known.contains(&rank) {
                 return Err(Hinted::new(
                     format!("rank {rank} is not in job {}", job.id),
-                    format!("its ranks are {}", compress(&known)),
+                    format!("its ranks are {}", compress(known.iter().copied())),
                 )
                 .into());
             }
@@ -377,28 +378,6 @@ fn parse_ranks(spec: &str, job: &Job) -> Result<Vec<i64>> {
         }
     }
     Ok(out)
-}
-
-/// [0, 1, 3, 5, 6, 7] -> "0-1,3,5-7".
-fn compress(ranks: &[i64]) -> String {
-    let mut sorted = ranks.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let mut parts = Vec::new();
-    let mut i = 0;
-    while i < sorted.len() {
-        let mut j = i;
-        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
-            j += 1;
-        }
-        parts.push(if i == j {
-            sorted[i].to_string()
-        } else {
-            format!("{}-{}", sorted[i], sorted[j])
-        });
-        i = j + 1;
-    }
-    parts.join(",")
 }
 
 impl Job {
@@ -435,6 +414,42 @@ fn probe_of(entry: &RankEntry) -> Result<Probe> {
         }
     }
     Probe::locate(entry.meta.pid)
+}
+
+/// The ranks of the job this machine can read from outside (running, on
+/// this host): (rank, pid); and the others, each with why not.
+pub struct LocalRanks {
+    pub job_id: String,
+    pub here: Vec<(i64, u32)>,
+    pub not_here: Vec<(i64, String)>,
+}
+
+pub fn local_ranks(
+    job: Option<&str>,
+    run: Option<PathBuf>,
+    ranks: Option<&str>,
+) -> Result<LocalRanks> {
+    let job = find_job(job, run)?;
+    let host = rankscope_core::host::hostname();
+    let mut out = LocalRanks {
+        job_id: job.id.clone(),
+        here: Vec::new(),
+        not_here: Vec::new(),
+    };
+    for entry in job.selected(ranks)? {
+        let rank = entry.meta.rank;
+        match liveness(entry, &host) {
+            Liveness::Running | Liveness::OtherVersion if entry.meta.host == host => {
+                out.here.push((rank, entry.meta.pid))
+            }
+            Liveness::Running | Liveness::OtherVersion | Liveness::Remote => out.not_here.push((
+                rank,
+                format!("on {}: run this command there", entry.meta.host),
+            )),
+            other => out.not_here.push((rank, other.word().to_string())),
+        }
+    }
+    Ok(out)
 }
 
 pub fn list(
@@ -631,7 +646,7 @@ pub fn bt(
         let label = format!(
             "{} {} ({})",
             if ranks.len() == 1 { "rank " } else { "ranks" },
-            compress(ranks),
+            compress(ranks.iter().copied()),
             ranks.len()
         );
         let shown: Vec<&str> = frames.iter().take(6).map(String::as_str).collect();
@@ -650,7 +665,7 @@ pub fn bt(
     if !outside_ranks.is_empty() {
         eprintln!(
             "note: rank(s) {} did not answer in time or run another rankscope version; their stacks were read from outside",
-            compress(&outside_ranks)
+            compress(outside_ranks.iter().copied())
         );
     }
     for (rank, why) in &missing {
@@ -1082,16 +1097,4 @@ pub fn query(
         eprintln!("warning: a rank did not answer: {warning}");
     }
     Ok(code)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::compress;
-
-    #[test]
-    fn rank_lists_are_compressed_into_ranges() {
-        assert_eq!(compress(&[0, 1, 3, 5, 6, 7]), "0-1,3,5-7");
-        assert_eq!(compress(&[2]), "2");
-        assert_eq!(compress(&[]), "");
-    }
 }

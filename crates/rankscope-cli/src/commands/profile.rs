@@ -1,16 +1,19 @@
 //! `rankscope PID profile`: samples a process for a while and writes a flame
 //! graph, a speedscope or Chrome trace file, folded stacks, or a top table.
-//! The work is `rankscope-profile`'s; this is the command around it.
+//! `rankscope cluster profile` does the same for every rank of a job on
+//! this machine at once. The work is `rankscope-profile`'s; these are the
+//! commands around it.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
 use rankscope_profile::formats::{self, Format, WriteOptions};
-use rankscope_profile::{sample, SampleOptions};
+use rankscope_profile::{sample, JobProfile, Profile, SampleOptions};
 
+use super::cluster;
 use super::repl::{SigintCatcher, SIGINT_SEEN};
 use crate::client::Probe;
 use crate::hint::Hinted;
@@ -50,61 +53,118 @@ pub struct ProfileArgs {
     pub top: usize,
 }
 
-pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
-    if !(args.duration.is_finite() && args.duration > 0.0) {
-        return Err(Hinted::new(
-            format!(
-                "--duration must be a positive number of seconds, not {}",
-                args.duration
-            ),
-            "e.g. --duration 10",
-        )
-        .into());
-    }
-    if !(args.rate.is_finite() && args.rate > 0.0 && args.rate <= 10_000.0) {
-        return Err(Hinted::new(
-            format!(
-                "--rate must be between 1 and 10000 samples a second, not {}",
-                args.rate
-            ),
-            "e.g. --rate 100",
-        )
-        .into());
-    }
-    if args.idle && args.no_idle {
-        return Err(Hinted::new(
-            "--idle and --no-idle contradict each other",
-            "--idle keeps only idle samples, --no-idle drops them",
-        )
-        .into());
-    }
-    let path = args
-        .output
-        .as_ref()
-        .map(|p| p.to_string_lossy().into_owned());
-    if let Some(path) = &path {
-        Format::of(path).map_err(|_| {
-            Hinted::new(
-                format!("cannot tell the format of {path}"),
-                "end the name in .svg, .speedscope.json, .json (Chrome/Perfetto), .folded or .txt",
+impl ProfileArgs {
+    /// Checks the options; the output's format, where one is named.
+    fn check(&self) -> Result<Option<String>> {
+        if !(self.duration.is_finite() && self.duration > 0.0) {
+            return Err(Hinted::new(
+                format!(
+                    "--duration must be a positive number of seconds, not {}",
+                    self.duration
+                ),
+                "e.g. --duration 10",
             )
-        })?;
+            .into());
+        }
+        if !(self.rate.is_finite() && self.rate > 0.0 && self.rate <= 10_000.0) {
+            return Err(Hinted::new(
+                format!(
+                    "--rate must be between 1 and 10000 samples a second, not {}",
+                    self.rate
+                ),
+                "e.g. --rate 100",
+            )
+            .into());
+        }
+        if self.idle && self.no_idle {
+            return Err(Hinted::new(
+                "--idle and --no-idle contradict each other",
+                "--idle keeps only idle samples, --no-idle drops them",
+            )
+            .into());
+        }
+        let path = self
+            .output
+            .as_ref()
+            .map(|p| p.to_string_lossy().into_owned());
+        if let Some(path) = &path {
+            Format::of(path).map_err(|_| {
+                Hinted::new(
+                    format!("cannot tell the format of {path}"),
+                    "end the name in .svg, .speedscope.json, .json (Chrome/Perfetto), .folded or .txt",
+                )
+            })?;
+        }
+        if self.native {
+            outside::require_native()?;
+        }
+        Ok(path)
     }
-    if args.native {
-        outside::require_native()?;
+
+    fn sample_options(&self) -> SampleOptions {
+        SampleOptions {
+            rate_hz: self.rate,
+            duration: Duration::from_secs_f64(self.duration),
+            native: self.native,
+            all_frames: false,
+        }
     }
+
+    fn write_options(&self) -> WriteOptions {
+        WriteOptions {
+            lines: !self.no_lines,
+            prefix: !self.no_prefix,
+            top: self.top,
+        }
+    }
+
+    /// `--idle`, `--no-idle` and `--gil`.
+    fn filter(&self, profile: &mut Profile) {
+        if self.idle {
+            profile.retain(|k| k.idle);
+        } else if self.no_idle {
+            profile.retain(|k| !k.idle);
+        }
+        if self.gil {
+            profile.retain(|k| k.gil);
+        }
+    }
+}
+
+/// A sampling error in words a user can act on.
+fn explain(pid: u32, e: rankscope_profile::ProfileError) -> anyhow::Error {
+    let text = e.to_string();
+    if text.contains("Permission denied") || text.contains("Operation not permitted") {
+        Hinted::new(
+            format!("not allowed to read the memory of PID {pid}"),
+            outside::permission_hint(),
+        )
+        .into()
+    } else {
+        Hinted::new(
+            text,
+            "is it a running CPython 3.11-3.13 process? `rankscope list` shows the probed ones",
+        )
+        .into()
+    }
+}
+
+fn missed_note(missed: u64) -> String {
+    if missed > 0 {
+        format!(", {missed} ticks missed (reads slower than the rate)")
+    } else {
+        String::new()
+    }
+}
+
+pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
+    let path = args.check()?;
     // A probe, where there is one, names the rank; sampling never needs it.
     let rank = Probe::find(pid)
         .ok()
         .flatten()
         .and_then(|probe| probe.meta(Duration::from_millis(500)).ok())
         .and_then(|meta| meta.job_id.map(|_| meta.rank));
-    let options = SampleOptions {
-        rate_hz: args.rate,
-        duration: Duration::from_secs_f64(args.duration),
-        native: args.native,
-        all_frames: false,
-    };
     if args.native {
         eprintln!(
             "note: --native pauses each thread briefly at every sample, to unwind its native stack"
@@ -113,66 +173,185 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     let tty = std::io::stderr().is_terminal();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
     let catcher = SigintCatcher::install();
-    let result = sample(pid, &options, &SIGINT_SEEN, |ticks, elapsed| {
-        if tty {
-            eprint!(
+    let result = sample(
+        pid,
+        &args.sample_options(),
+        &SIGINT_SEEN,
+        |ticks, elapsed| {
+            if tty {
+                eprint!(
                 "\rsampling PID {pid}: {ticks} samples, {elapsed:.1}/{:.0} s (Ctrl-C ends early) ",
                 args.duration
             );
-            let _ = std::io::stderr().flush();
+                let _ = std::io::stderr().flush();
+            }
+        },
+    );
+    drop(catcher);
+    if tty {
+        eprintln!();
+    }
+    let mut profile = result.map_err(|e| explain(pid, e))?;
+    profile.rank = rank;
+    args.filter(&mut profile);
+    let write = args.write_options();
+    match path {
+        Some(path) => {
+            let format = formats::write(&profile, &path, &write)?;
+            println!(
+                "wrote {path} ({format}): {} samples over {:.1} s{}",
+                profile.total(),
+                profile.duration_s,
+                missed_note(profile.missed)
+            );
         }
+        None => print!("{}", formats::top(&profile, &write)),
+    }
+    Ok(0)
+}
+
+/// `rankscope cluster profile`: every rank of the job on this machine
+/// sampled at once, one thread each, from outside; each folds its own
+/// samples, and the folds are merged here.
+pub fn cluster(
+    job: Option<&str>,
+    run_dir: Option<PathBuf>,
+    ranks: Option<&str>,
+    diff: Option<i64>,
+    args: ProfileArgs,
+) -> Result<u8> {
+    let path = args.check()?;
+    let found = cluster::local_ranks(job, run_dir, ranks)?;
+    for (rank, why) in &found.not_here {
+        eprintln!("note: rank {rank} is not profiled ({why})");
+    }
+    if found.here.is_empty() {
+        return Err(Hinted::new(
+            format!(
+                "no rank of job {} runs on this machine",
+                found.job_id
+            ),
+            "run `rankscope cluster profile` on the machine its ranks run on; `rankscope cluster list` shows where they are",
+        )
+        .into());
+    }
+    if let Some(rank) = diff {
+        if !found.here.iter().any(|(r, _)| *r == rank) {
+            return Err(Hinted::new(
+                format!("--diff {rank}: that rank is not among those profiled here"),
+                format!(
+                    "ranks profiled here: {}",
+                    found
+                        .here
+                        .iter()
+                        .map(|(r, _)| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ),
+            )
+            .into());
+        }
+        if found.here.len() < 2 {
+            return Err(Hinted::new(
+                "--diff needs at least two ranks",
+                "leave --ranks out, or name more ranks",
+            )
+            .into());
+        }
+    }
+    if args.native {
+        eprintln!(
+            "note: --native pauses each thread briefly at every sample, to unwind its native stack"
+        );
+    }
+    let tty = std::io::stderr().is_terminal();
+    let options = args.sample_options();
+    let ticks: Vec<AtomicU64> = found.here.iter().map(|_| AtomicU64::new(0)).collect();
+    SIGINT_SEEN.store(false, Ordering::SeqCst);
+    let catcher = SigintCatcher::install();
+    let results: Vec<Result<Profile, anyhow::Error>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = found
+            .here
+            .iter()
+            .enumerate()
+            .map(|(at, &(rank, pid))| {
+                let (options, ticks) = (&options, &ticks);
+                scope.spawn(move || {
+                    let mut profile = sample(pid, options, &SIGINT_SEEN, |n, elapsed| {
+                        ticks[at].store(n, Ordering::Relaxed);
+                        // One line for the job, drawn by the first rank's sampler.
+                        if tty && at == 0 {
+                            let all: u64 = ticks.iter().map(|t| t.load(Ordering::Relaxed)).sum();
+                            eprint!(
+                                "\rsampling {} ranks: {all} samples, {elapsed:.1}/{:.0} s (Ctrl-C ends early) ",
+                                ticks.len(),
+                                options.duration.as_secs_f64()
+                            );
+                            let _ = std::io::stderr().flush();
+                        }
+                    })
+                    .map_err(|e| explain(pid, e))?;
+                    profile.rank = Some(rank);
+                    Ok(profile)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank's sampler panicked"))
+            .collect()
     });
     drop(catcher);
     if tty {
         eprintln!();
     }
-    let mut profile = result.map_err(|e| {
-        let text = e.to_string();
-        if text.contains("Permission denied") || text.contains("Operation not permitted") {
-            anyhow::Error::from(Hinted::new(
-                format!("not allowed to read the memory of PID {pid}"),
-                outside::permission_hint(),
-            ))
-        } else {
-            Hinted::new(
-                text,
-                "is it a running CPython 3.11-3.13 process? `rankscope list` shows the probed ones",
-            )
-            .into()
+    let mut job = JobProfile::default();
+    for ((rank, _), result) in found.here.iter().zip(results) {
+        match result {
+            Ok(mut profile) => {
+                args.filter(&mut profile);
+                job.profiles.push(profile);
+            }
+            Err(e) => eprintln!("note: rank {rank} is not profiled: {e:#}"),
         }
-    })?;
-    profile.rank = rank;
-    if args.idle {
-        profile.retain(|k| k.idle);
-    } else if args.no_idle {
-        profile.retain(|k| !k.idle);
     }
-    if args.gil {
-        profile.retain(|k| k.gil);
+    if job.profiles.is_empty() {
+        return Err(Hinted::new(
+            "no rank could be sampled",
+            "see the notes above; `rankscope cluster list` shows the ranks' states",
+        )
+        .into());
     }
-    let write = WriteOptions {
-        lines: !args.no_lines,
-        prefix: !args.no_prefix,
-        top: args.top,
+    let write = args.write_options();
+    let failed = |e: rankscope_profile::ProfileError| -> anyhow::Error {
+        match e {
+            rankscope_profile::ProfileError::Diff(text) => Hinted::new(
+                format!("--diff: {text}"),
+                "--diff needs the rank and at least one other with samples, and writes .svg, .folded or .txt",
+            )
+            .into(),
+            other => other.into(),
+        }
     };
     match path {
         Some(path) => {
-            let format = formats::write(&profile, &path, &write)?;
-            let missed = if profile.missed > 0 {
-                format!(
-                    ", {} ticks missed (reads slower than the rate)",
-                    profile.missed
-                )
-            } else {
-                String::new()
+            let format = job.write(&path, &write, diff).map_err(failed)?;
+            let missed: u64 = job.profiles.iter().map(|p| p.missed).sum();
+            let what = match diff {
+                Some(rank) => format!("rank {rank} against the median of the others, "),
+                None => String::new(),
             };
             println!(
-                "wrote {path} ({format}): {} samples over {:.1} s{missed}",
-                profile.total(),
-                profile.duration_s
+                "wrote {path} ({what}{format}): {} samples of {} ranks{}",
+                job.total(),
+                job.profiles.len(),
+                missed_note(missed)
             );
         }
-        None => print!("{}", formats::top(&profile, &write)),
+        None => match diff {
+            Some(rank) => print!("{}", job.diff_top(rank, &write).map_err(failed)?),
+            None => print!("{}", job.top(&write)),
+        },
     }
     Ok(0)
 }
