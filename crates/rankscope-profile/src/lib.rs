@@ -15,7 +15,7 @@ mod profile;
 mod sampler;
 
 pub use job::JobProfile;
-pub use profile::{FrameKey, Profile, Slice, StackKey, ThreadInfo};
+pub use profile::{FrameKey, FrameRef, Profile, Slice, StackKey, ThreadInfo};
 pub use sampler::{is_probe_thread, sample, SampleOptions};
 
 #[derive(Debug, thiserror::Error)]

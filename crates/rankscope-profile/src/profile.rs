@@ -1,6 +1,8 @@
 //! The fold: stacks interned once, counted per thread.
 
-use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+use rustc_hash::{FxHashMap, FxHasher};
 
 /// A Python (or native) frame as profiles show it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -21,6 +23,21 @@ impl FrameKey {
         } else {
             format!("{} ({short})", self.func)
         }
+    }
+}
+
+/// A frame as a sampler reads it, borrowed: a sample whose stack was seen
+/// before is counted without copying or allocating anything.
+#[derive(Debug, Clone, Copy)]
+pub struct FrameRef<'a> {
+    pub func: &'a str,
+    pub file: &'a str,
+    pub line: i64,
+}
+
+impl FrameRef<'_> {
+    fn is(&self, key: &FrameKey) -> bool {
+        self.line == key.line && self.func == key.func && self.file == key.file
     }
 }
 
@@ -58,7 +75,7 @@ pub struct Profile {
     pub frames: Vec<FrameKey>,
     pub stacks: Vec<Vec<usize>>,
     pub threads: Vec<ThreadInfo>,
-    pub counts: HashMap<StackKey, u64>,
+    pub counts: FxHashMap<StackKey, u64>,
     pub slices: Vec<Slice>,
     /// Samples taken (one per tick, all threads), ticks missed because a
     /// read took longer than the interval, reads that failed.
@@ -68,10 +85,13 @@ pub struct Profile {
     pub rate_hz: f64,
     pub started_at: f64,
     pub duration_s: f64,
-    frame_ids: HashMap<FrameKey, usize>,
-    stack_ids: HashMap<Vec<usize>, usize>,
-    thread_ids: HashMap<u64, usize>,
-    open: HashMap<usize, Slice>,
+    frame_ids: FxHashMap<FrameKey, usize>,
+    stack_ids: FxHashMap<Vec<usize>, usize>,
+    /// Stacks by a hash of their borrowed frames (several where hashes
+    /// collide): the fold's fast path.
+    by_hash: FxHashMap<u64, Vec<usize>>,
+    thread_ids: FxHashMap<u64, usize>,
+    open: FxHashMap<usize, Slice>,
 }
 
 impl Profile {
@@ -108,17 +128,73 @@ impl Profile {
         self.threads.len() - 1
     }
 
-    /// One thread's sample at `at_s` seconds since the start; `frames` are
-    /// frame indices, outermost first.
+    /// One thread's sample at `at_s` seconds since the start; `frames`,
+    /// outermost first, as the sampler read them. A stack seen before costs
+    /// a hash of its frames and one comparison.
+    pub fn add_sample(
+        &mut self,
+        thread: usize,
+        frames: &[FrameRef<'_>],
+        idle: bool,
+        gil: bool,
+        at_s: f64,
+    ) {
+        let mut hasher = FxHasher::default();
+        for f in frames {
+            f.func.hash(&mut hasher);
+            f.file.hash(&mut hasher);
+            f.line.hash(&mut hasher);
+        }
+        let hash = hasher.finish();
+        let known = self.by_hash.get(&hash).and_then(|candidates| {
+            candidates.iter().copied().find(|&stack| {
+                let ids = &self.stacks[stack];
+                ids.len() == frames.len()
+                    && ids
+                        .iter()
+                        .zip(frames)
+                        .all(|(&id, f)| f.is(&self.frames[id]))
+            })
+        });
+        let stack = match known {
+            Some(stack) => stack,
+            None => {
+                let ids: Vec<usize> = frames
+                    .iter()
+                    .map(|f| {
+                        self.frame(FrameKey {
+                            func: f.func.to_string(),
+                            file: f.file.to_string(),
+                            line: f.line,
+                        })
+                    })
+                    .collect();
+                let stack = self.stack(ids);
+                self.by_hash.entry(hash).or_default().push(stack);
+                stack
+            }
+        };
+        self.count(thread, stack, idle, gil, at_s);
+    }
+
+    /// The same with `frames` already interned (frame indices).
     pub fn add(&mut self, thread: usize, frames: Vec<usize>, idle: bool, gil: bool, at_s: f64) {
-        let stack = match self.stack_ids.get(&frames) {
+        let stack = self.stack(frames);
+        self.count(thread, stack, idle, gil, at_s);
+    }
+
+    fn stack(&mut self, frames: Vec<usize>) -> usize {
+        match self.stack_ids.get(&frames) {
             Some(&id) => id,
             None => {
                 self.stacks.push(frames.clone());
                 self.stack_ids.insert(frames, self.stacks.len() - 1);
                 self.stacks.len() - 1
             }
-        };
+        }
+    }
+
+    fn count(&mut self, thread: usize, stack: usize, idle: bool, gil: bool, at_s: f64) {
         *self
             .counts
             .entry(StackKey {
@@ -219,5 +295,36 @@ mod tests {
         assert_eq!(p.slices.len(), 2);
         assert!((p.slices[0].end_s - 0.03).abs() < 1e-9, "{:?}", p.slices[0]);
         assert!(p.slices[1].idle);
+    }
+
+    #[test]
+    fn borrowed_samples_fold_by_their_frames() {
+        let mut p = Profile::new(1, 100.0, 0.0);
+        let t = p.thread(7, "MainThread");
+        let at = |line| {
+            [
+                FrameRef {
+                    func: "main",
+                    file: "/x/a.py",
+                    line: 1,
+                },
+                FrameRef {
+                    func: "hot",
+                    file: "/x/a.py",
+                    line,
+                },
+            ]
+        };
+        p.add_sample(t, &at(5), false, true, 0.0);
+        p.add_sample(t, &at(5), false, true, 0.01);
+        p.add_sample(t, &at(6), false, true, 0.02);
+        assert_eq!(p.stacks.len(), 2);
+        assert_eq!(p.frames.len(), 3);
+        assert_eq!(p.sorted_counts()[0].1, 2);
+        // The same stack through the interned road lands on the same id.
+        let (main, hot) = (p.stacks[0][0], p.stacks[0][1]);
+        p.add(t, vec![main, hot], false, true, 0.03);
+        assert_eq!(p.stacks.len(), 2);
+        assert_eq!(p.sorted_counts()[0].1, 3);
     }
 }
