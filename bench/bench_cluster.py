@@ -64,12 +64,12 @@ def timed(cmd: list[str], env: dict[str, str]) -> float:
     return wall
 
 
-def start_ranks(n: int, env: dict[str, str]) -> tuple[str, list[subprocess.Popen]]:
+def start_ranks(n: int, env: dict[str, str], source: str = RANK) -> tuple[str, list[subprocess.Popen]]:
     job = f"bench-{uuid.uuid4().hex[:8]}"
     procs = []
     for rank in range(n):
         rank_env = dict(env, RANKSCOPE="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), TORCHELASTIC_RUN_ID=job)
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK], env=rank_env, stdout=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-c", source], env=rank_env, stdout=subprocess.PIPE, text=True))
     for proc in procs:
         if not proc.stdout.readline().startswith("ready"):
             raise BenchError("a rank did not start")

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 import time
-import uuid
 
 from _common import BenchError, base_env, machine, median, private_dir, run_main, tool
+from bench_cluster import start_ranks, stop
 
 RANK = r"""
 import os, sys, time
@@ -54,26 +53,17 @@ def main() -> int:
     rankscope = tool("rankscope")
     run_dir = tempfile.mkdtemp(prefix="rankscope-bench-cprof-run-")
     env = base_env(RANKSCOPE_DIR=private_dir("rankscope-bench-cprof-"), RANKSCOPE_RUN_DIR=run_dir)
-    job = f"bench-{uuid.uuid4().hex[:8]}"
-    procs = []
     out = tempfile.mkdtemp(prefix="rankscope-bench-cprof-out-")
     print(machine())
+    procs = []
     try:
-        for rank in range(args.ranks):
-            rank_env = dict(env, RANKSCOPE="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks), TORCHELASTIC_RUN_ID=job)
-            procs.append(subprocess.Popen([sys.executable, "-c", RANK], env=rank_env, stdout=subprocess.PIPE, text=True))
-        for proc in procs:
-            if not proc.stdout.readline().startswith("ready"):
-                raise BenchError("a rank did not start")
+        _, procs = start_ranks(args.ranks, env, RANK)
         one, job_wide = [], []
         for _ in range(args.runs):
             one.append(after_duration([rankscope, str(procs[1].pid), "profile", "--duration", str(args.duration), "-o", f"{out}/one.svg"], env, args.duration))
             job_wide.append(after_duration([rankscope, "cluster", "profile", "--run", run_dir, "--duration", str(args.duration), "-o", f"{out}/job.svg"], env, args.duration))
     finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
+        stop(procs)
     print(f"sampling {args.duration:g} s at 100 Hz, {args.runs} runs, wall time past the duration (median):")
     print(f"{'one rank (profile)':28s} {median(one):7.1f} ms")
     verdict = "met" if median(job_wide) <= 1000 else "NOT met"
