@@ -2,9 +2,9 @@
 (no trip), `torch.autograd.detect_anomaly` for comparison, and gradient
 statistics every 10 steps.
 
-The same MLP as bench_torch_trace.py (Linear+ReLU layers, Adam, batch 64,
-CPU, one torch thread) trains in a target with the probe on. Rounds
-alternate between the modes, each switched through the installed CLI
+The same models as bench_torch_trace.py (the MLP, or --model gpt) train
+in a target with the probe on. Rounds alternate between the modes, each
+switched through the installed CLI
 (`rankscope PID torch nan on|off`, `torch grads --every 10|off`, and
 `eval "torch.autograd.set_detect_anomaly(True|False)"`), and time --steps
 steps each, timed by the wall clock and by the training thread's CPU time;
@@ -14,7 +14,7 @@ the same round (see bench_torch_trace.py).
 Targets (from the issue): NaN watch armed <= 1 %; grads --every 10 <= 1 %;
 detect_anomaly: reported, for comparison.
 
-    .venv/bin/python bench/bench_torch_health.py [--width 256] [--layers 4] [--rounds 40] [--steps 60]
+    .venv/bin/python bench/bench_torch_health.py [--model mlp|gpt] [--width W] [--layers 4] [--rounds 40] [--steps 60]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import statistics
 
 from _common import ask, base_env, machine, overhead_table, private_dir, probe_cli, run_main, start_target, stop_target, tool
-from bench_torch_trace import TARGET  # the same model and loop
+from bench_torch_trace import TARGET, add_model_args, describe_model, target_args  # the same models and loop
 
 OFF = [("torch", "nan", "off"), ("torch", "grads", "off"), ("eval", "torch.autograd.set_detect_anomaly(False)")]
 MODES = {
@@ -37,15 +37,14 @@ MODES = {
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     rankscope = tool("rankscope")
     endpoint = private_dir("rs-bench-health-")
     env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"), OMP_NUM_THREADS="1")
-    proc, _ = start_target(TARGET, env, (str(args.width), str(args.layers)))
+    proc, _ = start_target(TARGET, env, target_args(args))
     cli = probe_cli(rankscope, [proc.pid], base_env(RANKSCOPE_DIR=endpoint))
 
     def measure(n):
@@ -68,7 +67,7 @@ def main() -> int:
         stop_target(proc)
 
     print(f"machine: {machine()}")
-    print(f"MLP: {args.layers} x Linear({args.width}, {args.width}) + ReLU, batch 64, Adam, CPU, 1 thread; "
+    print(f"{describe_model(args)}; "
           f"{args.rounds} rounds x {args.steps} steps per mode, alternating")
     overhead_table(times, "nothing on", {"nan watch armed": 1.0, "grads --every 10": 1.0})
     return 0

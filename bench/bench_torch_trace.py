@@ -1,7 +1,10 @@
 """What `rankscope PID torch trace on` costs a training step.
 
-A small MLP (Linear+ReLU layers, Adam, batch 64, CPU, one torch thread)
-trains in a target with the probe on. Rounds alternate between no trace,
+A small model trains in a target, on a CPU with one torch thread: the
+MLP (Linear+ReLU layers, Adam, batch 64, about 1.6 ms a step here: the
+worst case for a cost per step) or, with --model gpt, a small GPT
+(pre-norm blocks of causal attention and a 4x MLP, d=128, 4 layers,
+context 64, batch 8, Adam). It trains with the probe on. Rounds alternate between no trace,
 `trace on --every 1`, `--every 20`, and `--every 1 --backward`, each set
 through the installed CLI (`rankscope PID torch trace on|off`), and time
 --steps steps each. Each round is timed twice: by the wall clock and by the
@@ -15,7 +18,7 @@ printed beside it.
 Targets (from the issue): forward only, <= 3 % at --every 1 and <= 0.5 % at
 --every 20; --backward: reported.
 
-    .venv/bin/python bench/bench_torch_trace.py [--width 256] [--layers 4] [--rounds 40] [--steps 60]
+    .venv/bin/python bench/bench_torch_trace.py [--model mlp|gpt] [--width W] [--layers 4] [--rounds 40] [--steps 60]
 """
 
 from __future__ import annotations
@@ -32,18 +35,55 @@ import torch
 from torch import nn
 torch.set_num_threads(1)
 torch.manual_seed(0)
-width, layers, batch = int(sys.argv[1]), int(sys.argv[2]), 64
-blocks = []
-for _ in range(layers):
-    blocks += [nn.Linear(width, width), nn.ReLU()]
-model = nn.Sequential(*blocks, nn.Linear(width, 1))
+width, layers, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+class Block(nn.Module):
+    # A pre-norm GPT block: causal self-attention, then a 4x MLP.
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+class GPT(nn.Module):
+    def __init__(self, vocab, d, layers, heads, context):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+if kind == "gpt":
+    vocab, context, batch = 256, 64, 8
+    model = GPT(vocab, width, layers, 4, context)
+    data = torch.randint(0, vocab, (batch, context + 1))
+    x, y = data[:, :-1], data[:, 1:]
+    loss_of = lambda out: nn.functional.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
+else:
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*blocks, nn.Linear(width, 1))
+    x, y = torch.randn(64, width), torch.randn(64, 1)
+    loss_of = lambda out: nn.functional.mse_loss(out, y)
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-x = torch.randn(batch, width)
-y = torch.randn(batch, 1)
 
 def step():
     optimizer.zero_grad(set_to_none=True)
-    loss = nn.functional.mse_loss(model(x), y)
+    loss = loss_of(model(x))
     loss.backward()
     optimizer.step()
 
@@ -66,17 +106,34 @@ MODES = {
 }
 
 
+def add_model_args(ap) -> None:
+    ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    ap.add_argument("--width", type=int, default=None, help="MLP width (256) or GPT d_model (128)")
+    ap.add_argument("--layers", type=int, default=4)
+
+
+def target_args(args) -> tuple:
+    if args.width is None:
+        args.width = 128 if args.model == "gpt" else 256
+    return (str(args.width), str(args.layers), args.model)
+
+
+def describe_model(args) -> str:
+    if args.model == "gpt":
+        return f"GPT: {args.layers} blocks, d={args.width}, 4 heads, context 64, batch 8, vocab 256, Adam, CPU, 1 thread"
+    return f"MLP: {args.layers} x Linear({args.width}, {args.width}) + ReLU, batch 64, Adam, CPU, 1 thread"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     rankscope = tool("rankscope")
     endpoint = private_dir("rs-bench-torch-")
     env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"), OMP_NUM_THREADS="1")
-    proc, _ = start_target(TARGET, env, (str(args.width), str(args.layers)))
+    proc, _ = start_target(TARGET, env, target_args(args))
     cli = probe_cli(rankscope, [proc.pid], base_env(RANKSCOPE_DIR=endpoint))
 
     def measure(n):
@@ -99,7 +156,7 @@ def main() -> int:
         stop_target(proc)
 
     print(f"machine: {machine()}")
-    print(f"MLP: {args.layers} x Linear({args.width}, {args.width}) + ReLU, batch 64, Adam, CPU, 1 thread; "
+    print(f"{describe_model(args)}; "
           f"{args.rounds} rounds x {args.steps} steps per mode, alternating")
     overhead_table(times, "no trace", {"--every 1": 3.0, "--every 20": 0.5})
     return 0

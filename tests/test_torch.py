@@ -115,7 +115,8 @@ while True:
 
 NO_HOOKS = (
     "import torch.optim.optimizer as o; "
-    "(all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules()), "
+    "(all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks and 'forward' not in vars(m) "
+    "for m in model.modules()), "
     "len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))"
 )
 
@@ -185,12 +186,24 @@ def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_pyth
     assert on.returncode == 0, on.stderr
     assert "trace on: 6 modules, every 2 steps" in on.stdout
     run_steps(cli, target, 5, 5)
-    # Step 5 is in progress and not sampled: no module hook at all, only
-    # the optimizer's step hooks.
+    # Step 5 is in progress and not sampled: the modules are untouched (no
+    # hook, no stand-in for forward), only the optimizer's step hooks are in.
     assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1)"
     run_steps(cli, target, 1, 6)
-    hooked = "sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())"
-    assert cli(target.pid, "eval", hooked).stdout.strip() == "12"  # step 6: pre and post on 6 modules
+    timed = "sum('forward' in vars(m) for m in model.modules()), sum(len(m._forward_hooks) for m in model.modules())"
+    assert cli(target.pid, "eval", timed).stdout.strip() == "(6, 0)"  # step 6: a stand-in on each of 6 modules, no hook
+    # What the program may do with its model at a sampled step sees the
+    # model as it is: a deep copy runs its own weights, untimed; pickling
+    # and signature inspection see the module's own forward.
+    copies = (
+        "import copy, pickle, inspect; c = copy.deepcopy(model); p = pickle.loads(pickle.dumps(model)); "
+        "probe = torch.randn(2, 16); "
+        "[c.fc1.weight.data.zero_(), c.fc1.bias.data.zero_()]; "
+        "(torch.equal(c(probe), c.head(c.act2(c.fc2(torch.zeros(2, 32))))), "
+        "torch.equal(p(probe), p.head(p.act2(p.fc2(p.act1(p.fc1(probe)))))), "
+        "str(inspect.signature(model.forward)), model.fc1.forward.__self__ is model.fc1)"
+    )
+    assert cli(target.pid, "eval", copies).stdout.strip() == "(True, True, '(x)', True)"
 
     rows = query_json(
         cli,
@@ -368,7 +381,7 @@ def test_a_failing_hook_turns_the_trace_off_and_the_program_goes_on(torch_python
     run_steps(cli, target, 4, 4)
     text = cli(target.pid, "torch").stdout
     assert "trace: off" in text
-    assert "turned itself off after an error (1 in all): the forward hook of MLP failed: RuntimeError: no loss here" in text
+    assert "turned itself off after an error (1 in all): the trace's end of MLP failed: RuntimeError: no loss here" in text
     assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
     run_steps(cli, target, 2, 6)
     assert target.alive()

@@ -105,7 +105,9 @@ impl Handler for ProbeHandler {
                     let columns = request.query_param("columns").map(percent_decode);
                     let filters = request.query_param("filter").map(percent_decode);
                     // From the run store, without the GIL: a busy or stuck
-                    // interpreter still hands over its rows.
+                    // interpreter still hands over its rows (those the
+                    // Python side holds are asked for first, briefly).
+                    crate::store::take_rows_from_python();
                     match crate::store::read_json(
                         &name,
                         columns.as_deref(),

@@ -260,6 +260,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quiet_edit::edit_unless_running, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_append, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_extend, m)?)?;
+    m.add_function(wrap_pyfunction!(store::table_rows_waiting, m)?)?;
+    m.add_function(wrap_pyfunction!(store::trace_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(store::trace_extend, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_open, m)?)?;
     m.add_function(wrap_pyfunction!(memory::set_step, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_now, m)?)?;

@@ -3,7 +3,9 @@
 //! `GET /v1/table` without the GIL, and the store's own thread spills them
 //! to the run directory.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -72,9 +74,27 @@ pub fn set_rank(rank: Option<i64>) {
 }
 
 fn cell(value: &Bound<'_, PyAny>) -> Cell {
+    // The exact types first: nearly every value is one, and each check is
+    // a pointer comparison.
     if value.is_none() {
-        Cell::Null
-    } else if value.is_instance_of::<PyBool>() {
+        return Cell::Null;
+    }
+    if value.is_exact_instance_of::<PyFloat>() {
+        if let Ok(f) = value.extract::<f64>() {
+            return Cell::Float(f);
+        }
+    } else if value.is_exact_instance_of::<PyInt>() {
+        if let Ok(i) = value.extract::<i64>() {
+            return Cell::Int(i);
+        }
+    } else if value.is_exact_instance_of::<PyString>() {
+        if let Ok(text) = value.cast::<PyString>() {
+            if let Ok(text) = text.to_str() {
+                return Cell::Str(text.to_string());
+            }
+        }
+    }
+    if value.is_instance_of::<PyBool>() {
         Cell::Bool(value.is_truthy().unwrap_or(false))
     } else if value.is_instance_of::<PyInt>() {
         value
@@ -110,18 +130,144 @@ pub fn table_append(name: &str, row: &Bound<'_, PyAny>) -> PyResult<()> {
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// Adds several rows to one table in one call (a sampled step's rows):
-/// the call, the store lookup and the locks are paid once.
+/// Adds several rows to one table in one call (the torch features hand
+/// their rows over in batches): the call, the store lookup and the lock
+/// are paid once.
 #[pyfunction]
 pub fn table_extend(name: &str, rows: &Bound<'_, PyAny>) -> PyResult<()> {
-    let store = store();
-    for row in rows.try_iter()? {
-        let (ts, cells) = ts_and_cells(&row?)?;
-        store
-            .append(name, ts, cells)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let rows = rows
+        .try_iter()?
+        .map(|row| ts_and_cells(&row?))
+        .collect::<PyResult<Vec<_>>>()?;
+    store()
+        .append_rows(name, rows)
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// The trace's timed modules, by plan: the cells of their rows that do
+/// not change from step to step (module, type, depth, stage), or None for
+/// a module timed for the step's figures only. A plan is made when the
+/// stand-ins go on and kept while its rows may still come; the last few
+/// are enough.
+static TRACE_PLANS: Mutex<Vec<(u64, Arc<Vec<Option<[Cell; 4]>>>)>> = Mutex::new(Vec::new());
+static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
+const TRACE_PLANS_KEPT: usize = 8;
+
+/// `plan`: per timed module, `(module, type, depth, stage)` or None.
+#[pyfunction]
+pub fn trace_plan(plan: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let mut fixed = Vec::new();
+    for entry in plan.try_iter()? {
+        let entry = entry?;
+        if entry.is_none() {
+            fixed.push(None);
+            continue;
+        }
+        let (module, type_name, depth, stage): (String, String, i64, String) = entry.extract()?;
+        fixed.push(Some([
+            Cell::Str(module),
+            Cell::Str(type_name),
+            Cell::Int(depth),
+            Cell::Str(stage),
+        ]));
     }
-    Ok(())
+    let id = NEXT_PLAN.fetch_add(1, Ordering::Relaxed);
+    let mut plans = TRACE_PLANS.lock().unwrap_or_else(|e| e.into_inner());
+    if plans.len() >= TRACE_PLANS_KEPT {
+        plans.remove(0);
+    }
+    plans.push((id, Arc::new(fixed)));
+    Ok(id)
+}
+
+/// `python.torch_trace` rows of sampled steps, made here from the trace's
+/// counters: `steps` holds `(ts, step, acc)`, where `acc` has each timed
+/// module's nanoseconds and calls side by side, in the plan's order. A
+/// module with no call that step has no row. Building the rows here, not
+/// as Python lists, is most of what a sampled step's rows cost.
+#[pyfunction]
+pub fn trace_extend(plan: u64, steps: &Bound<'_, PyAny>) -> PyResult<()> {
+    let fixed = {
+        let plans = TRACE_PLANS.lock().unwrap_or_else(|e| e.into_inner());
+        match plans.iter().find(|(id, _)| *id == plan) {
+            Some((_, fixed)) => fixed.clone(),
+            None => return Err(PyValueError::new_err(format!("no trace plan {plan}"))),
+        }
+    };
+    let mut rows = Vec::new();
+    for entry in steps.try_iter()? {
+        let (ts, step, acc): (f64, i64, Vec<i64>) = entry?.extract()?;
+        for (i, cells) in fixed.iter().enumerate() {
+            let (Some(cells), Some(&ns), Some(&calls)) =
+                (cells, acc.get(2 * i), acc.get(2 * i + 1))
+            else {
+                continue;
+            };
+            if calls <= 0 {
+                continue;
+            }
+            let mut row = Vec::with_capacity(10);
+            row.push(Cell::Int(step));
+            row.extend(cells.iter().cloned());
+            row.push(Cell::Int(calls));
+            row.push(Cell::Float(ns as f64 / 1e6));
+            row.extend([Cell::Null, Cell::Null, Cell::Null]);
+            rows.push((ts, row));
+        }
+    }
+    store()
+        .append_rows("torch_trace", rows)
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// The Python side holds rows it has not handed over yet
+/// (`rankscope._probe.torch.tables`): a reader asks it for them first.
+static ROWS_IN_PYTHON: AtomicBool = AtomicBool::new(false);
+/// A hand-over asked by a reader is under way.
+static FLUSHING: AtomicBool = AtomicBool::new(false);
+/// How long a reader waits for the Python side to hand its rows over.
+const FLUSH_WAIT: Duration = Duration::from_millis(200);
+
+/// Said by the Python side when its first row waits, and when none does.
+#[pyfunction]
+pub fn table_rows_waiting(waiting: bool) {
+    ROWS_IN_PYTHON.store(waiting, Ordering::Release);
+}
+
+/// Before a read: the rows the Python side still holds are handed over,
+/// when the GIL can be had within [`FLUSH_WAIT`]. A stuck interpreter (a
+/// thread holding the GIL) costs the reader that wait, once: the hand-over
+/// then goes on in its own thread and the reader answers with what the
+/// store has.
+pub fn take_rows_from_python() {
+    if !ROWS_IN_PYTHON.load(Ordering::Acquire) {
+        return;
+    }
+    if FLUSHING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("rankscope-rows".into())
+        .spawn(move || {
+            crate::gil::attach(|py| {
+                // Only a module the program has loaded is asked.
+                let loaded = py
+                    .import("sys")
+                    .and_then(|sys| sys.getattr("modules"))
+                    .and_then(|modules| modules.get_item("rankscope._probe.torch.tables"));
+                if let Ok(tables) = loaded {
+                    let _ = tables.call_method0("flush");
+                }
+            });
+            FLUSHING.store(false, Ordering::Release);
+            let _ = done.send(());
+        });
+    if spawned.is_err() {
+        FLUSHING.store(false, Ordering::Release);
+        return;
+    }
+    let _ = wait.recv_timeout(FLUSH_WAIT);
 }
 
 fn ts_and_cells(row: &Bound<'_, PyAny>) -> PyResult<(f64, Vec<Cell>)> {

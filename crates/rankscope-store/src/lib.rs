@@ -95,7 +95,7 @@ struct Table {
     ring: VecDeque<Arc<Row>>,
     /// Rows not yet handed to the disk (bounded like the ring: a disk that
     /// cannot keep up loses the oldest, counted in `unspilled_dropped`).
-    unspilled: Vec<Arc<Row>>,
+    unspilled: VecDeque<Arc<Row>>,
     unspilled_dropped: u64,
     appended: u64,
     /// Rows still changing (a collective in flight), by the caller's key:
@@ -112,7 +112,7 @@ impl Table {
         Table {
             def,
             ring: VecDeque::new(),
-            unspilled: Vec::new(),
+            unspilled: VecDeque::new(),
             unspilled_dropped: 0,
             appended: 0,
             open: BTreeMap::new(),
@@ -190,6 +190,15 @@ impl Store {
         cells: Vec<Cell>,
     ) -> Result<(&'static TableDef, Arc<Row>), StoreError> {
         let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
+        Ok((def, self.row_of(def, ts_seconds, cells)?))
+    }
+
+    fn row_of(
+        &self,
+        def: &'static TableDef,
+        ts_seconds: f64,
+        mut cells: Vec<Cell>,
+    ) -> Result<Arc<Row>, StoreError> {
         if cells.len() != def.columns.len() {
             return Err(StoreError::Arity {
                 table: def.name.to_string(),
@@ -197,19 +206,14 @@ impl Store {
                 got: cells.len() + 1,
             });
         }
-        let cells = cells
-            .into_iter()
-            .zip(def.columns)
-            .map(|(cell, column)| cell.coerce(column.ty))
-            .collect();
-        Ok((
-            def,
-            Arc::new(Row {
-                ts_us: (ts_seconds * 1e6).round() as i64,
-                rank: self.rank(),
-                cells,
-            }),
-        ))
+        for (cell, column) in cells.iter_mut().zip(def.columns) {
+            *cell = std::mem::replace(cell, Cell::Null).coerce(column.ty);
+        }
+        Ok(Arc::new(Row {
+            ts_us: (ts_seconds * 1e6).round() as i64,
+            rank: self.rank(),
+            cells,
+        }))
     }
 
     /// Adds one row: `ts` in seconds, then the table's columns in order.
@@ -221,6 +225,22 @@ impl Store {
     ) -> Result<(), StoreError> {
         let (def, row) = self.row(table, ts_seconds, cells)?;
         self.push(def, row, None);
+        Ok(())
+    }
+
+    /// Adds several rows of one table: the table is looked up and the
+    /// lock taken once (a probe hands its rows over in batches).
+    pub fn append_rows(
+        self: &Arc<Self>,
+        table: &str,
+        rows: Vec<(f64, Vec<Cell>)>,
+    ) -> Result<(), StoreError> {
+        let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
+        let made = rows
+            .into_iter()
+            .map(|(ts, cells)| self.row_of(def, ts, cells))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.push_all(def, made);
         Ok(())
     }
 
@@ -260,6 +280,16 @@ impl Store {
     }
 
     fn push(self: &Arc<Self>, def: &'static TableDef, row: Arc<Row>, closes: Option<u64>) {
+        if let Some(key) = closes {
+            let mut state = lock(&self.state);
+            if let Some(entry) = state.tables.get_mut(def.name) {
+                entry.open.remove(&key);
+            }
+        }
+        self.push_all(def, vec![row]);
+    }
+
+    fn push_all(self: &Arc<Self>, def: &'static TableDef, rows: Vec<Arc<Row>>) {
         let spilling = self.config.run_dir.is_some();
         let wake = {
             let mut state = lock(&self.state);
@@ -268,23 +298,22 @@ impl Store {
                 .tables
                 .entry(def.name)
                 .or_insert_with(|| Table::new(def));
-            if let Some(key) = closes {
-                entry.open.remove(&key);
-            }
-            if entry.ring.len() == ring_rows {
-                entry.ring.pop_front();
-            }
-            entry.ring.push_back(row.clone());
-            entry.appended += 1;
             let mut added = 0;
-            if spilling {
-                if entry.unspilled.len() >= ring_rows {
-                    entry.unspilled.remove(0);
-                    entry.unspilled_dropped += 1;
-                } else {
-                    added = 1;
+            for row in rows {
+                if entry.ring.len() == ring_rows {
+                    entry.ring.pop_front();
                 }
-                entry.unspilled.push(row);
+                entry.ring.push_back(row.clone());
+                entry.appended += 1;
+                if spilling {
+                    if entry.unspilled.len() >= ring_rows {
+                        entry.unspilled.pop_front();
+                        entry.unspilled_dropped += 1;
+                    } else {
+                        added += 1;
+                    }
+                    entry.unspilled.push_back(row);
+                }
             }
             state.waiting += added;
             spilling && state.waiting >= self.config.flush_rows
@@ -323,7 +352,7 @@ impl Store {
             .map(|t| {
                 (
                     t.def,
-                    std::mem::take(&mut t.unspilled),
+                    Vec::from(std::mem::take(&mut t.unspilled)),
                     std::mem::take(&mut t.unspilled_dropped),
                 )
             })

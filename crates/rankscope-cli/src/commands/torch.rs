@@ -454,9 +454,9 @@ fn trace_line(trace: &Value) -> String {
                 "forward"
             };
             let now = if trace["sampling_now"].as_bool() == Some(true) {
-                format!("hooks on {} modules now", trace["hooked_modules"])
+                format!("{} modules timed now", trace["hooked_modules"])
             } else {
-                "no module hooks now (between sampled steps)".to_string()
+                "no module timed now (between sampled steps)".to_string()
             };
             format!(
             "trace: on, every {} step{}, modules '{}', {stages}; {now}; {} sampled steps; {kept}\n",
@@ -494,7 +494,7 @@ fn trace_on_text(reply: &Value) -> String {
         .as_i64()
         .map(|s| (s / every + 1) * every);
     out += &format!(
-        "trace on: {} modules, every {} step{}{}; the hooks go on at the next step boundary\n",
+        "trace on: {} modules, every {} step{}{}; timing starts at the next step boundary\n",
         reply["modules"],
         every,
         if every == 1 { "" } else { "s" },
@@ -509,8 +509,8 @@ fn trace_on_text(reply: &Value) -> String {
 fn trace_off_text(reply: &Value) -> String {
     let mut out = if reply["was_on"].as_bool() == Some(true) {
         format!(
-            "trace off: {} module hooks removed\n",
-            reply["module_hooks_removed"]
+            "trace off: {} modules as they were\n",
+            reply["modules_restored"]
         )
     } else {
         "trace was off\n".to_string()

@@ -1,8 +1,8 @@
 """The NaN/Inf watch (``torch nan on``): where a non-finite value first
 appeared, into ``python.nan_events`` and a crash-style record.
 
-Armed, a step costs one forward pre- and post-hook on each model's root
-(they keep a reference to the step's input, the RNG state at its start,
+Armed, a step costs a stand-in for the ``forward`` of each model's root
+(``timed.py``: cheaper than forward hooks; it keeps a reference to the step's input, the RNG state at its start,
 and the loss, and put a tensor hook on the output for the gradient that
 reaches it) and, at the optimizer's pre-hook, the gradients' norms in one
 fused kernel (``torch._foreach_norm``) and one finiteness check. On a CPU
@@ -45,7 +45,7 @@ import weakref
 
 import torch
 
-from rankscope._probe.torch import models, tables
+from rankscope._probe.torch import models, tables, timed
 from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors
 
 # Events kept for `torch nan` (the table keeps them all).
@@ -86,6 +86,10 @@ def _nonfinite(value) -> int:
     return sum(_stats([t])[2] or 0 for t in _tensors(value))
 
 
+def _params_with_grads(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
 def _inputs_of(args, kwargs) -> list:
     out = [t for t in _tensors(tuple(args)) if t.is_floating_point()]
     out += [t for t in _tensors(dict(kwargs or {})) if t.is_floating_point()]
@@ -115,7 +119,9 @@ class NanWatch:
         self.tripped_at = None
         self.searching = False
         self.hooked: set = set()
+        self.models_seen = None  # TRACER.models when last compared with `hooked`
         self.sentinels: set = set()
+        self.sentinel_params = None  # (optimizer weakref, its sentinel parameters)
 
     # ---- on and off (probe thread)
 
@@ -131,8 +137,8 @@ class NanWatch:
     def turn_off(self, quiet: bool = False) -> dict:
         self.armed = False
         handles, self.handles = self.handles, []
-        for handle in handles:
-            handle.remove()
+        for entry in handles:
+            timed.take_off(entry)
         TRACER.remove_listener(self)
         self.step = _Step()
         self.pending = []
@@ -146,10 +152,12 @@ class NanWatch:
         """Hooks each model's root (and the loss modules); again whenever
         the models found change (a watch armed before the model existed)."""
         handles, self.handles = self.handles, []
-        for handle in handles:
-            handle.remove()
+        for entry in handles:
+            timed.take_off(entry)
         self.hooked = {id(m) for m in TRACER.live_models()}
+        self.models_seen = TRACER.models
         self.sentinels = set()
+        self.sentinel_params = None
         for model in TRACER.live_models():
             # The smallest trainable parameter of the first module with
             # parameters (upstream of everything after it), or of the next
@@ -161,23 +169,30 @@ class NanWatch:
                     break
             if candidates:
                 self.sentinels.add(id(min(candidates, key=lambda p: p.numel())))
-            self.handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-            self.handles.append(model.register_forward_hook(self._root_post))
+            entry = timed.put_on(model, self._stand_in(model))
+            if entry is not None:
+                self.handles.append(entry)
         for ref in TRACER.losses:
             module = ref()
             if module is not None:
-                self.handles.append(module.register_forward_hook(self._loss_post))
+                entry = timed.put_on(module, lambda inner: timed.Tap(inner, [0, 0], 0, None, self._loss_post))
+                if entry is not None:
+                    self.handles.append(entry)
+
+    def _stand_in(self, model):
+        ref = weakref.ref(model)
+        return lambda inner: timed.Tap(inner, [0, 0], 0, lambda args, kwargs, now: self._root_pre(ref, args, kwargs), self._root_post)
 
     # ---- the cheap part: every step (training thread)
 
-    def _root_pre(self, module, args, kwargs):
+    def _root_pre(self, model_ref, args, kwargs):
         try:
             if self.searching:
                 return
             # A new object each step: a GPU's check is read a step later,
             # with the step it was made for.
             step = self.step = _Step()
-            step.model = weakref.ref(module)
+            step.model = model_ref
             step.args, step.kwargs = args, kwargs
             step.rng = torch.get_rng_state()
             if torch.cuda.is_initialized():
@@ -185,7 +200,7 @@ class NanWatch:
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root pre-hook failed: {type(exc).__name__}: {exc}")
 
-    def _root_post(self, module, args, output):
+    def _root_post(self, args, output):
         try:
             if self.searching:
                 return
@@ -205,7 +220,7 @@ class NanWatch:
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root hook failed: {type(exc).__name__}: {exc}")
 
-    def _loss_post(self, module, args, output):
+    def _loss_post(self, args, output):
         try:
             if not self.searching and isinstance(output, torch.Tensor) and output.dim() == 0:
                 self.step.loss = output.detach()
@@ -215,8 +230,18 @@ class NanWatch:
     def optimizer_pre(self, optimizer, step_number):
         if not self.armed:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        self._check(step_number, optimizer, params)
+        if self.checked_steps % FULL_EVERY == 0 or not self.sentinels:
+            params = _params_with_grads(optimizer)
+            self._check(step_number, params, [p.grad for p in params])
+            return
+        # Most steps: the sentinels' gradients only, and no list of every
+        # parameter (the search makes one if it runs).
+        cached = self.sentinel_params
+        if cached is None or cached[0]() is not optimizer:
+            mine = [p for group in optimizer.param_groups for p in group["params"] if id(p) in self.sentinels]
+            cached = self.sentinel_params = (weakref.ref(optimizer), mine)
+        grads = [p.grad for p in cached[1] if p.grad is not None]
+        self._check(step_number, lambda: _params_with_grads(optimizer), grads)
 
     def optimizer_post(self, optimizer, step_number):
         pass
@@ -228,20 +253,25 @@ class NanWatch:
             # No optimizer marks the step: the gradients are checked here
             # (the program has applied them already).
             params = [p for model in TRACER.live_models() for p in model.parameters() if p.grad is not None]
-            self._check(step_number - 1 if step_number else 0, None, params)
+            full = self.checked_steps % FULL_EVERY == 0 or not self.sentinels
+            grads = [p.grad for p in params if full or id(p) in self.sentinels]
+            self._check(step_number - 1 if step_number else 0, params, grads)
         # A check that has not arrived waits for a later boundary (four at most).
         pending, self.pending = self.pending, []
         for entry in pending:
             if not self._read_gpu_flag(*entry):
                 self.pending.append(entry)
         del self.pending[:-4]
-        if {id(m) for m in TRACER.live_models()} != self.hooked:
-            self._hook_roots()
+        if TRACER.models is not self.models_seen:
+            # The tracer found its models again: hooked anew where they changed.
+            self.models_seen = TRACER.models
+            if {id(m) for m in TRACER.live_models()} != self.hooked:
+                self._hook_roots()
 
-    def _check(self, step_number, optimizer, params):
+    def _check(self, step_number, params, grads):
+        """`params`: the step's parameters with gradients, or a function
+        that lists them (called only on a trip)."""
         loss = self.step.loss
-        full = self.checked_steps % FULL_EVERY == 0 or not self.sentinels
-        grads = [p.grad for p in params if full or id(p) in self.sentinels]
         values = list(torch._foreach_norm(grads)) if grads else []
         if loss is not None:
             values.append(loss)
@@ -273,6 +303,8 @@ class NanWatch:
 
     def _trip(self, step_number, step, params, late):
         self.tripped_at = step_number
+        if callable(params):
+            params = params()
         self.searching = True
         try:
             event = self._search(step, params, late)

@@ -9,6 +9,7 @@ likewise, and the update's norm from a copy of the weights taken there and
 compared at the post-hook. That copy is taken only while the parameters
 come to at most ``RANKSCOPE_GRAD_UPDATE_MB`` (256 MB by default), so the
 feature never doubles a large model's memory; past it the ratio is null.
+Up to 16 MB the copies are kept between sampled steps and copied into.
 A non-finite count is computed only for a gradient whose norm is not
 finite (it is 0 otherwise). Everything is read with one transfer per step:
 at once on a CPU, through a CUDA event at a later boundary on a GPU.
@@ -37,6 +38,8 @@ from rankscope._probe.torch import models, tables
 from rankscope._probe.torch.trace import TRACER, _tensors
 
 WARMUP = 3
+# Up to this size the weights' copies are kept between sampled steps.
+KEEP_COPIES_BYTES = 16 << 20
 EXPLODING, VANISHING = 10.0, 0.01
 DECAY = 0.9
 
@@ -86,6 +89,7 @@ class GradStats:
         self.waiting: list = []  # (resolver, rows meta) read at a later boundary
         self.cap = int(os.environ.get("RANKSCOPE_GRAD_UPDATE_MB", "256") or 256) << 20
         self.params = 0
+        self.kept = None  # (optimizer weakref, buffers): the last copies, for a small model
 
     def turn_on(self, every: int) -> dict:
         if every < 1:
@@ -101,12 +105,14 @@ class GradStats:
         self.on = False
         TRACER.remove_listener(self)
         self.before.clear()
+        self.kept = None
         return self.describe()
 
     def failed(self, reason: str) -> None:
         self.disabled = reason
         self.on = False
         self.before.clear()
+        self.kept = None
 
     def _name_params(self):
         names = {}
@@ -137,8 +143,33 @@ class GradStats:
             weights = torch._foreach_norm([p.detach() for p in params])
             stacked = torch.stack([torch.stack(list(norms)), maxes if isinstance(maxes, torch.Tensor) else torch.stack(list(maxes)), torch.stack(list(weights))]).float()
             size = sum(p.numel() * p.element_size() for p in params)
-            copies = [p.detach().clone() for p in params] if size <= self.cap else None
+            copies = self._copies(optimizer, params, size)
         self.before[id(optimizer)] = (step, params, stacked, copies)
+
+    def _copies(self, optimizer, params, size):
+        """The weights before the update, for its norm: into buffers kept
+        from the last sampled step for a small model (allocating them each
+        time cost more than copying), fresh ones up to the cap, else None."""
+        if size > self.cap:
+            return None
+        weights = [p.detach() for p in params]
+        if size > KEEP_COPIES_BYTES:
+            self.kept = None
+            return [w.clone() for w in weights]
+        kept = self.kept
+        if kept is not None and kept[0]() is optimizer and len(kept[1]) == len(weights) and all(
+            b.shape == w.shape and b.dtype == w.dtype and b.device == w.device for b, w in zip(kept[1], weights)
+        ):
+            copy = getattr(torch, "_foreach_copy_", None)
+            if copy is not None:
+                copy(kept[1], weights)
+            else:
+                for buffer, weight in zip(kept[1], weights):
+                    buffer.copy_(weight)
+            return kept[1]
+        copies = [w.clone() for w in weights]
+        self.kept = (weakref.ref(optimizer), copies)
+        return copies
 
     def optimizer_post(self, optimizer, step):
         taken = self.before.pop(id(optimizer), None)

@@ -10,14 +10,17 @@ all removed when the trace goes off:
   are edited from a probe thread only while no thread is inside an
   optimizer step (``_native.edit_unless_running``), and from the training
   thread only where that is safe (see ``_unhook_from_post``).
-* forward pre/post hooks on the found models' modules that match the glob
-  (and always on each model's root, for the step's figures): attached only
-  around sampled steps, at the end of the step before one and removed at
-  its end, so an unsampled step runs with no module hook at all.
+* a stand-in for ``forward`` on each of the found models' modules that
+  match the glob (and always on each model's root, for the step's
+  figures), put on only around sampled steps, at the end of the step
+  before one and taken off at its end, so an unsampled step runs the
+  modules untouched. Stand-ins (``timed.py``), not forward hooks: a module
+  with a hook leaves torch's fast call path, and on a small MLP the hooks
+  cost ten times what the stand-ins do.
 * with ``backward``: tensor hooks on each module's output (the gradient
   reaching it: its backward starts) and on its inputs that need a gradient
-  (the gradient leaving it: its backward ends), registered in the forward
-  hooks of a sampled step and gone with that step's graph. Module backward
+  (the gradient leaving it: its backward ends), registered by the
+  stand-ins in a sampled step and gone with that step's graph. Module backward
   hooks (``register_full_backward_hook``) are not used: they wrap inputs
   and outputs in an autograd Function, and a module that then modifies its
   input in place (``ReLU(inplace=True)``) fails.
@@ -37,7 +40,7 @@ import weakref
 import torch
 
 from rankscope import _native
-from rankscope._probe.torch import models, tables
+from rankscope._probe.torch import models, tables, timed
 
 _perf = time.perf_counter_ns
 # How long a probe thread waits for the training thread to leave an
@@ -45,6 +48,9 @@ _perf = time.perf_counter_ns
 EDIT_WAIT_S = 2.0
 # Without an optimizer, models are looked for again at steps 1, 2, 4, ...
 MAX_REDISCOVERY_INTERVAL = 1024
+# The memory timeline's rows carry the step (``_native.set_step``), told at
+# most this often: a call into the probe per step is a cost of its own.
+STEP_TOLD_NS = 20_000_000
 
 
 class UserError(Exception):
@@ -56,7 +62,9 @@ def _ms(ns):
 
 
 class _Slot:
-    """One hooked module and what it did in the step being sampled."""
+    """One timed module. Its calls' time and count in the step being
+    sampled are in the tracer's ``acc`` at ``at`` and ``at + 1``; the rest
+    is for the modules that need more than a time (GPU, ``--backward``)."""
 
     __slots__ = (
         "name",
@@ -64,10 +72,7 @@ class _Slot:
         "depth",
         "rows",
         "cuda",
-        "starts",
-        "ends",
-        "fwd_ns",
-        "calls",
+        "at",
         "open_events",
         "events",
         "bwd_start",
@@ -81,35 +86,20 @@ class _Slot:
         "end_hook",
     )
 
-    def __init__(self, name, type_name, depth, rows, cuda):
-        self.name, self.type, self.depth, self.rows, self.cuda = name, type_name, depth, rows, cuda
-        self.starts: list = []
-        self.ends: list = []
+    def __init__(self, name, type_name, depth, rows, cuda, at):
+        self.name, self.type, self.depth, self.rows, self.cuda, self.at = name, type_name, depth, rows, cuda, at
         self.open_events: list = []
         self.mem_starts: list = []
         self.start_hook = self.end_hook = None
         self.reset()
 
     def reset(self):
-        self.starts.clear()
-        self.ends.clear()
         self.open_events.clear()
         self.mem_starts.clear()
         self.alloc_delta = self.peak_delta = 0
-        self.fwd_ns = self.calls = self.bwd_ns = self.bwd_calls = 0
+        self.bwd_ns = self.bwd_calls = 0
         self.events = []
         self.bwd_start = self.bwd_end = None
-
-
-    def settle(self):
-        """The step's forward time from its calls' start and end times. The
-        hooks only append a clock reading (the sums pair them, however calls
-        nest); a call that raised has no end, and its start (the last) is
-        left out."""
-        ends, starts = self.ends, self.starts
-        if ends:
-            self.calls = len(ends)
-            self.fwd_ns = sum(ends) - sum(starts[: len(ends)])
 
 
 def _cuda_event():
@@ -210,10 +200,17 @@ class Tracer:
         self.marker = None
         self.step = None  # the step in progress
         self.last_end = None
+        self.step_told = 0
         self.sampling = False
         self.sampled_steps = 0
         self.slots: list = []
-        self.handles: list = []
+        self.full: list = []  # the slots with more than a time to reset each step
+        # Each slot's calls' ns and count in the sampled step, side by side.
+        self.acc: list = []
+        self.zeros: list = []
+        self.plan_id = None  # the store's copy of the rows' fixed cells (_native.trace_plan)
+        self.plan_fixed = None
+        self.handles: list = []  # what timed.take_off needs, one per stand-in
         self.opt_hooks = None  # [(pre dict, id) or None, (post dict, id) or None]
         self.errors = 0
         self.disabled = None
@@ -308,9 +305,17 @@ class Tracer:
             self._detach()
             idle = not self.listeners
         done = self._stop_clock(wait_s) if idle else True
-        return {"was_on": was_on, "module_hooks_removed": removed, "optimizer_hooks_removed": done}
+        try:
+            tables.flush()
+        except Exception:  # noqa: BLE001 - the rows stay for the next hand-over
+            pass
+        return {"was_on": was_on, "modules_restored": removed, "optimizer_hooks_removed": done}
 
     def _stop_clock(self, wait_s) -> bool:
+        try:
+            tables.flush()
+        except Exception:  # noqa: BLE001 - the rows stay for the next hand-over
+            pass
         with self.lock:
             self.on = False
             import rankscope
@@ -501,20 +506,24 @@ class Tracer:
             if completed is None:
                 completed = 1 if self.step is None else self.step + 1
             self.step = completed
-            _native.set_step(completed)  # the memory timeline's rows carry it
+            if now - self.step_told >= STEP_TOLD_NS:
+                _native.set_step(completed)
+                self.step_told = now
             self.last_end = now
             self._reset_step()
             if self.tracing and self.step % self.every == 0:
                 if self.handles:
-                    for slot in self.slots:
+                    self.acc[:] = self.zeros
+                    for slot in self.full:
                         slot.reset()
                 else:
                     self._attach()
                 self.sampling = bool(self.handles)
-            else:
+            elif self.handles or self.sampling:
                 self._detach()
         if self.listeners:
             self._tell("boundary", self.step)
+        tables.hand_over_if_due(now)
 
     def _finish_step(self, now):
         wall = time.time()
@@ -523,13 +532,12 @@ class Tracer:
         row = [wall, step, sampled, _ms(duration), None, None, None, _ms(self.opt_ns) if self.opt_calls else None, None, None, None]
         if sampled:
             self.sampled_steps += 1
-            for slot in self.slots:
-                slot.settle()
+            acc = self.acc
             if self.first_fwd is not None and self.last_end is not None:
                 row[4] = _ms(self.first_fwd - self.last_end)
-            roots = [slot for slot in self.slots if slot.depth == 0]
-            if any(slot.calls for slot in roots):
-                row[5] = _ms(sum(slot.fwd_ns for slot in roots))
+            roots = [slot.at for slot in self.slots if slot.depth == 0]
+            if any(acc[at + 1] for at in roots):
+                row[5] = _ms(sum(acc[at] for at in roots))
             if self.backward and self.bwd_ns:
                 row[6] = _ms(self.bwd_ns)
             pending = self._loss_into(row, 8)
@@ -564,14 +572,19 @@ class Tracer:
         return [(index, resolve)]
 
     def _trace_rows(self, wall, step):
+        acc = self.acc
+        if self.plan_id is not None:
+            # The forward rows of the modules on a CPU: made by the store
+            # from a copy of the counters.
+            tables.post_trace(self.plan_id, (wall, step, acc[:]))
         whole = []  # handed over in one call
-        for slot in self.slots:
+        for slot in self.full:
             if not slot.rows:
                 continue
-            if slot.calls:
-                row = [wall, step, slot.name, slot.type, slot.depth, "forward", slot.calls, _ms(slot.fwd_ns), None, None, None]
-                if slot.cuda:
-                    row[9], row[10] = slot.alloc_delta / 2**20, slot.peak_delta / 2**20
+            calls = acc[slot.at + 1]
+            if calls and slot.cuda:
+                row = [wall, step, slot.name, slot.type, slot.depth, "forward", calls, acc[slot.at] / 1e6, None, None, None]
+                row[9], row[10] = slot.alloc_delta / 2**20, slot.peak_delta / 2**20
                 if slot.events:
                     tables.append("torch_trace", row, [(8, _gpu_ms(slot.events))])
                 else:
@@ -581,58 +594,66 @@ class Tracer:
                 whole.append([wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None, None, None])
         tables.extend("torch_trace", whole)
 
-    # ---- module hooks, around sampled steps only
+    # ---- the stand-ins, around sampled steps only
 
     def _attach(self):
         self._detach()
-        slots, handles = [], []
+        slots, handles, full = [], [], []
+        acc: list = []
+        fixed: list = []  # per pair in acc: the row's fixed cells, for the store's plan
         try:
             for ref, name, type_name, depth, rows, is_root, cuda in self.plan:
                 module = ref()
                 if module is None:
                     continue
-                slot = _Slot(name, type_name, depth, rows, cuda and torch.cuda.is_available())
-                pre, post = self._hooks(slot, is_root)
-                handles.append(module.register_forward_pre_hook(pre, with_kwargs=is_root))
-                handles.append(module.register_forward_hook(post))
+                slot = _Slot(name, type_name, depth, rows, cuda and torch.cuda.is_available(), len(acc))
+                acc += (0, 0)
+                fixed.append((name, type_name, depth, "forward") if rows and not slot.cuda else None)
+                entry = timed.put_on(module, self._stand_in(slot, is_root, acc))
+                if entry is None:
+                    continue
+                handles.append(entry)
                 slots.append(slot)
+                if slot.cuda or self.backward:
+                    full.append(slot)
             for ref in self.losses:
                 module = ref()
                 if module is not None:
-                    handles.append(module.register_forward_hook(self._loss_hook))
+                    at = len(acc)  # its own counters: the loss module is not traced
+                    acc += (0, 0)
+                    fixed.append(None)
+                    entry = timed.put_on(module, lambda inner, at=at: timed.Tap(inner, acc, at, None, self._loss_out))
+                    if entry is not None:
+                        handles.append(entry)
         finally:
-            self.slots, self.handles = slots, handles
+            self.slots, self.handles, self.full = slots, handles, full
+            self.acc, self.zeros = acc, [0] * len(acc)
+            if fixed != self.plan_fixed:
+                # The same modules as at the last sampled step keep their
+                # plan (the store keeps a few; rows wait for it in the outbox).
+                self.plan_fixed = fixed
+                self.plan_id = _native.trace_plan(fixed) if any(fixed) else None
 
     def _detach(self):
         handles, self.handles = self.handles, []
         self.sampling = False
-        for handle in handles:
-            handle.remove()
+        for entry in handles:
+            timed.take_off(entry)
 
-    def _hooks(self, slot, is_root):
-        tracer, perf, starts, ends = self, _perf, slot.starts, slot.ends
-        backward = self.backward
-        cuda = slot.cuda
+    def _stand_in(self, slot, is_root, acc):
+        """What stands in for the module's forward: most modules only add
+        their time (the trace's main cost, on every module call of a
+        sampled step); a root, a GPU module or --backward does more."""
+        at = slot.at
+        backward, cuda = self.backward, slot.cuda
+        if not (is_root or backward or cuda):
+            return lambda inner: timed.Timed(inner, acc, at)
+        tracer = self
         if backward:
             slot.start_hook, slot.end_hook = self._gradient_hooks(slot)
-        if not (is_root or backward or cuda):
-            # Most modules: a clock reading each side and nothing else (they
-            # run on every module call of a sampled step: this is the
-            # trace's main cost). Neither can raise.
-            start, end = starts.append, ends.append
 
-            def pre_fast(module, args):
-                start(perf())
-
-            def post_fast(module, args, output):
-                end(perf())
-
-            return pre_fast, post_fast
-
-        def pre(module, args, kwargs=None):
+        def before(args, kwargs, now):
             try:
-                now = perf()
-                starts.append(now)
                 if is_root:
                     tracer._root_input(now, args, kwargs)
                 if backward:
@@ -643,11 +664,10 @@ class Tracer:
                     _memory_start(slot)
                     slot.open_events.append(_cuda_event())
             except Exception as exc:  # noqa: BLE001
-                tracer._fail(f"the forward pre-hook of {slot.name}", exc)
+                tracer._fail(f"the trace's start of {slot.name}", exc)
 
-        def post(module, args, output):
+        def after(args, output):
             try:
-                ends.append(perf())
                 if cuda and slot.open_events:
                     slot.events.append((slot.open_events.pop(), _cuda_event()))
                     _memory_end(slot)
@@ -660,9 +680,9 @@ class Tracer:
                         if tensor.requires_grad:
                             tensor.register_hook(slot.start_hook)
             except Exception as exc:  # noqa: BLE001
-                tracer._fail(f"the forward hook of {slot.name}", exc)
+                tracer._fail(f"the trace's end of {slot.name}", exc)
 
-        return pre, post
+        return lambda inner: timed.Tap(inner, acc, at, before, after)
 
     def _root_input(self, now, args, kwargs):
         if self.first_fwd is None:
@@ -675,12 +695,12 @@ class Tracer:
         self.loss = loss.detach()
         self.loss_event = _cuda_event() if loss.is_cuda else None
 
-    def _loss_hook(self, module, args, output):
+    def _loss_out(self, args, output):
         try:
             if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
                 self._take_loss(output)
         except Exception as exc:  # noqa: BLE001
-            self._fail(f"the forward hook of the loss {type(module).__name__}", exc)
+            self._fail("the trace's end of the loss module", exc)
 
     def _gradient_hooks(self, slot):
         tracer, perf = self, _perf
@@ -738,7 +758,7 @@ class Tracer:
             "modules": self.glob,
             "backward": self.backward,
             "hooked_modules": len(self.slots) if self.handles else 0,
-            "module_hooks": len(self.handles),
+            "stand_ins": len(self.handles),
             "optimizer_hooks": 0 if self.opt_hooks is None else sum(1 for entry in self.opt_hooks if entry is not None),
             "sampling_now": self.sampling,
             "sampled_steps": self.sampled_steps,
