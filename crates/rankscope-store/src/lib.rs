@@ -511,6 +511,36 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_lands_in_order_or_not_at_all() {
+        let mut c = config(None);
+        c.ring_rows = 4;
+        let store = Store::new(c);
+        let batch: Vec<(f64, Vec<Cell>)> = (0..6).map(|s| (1.0, step_row(s))).collect();
+        store.append_rows("torch_steps", batch).unwrap();
+        let steps = |store: &Arc<Store>| -> Vec<i64> {
+            let all = store.read_json("torch_steps", None, &[], false).unwrap();
+            all["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r[1].as_i64().unwrap())
+                .collect()
+        };
+        assert_eq!(
+            steps(&store),
+            vec![2, 3, 4, 5],
+            "the ring keeps the batch's newest"
+        );
+        // One short row: none of the batch is added.
+        let bad = vec![(2.0, step_row(6)), (2.0, vec![Cell::Int(7)])];
+        assert!(matches!(
+            store.append_rows("torch_steps", bad),
+            Err(StoreError::Arity { .. })
+        ));
+        assert_eq!(steps(&store), vec![2, 3, 4, 5]);
+    }
+
+    #[test]
     fn the_ring_keeps_the_newest_rows_and_filters_them() {
         let mut c = config(None);
         c.ring_rows = 3;
