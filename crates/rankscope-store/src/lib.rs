@@ -517,17 +517,8 @@ mod tests {
         let store = Store::new(c);
         let batch: Vec<(f64, Vec<Cell>)> = (0..6).map(|s| (1.0, step_row(s))).collect();
         store.append_rows("torch_steps", batch).unwrap();
-        let steps = |store: &Arc<Store>| -> Vec<i64> {
-            let all = store.read_json("torch_steps", None, &[], false).unwrap();
-            all["rows"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|r| r[1].as_i64().unwrap())
-                .collect()
-        };
         assert_eq!(
-            steps(&store),
+            steps_in(&store),
             vec![2, 3, 4, 5],
             "the ring keeps the batch's newest"
         );
@@ -537,7 +528,17 @@ mod tests {
             store.append_rows("torch_steps", bad),
             Err(StoreError::Arity { .. })
         ));
-        assert_eq!(steps(&store), vec![2, 3, 4, 5]);
+        assert_eq!(steps_in(&store), vec![2, 3, 4, 5]);
+    }
+
+    fn steps_in(store: &Arc<Store>) -> Vec<i64> {
+        let all = store.read_json("torch_steps", None, &[], false).unwrap();
+        all["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r[1].as_i64().unwrap())
+            .collect()
     }
 
     #[test]
@@ -553,13 +554,7 @@ mod tests {
         let all = store
             .read_json("python.torch_steps", None, &[], false)
             .unwrap();
-        let steps: Vec<i64> = all["rows"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r[1].as_i64().unwrap())
-            .collect();
-        assert_eq!(steps, vec![2, 3, 4]);
+        assert_eq!(steps_in(&store), vec![2, 3, 4]);
         assert_eq!(all["rows"][0][0], json!(102.0), "ts in seconds");
         let late = store
             .read_json(
