@@ -531,7 +531,7 @@ mod tests {
         assert_eq!(steps_in(&store), vec![2, 3, 4, 5]);
     }
 
-    fn steps_in(store: &Arc<Store>) -> Vec<i64> {
+    fn steps_in(store: &Store) -> Vec<i64> {
         let all = store.read_json("torch_steps", None, &[], false).unwrap();
         all["rows"]
             .as_array()
@@ -590,15 +590,7 @@ mod tests {
         let store = Store::new(config(Some(dir.path().to_path_buf())));
         store.append("torch_steps", 1.0, step_row(1)).unwrap();
         store.open_row("torch_steps", 7, 2.0, step_row(2)).unwrap();
-        let steps = |store: &Store| -> Vec<i64> {
-            let all = store.read_json("torch_steps", None, &[], false).unwrap();
-            all["rows"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|r| r[1].as_i64().unwrap())
-                .collect()
-        };
+        let steps = |store: &Store| steps_in(store);
         assert_eq!(steps(&store), vec![1, 2]);
         store.flush();
         let on_disk = |dir: &std::path::Path| -> usize {
