@@ -54,6 +54,11 @@ def discover(objects: list | None = None) -> tuple[list, list, list]:
     return models, found_optimizers, losses
 
 
+def params_with_grads(optimizer) -> list:
+    """The optimizer's parameters that have a gradient this step."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
 def completed_steps(optimizer) -> int | None:
     """How many steps the optimizer has taken, where it keeps that count
     (per-parameter ``state['step']``, as Adam does), read without a device

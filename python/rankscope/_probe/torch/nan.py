@@ -86,10 +86,6 @@ def _nonfinite(value) -> int:
     return sum(_stats([t])[2] or 0 for t in _tensors(value))
 
 
-def _params_with_grads(optimizer) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-
 def _inputs_of(args, kwargs) -> list:
     out = [t for t in _tensors(tuple(args)) if t.is_floating_point()]
     out += [t for t in _tensors(dict(kwargs or {})) if t.is_floating_point()]
@@ -231,7 +227,7 @@ class NanWatch:
         if not self.armed:
             return
         if self.checked_steps % FULL_EVERY == 0 or not self.sentinels:
-            params = _params_with_grads(optimizer)
+            params = models.params_with_grads(optimizer)
             self._check(step_number, params, [p.grad for p in params])
             return
         # Most steps: the sentinels' gradients only, and no list of every
@@ -241,7 +237,7 @@ class NanWatch:
             mine = [p for group in optimizer.param_groups for p in group["params"] if id(p) in self.sentinels]
             cached = self.sentinel_params = (weakref.ref(optimizer), mine)
         grads = [p.grad for p in cached[1] if p.grad is not None]
-        self._check(step_number, lambda: _params_with_grads(optimizer), grads)
+        self._check(step_number, lambda: models.params_with_grads(optimizer), grads)
 
     def optimizer_post(self, optimizer, step_number):
         pass

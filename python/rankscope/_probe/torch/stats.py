@@ -126,7 +126,7 @@ class GradStats:
     def optimizer_pre(self, optimizer, step):
         if not self.on or step % self.every:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = models.params_with_grads(optimizer)
         if not params:
             return
         if any(id(p) not in self.names for p in params):
