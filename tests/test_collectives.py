@@ -89,8 +89,9 @@ def test_cluster_bt_names_the_collective_and_the_rank_that_never_joined(default_
         rows = json.loads(flying.stdout)
         assert [(r["rank"], r["seq"], r["op"]) for r in rows] == [(0, 6, "all_reduce"), (1, 6, "all_reduce"), (3, 6, "all_reduce")], rows
         assert all(r["group_size"] == 4 and r["shapes"] == "4" and r["bytes"] == 16 and r["caller"].startswith("<module> (hang.py:") for r in rows), rows
-        done = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n, max(seq) AS last FROM python.collectives WHERE state = 'done' GROUP BY rank ORDER BY rank", "--format", "csv")
-        assert done.stdout.split() == ["rank,n,last", "0,5,5", "1,5,5", "2,5,5", "3,5,5"], done.stdout
+        done = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n, max(seq) AS last, sum(CASE WHEN end_ts >= ts AND duration_ms >= 0 AND shapes = '4' THEN 1 ELSE 0 END) AS whole FROM python.collectives WHERE state = 'done' GROUP BY rank ORDER BY rank", "--format", "csv")
+        # A finished row keeps what it was opened with and gains its end.
+        assert done.stdout.split() == ["rank,n,last,whole", "0,5,5,5", "1,5,5,5", "2,5,5,5", "3,5,5,5"], done.stdout
 
         status = cli("cluster", "torch", "--run", run, "collectives", "--ranks", "0")
         assert status.returncode == 0, status.stderr

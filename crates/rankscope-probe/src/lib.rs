@@ -267,7 +267,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory::set_step, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_now, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_row, m)?)?;
-    m.add_function(wrap_pyfunction!(store::table_close, m)?)?;
+    m.add_function(wrap_pyfunction!(store::table_finish, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
     Ok(())

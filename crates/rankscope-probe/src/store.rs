@@ -149,7 +149,9 @@ pub fn table_extend(name: &str, rows: &Bound<'_, PyAny>) -> PyResult<()> {
 /// a module timed for the step's figures only. A plan is made when the
 /// stand-ins go on and kept while its rows may still come; the last few
 /// are enough.
-static TRACE_PLANS: Mutex<Vec<(u64, Arc<Vec<Option<[Cell; 4]>>>)>> = Mutex::new(Vec::new());
+/// Per timed module: its fixed cells, or None (timed for the step only).
+type TracePlan = Arc<Vec<Option<[Cell; 4]>>>;
+static TRACE_PLANS: Mutex<Vec<(u64, TracePlan)>> = Mutex::new(Vec::new());
 static NEXT_PLAN: AtomicU64 = AtomicU64::new(1);
 const TRACE_PLANS_KEPT: usize = 8;
 
@@ -283,7 +285,7 @@ fn ts_and_cells(row: &Bound<'_, PyAny>) -> PyResult<(f64, Vec<Cell>)> {
 }
 
 /// A row that is still changing (a collective in flight), shown under
-/// `key` until `table_close` gives its last form.
+/// `key` until `table_finish` gives its last cells.
 #[pyfunction]
 pub fn table_open(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()> {
     let (ts, cells) = ts_and_cells(row)?;
@@ -292,11 +294,29 @@ pub fn table_open(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()> 
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// The open row `key` is done and only the cells at `at` (counted after
+/// ts) changed, to `values`: what a collective's end changes, without its
+/// other cells crossing over again. False: the row was no longer open.
 #[pyfunction]
-pub fn table_close(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()> {
-    let (ts, cells) = ts_and_cells(row)?;
+pub fn table_finish(
+    name: &str,
+    key: u64,
+    at: Vec<usize>,
+    values: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let values = values
+        .try_iter()?
+        .map(|v| v.map(|v| cell(&v)))
+        .collect::<PyResult<Vec<Cell>>>()?;
+    if values.len() != at.len() {
+        return Err(PyValueError::new_err(format!(
+            "table_finish: {} columns but {} values",
+            at.len(),
+            values.len()
+        )));
+    }
     store()
-        .close_row(name, key, ts, cells)
+        .finish_row(name, key, at.into_iter().zip(values).collect())
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 

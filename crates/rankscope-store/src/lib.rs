@@ -45,6 +45,8 @@ pub enum StoreError {
         expected: usize,
         got: usize,
     },
+    #[error("{table} has no column {at} (counted after ts, from 0)")]
+    NoColumn { table: String, at: usize },
     #[error("{0}")]
     Io(#[from] std::io::Error),
     #[error("{0}")]
@@ -279,6 +281,44 @@ impl Store {
         Ok(())
     }
 
+    /// The open row `key` is done, and only the cells at `at` changed
+    /// (a collective's state, end and duration): the row is taken out of
+    /// the open ones and into the ring under one lock, without its other
+    /// cells crossing from the producer again. False: no such open row
+    /// (it was dropped past `MAX_OPEN_ROWS`).
+    pub fn finish_row(
+        self: &Arc<Self>,
+        table: &str,
+        key: u64,
+        changes: Vec<(usize, Cell)>,
+    ) -> Result<bool, StoreError> {
+        let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
+        if let Some(&(at, _)) = changes.iter().find(|(at, _)| *at >= def.columns.len()) {
+            return Err(StoreError::NoColumn {
+                table: def.name.to_string(),
+                at,
+            });
+        }
+        let wake = {
+            let mut state = lock(&self.state);
+            let Some(open) = state
+                .tables
+                .get_mut(def.name)
+                .and_then(|t| t.open.remove(&key))
+            else {
+                return Ok(false);
+            };
+            // A reader may still hold the open form: it keeps its copy.
+            let mut row = Arc::try_unwrap(open).unwrap_or_else(|shared| (*shared).clone());
+            for (at, cell) in changes {
+                row.cells[at] = cell.coerce(def.columns[at].ty);
+            }
+            self.push_locked(&mut state, def, vec![Arc::new(row)])
+        };
+        self.after_push(wake);
+        Ok(true)
+    }
+
     fn push(self: &Arc<Self>, def: &'static TableDef, row: Arc<Row>, closes: Option<u64>) {
         if let Some(key) = closes {
             let mut state = lock(&self.state);
@@ -290,35 +330,42 @@ impl Store {
     }
 
     fn push_all(self: &Arc<Self>, def: &'static TableDef, rows: Vec<Arc<Row>>) {
+        let wake = self.push_locked(&mut lock(&self.state), def, rows);
+        self.after_push(wake);
+    }
+
+    /// Puts rows into their ring (and the spill's queue) under the state's
+    /// lock; true: enough rows wait that the spill thread should wake.
+    fn push_locked(&self, state: &mut State, def: &'static TableDef, rows: Vec<Arc<Row>>) -> bool {
         let spilling = self.config.run_dir.is_some();
-        let wake = {
-            let mut state = lock(&self.state);
-            let ring_rows = self.config.ring_rows.max(1);
-            let entry = state
-                .tables
-                .entry(def.name)
-                .or_insert_with(|| Table::new(def));
-            let mut added = 0;
-            for row in rows {
-                if entry.ring.len() == ring_rows {
-                    entry.ring.pop_front();
-                }
-                entry.ring.push_back(row.clone());
-                entry.appended += 1;
-                if spilling {
-                    if entry.unspilled.len() >= ring_rows {
-                        entry.unspilled.pop_front();
-                        entry.unspilled_dropped += 1;
-                    } else {
-                        added += 1;
-                    }
-                    entry.unspilled.push_back(row);
-                }
+        let ring_rows = self.config.ring_rows.max(1);
+        let entry = state
+            .tables
+            .entry(def.name)
+            .or_insert_with(|| Table::new(def));
+        let mut added = 0;
+        for row in rows {
+            if entry.ring.len() == ring_rows {
+                entry.ring.pop_front();
             }
-            state.waiting += added;
-            spilling && state.waiting >= self.config.flush_rows
-        };
-        if spilling {
+            entry.ring.push_back(row.clone());
+            entry.appended += 1;
+            if spilling {
+                if entry.unspilled.len() >= ring_rows {
+                    entry.unspilled.pop_front();
+                    entry.unspilled_dropped += 1;
+                } else {
+                    added += 1;
+                }
+                entry.unspilled.push_back(row);
+            }
+        }
+        state.waiting += added;
+        spilling && state.waiting >= self.config.flush_rows
+    }
+
+    fn after_push(self: &Arc<Self>, wake: bool) {
+        if self.config.run_dir.is_some() {
             self.ensure_thread();
         }
         if wake {
@@ -609,6 +656,33 @@ mod tests {
         );
         store.flush();
         assert_eq!(on_disk(dir.path()), 2);
+    }
+
+    #[test]
+    fn a_finished_open_row_keeps_its_other_cells_and_is_spilled_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(config(Some(dir.path().to_path_buf())));
+        let opened = step_row(2);
+        store
+            .open_row("torch_steps", 7, 2.0, opened.clone())
+            .unwrap();
+        assert!(store
+            .finish_row("torch_steps", 7, vec![(0, Cell::Int(5))])
+            .unwrap());
+        assert_eq!(steps_in(&store), vec![5]);
+        let ring = lock(&store.state).tables["torch_steps"].ring.clone();
+        assert_eq!(ring[0].cells[1..], opened[1..], "only the step changed");
+        assert!(
+            !store.finish_row("torch_steps", 7, vec![]).unwrap(),
+            "finished once"
+        );
+        assert!(matches!(
+            store.finish_row("torch_steps", 8, vec![(999, Cell::Null)]),
+            Err(StoreError::NoColumn { at: 999, .. })
+        ));
+        store.flush();
+        let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, None).unwrap();
+        assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 1);
     }
 
     #[test]

@@ -33,6 +33,7 @@ an injected probe records only once asked (``torch collectives on``).
 from __future__ import annotations
 
 import _thread
+import itertools
 import os
 import sys
 import time
@@ -61,10 +62,18 @@ OPS = (
 _WRAPPED = "__rankscope_collective__"
 
 
-class _Group:
-    __slots__ = ("name", "members", "size", "rank", "seq", "last_op", "count")
+# The cells of a row (counted after ts) that a collective's end changes:
+# state, end_ts and duration_ms.
+_END_CELLS = (6, 11, 12)
 
-    def __init__(self, name, members, size, rank):
+
+class _Group:
+    __slots__ = ("of", "name", "members", "size", "rank", "seq", "last_op", "count")
+
+    def __init__(self, of, name, members, size, rank):
+        # `of`: the group itself, so that a new group at a freed one's id is
+        # not taken for it (the groups a job makes live as long as it).
+        self.of = of
         self.name, self.members, self.size, self.rank = name, members, size, rank
         self.seq = 0
         self.last_op = None
@@ -76,11 +85,12 @@ class Recorder:
         self.on = False
         self.originals: dict = {}  # op -> the function wrapped
         self.groups: dict = {}  # id(process group) -> _Group
-        self.keys = 0
-        self.in_flight: dict = {}  # key -> (op, group name, seq, started, caller)
-        self.lock = _thread.allocate_lock()
+        self.keys = itertools.count(1)
+        self.in_flight: dict = {}  # key -> the row as opened
         self.errors = 0
-        self.sites: dict = {}  # (code, line) -> "func (file:line)"
+        self.sites: dict = {}  # (code, instruction) -> "func (file:line)"
+        self.shapes: dict = {}  # (shape, dtype) -> (shapes, dtype, bytes an item)
+        self.tensor_type = None
 
     # ---- on and off
 
@@ -89,8 +99,14 @@ class Recorder:
         if c10d is None:
             raise LookupError("torch.distributed is not imported in this process")
         self._wrap(c10d)
-        self.on = True
+        self.start()
         return self.describe()
+
+    def start(self) -> None:
+        # torch is whole by now (it may still have been importing when the
+        # wrappers went in).
+        self.tensor_type = sys.modules["torch"].Tensor
+        self.on = True
 
     def turn_off(self) -> dict:
         self.on = False
@@ -156,27 +172,57 @@ class Recorder:
     # ---- a call (the program's thread)
 
     def _group(self, group):
-        c10d = sys.modules[_C10D]
         if group is None:
-            group = c10d._get_default_group()
+            # The default group, without c10d's checks on every call; a new
+            # default group (after destroy_process_group) is a new object.
+            group = sys.modules[_C10D].GroupMember.WORLD
         found = self.groups.get(id(group))
-        if found is not None:
-            return group, found
-        if found is None:
-            try:
-                name = c10d._get_process_group_name(group)
-            except Exception:  # noqa: BLE001
-                name = str(len(self.groups))
-            try:
-                members = c10d.get_process_group_ranks(group)
-            except Exception:  # noqa: BLE001
-                members = []
-            found = _Group(str(name), ",".join(map(str, members)), group.size(), group.rank())
-            self.groups[id(group)] = found
+        if found is None or found.of is not group:
+            found = self._new_group(group)
         return group, found
 
+    def _new_group(self, group):
+        c10d = sys.modules[_C10D]
+        if group is None:
+            group = c10d._get_default_group()  # raises as the call itself would
+        try:
+            name = c10d._get_process_group_name(group)
+        except Exception:  # noqa: BLE001
+            name = str(len(self.groups))
+        try:
+            members = c10d.get_process_group_ranks(group)
+        except Exception:  # noqa: BLE001
+            members = []
+        found = _Group(group, str(name), ",".join(map(str, members)), group.size(), group.rank())
+        self.groups[id(group)] = found
+        return found
+
+    def _tensors(self, first):
+        """(shapes, dtype, bytes) of the first argument: the tensor, or
+        the list of tensors, that the call moves."""
+        # type(), not isinstance(): an object list's items may be anything.
+        kind = type(first)
+        if issubclass(kind, self.tensor_type):
+            # A loop sends the same shape again and again: its text is kept.
+            known = self.shapes.get((first.shape, first.dtype))
+            if known is None:
+                known = self._shape_of((first,))
+                if len(self.shapes) < 1024:
+                    self.shapes[(first.shape, first.dtype)] = known
+            return known[0], known[1], first.numel() * known[2]
+        if kind in (list, tuple):
+            tensors = [v for v in first[:4] if issubclass(type(v), self.tensor_type)]
+            if tensors:
+                shapes, dtype, item = self._shape_of(tensors)
+                return shapes, dtype, tensors[0].numel() * item
+        return None, None, None
+
+    @staticmethod
+    def _shape_of(tensors):
+        shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
+        return shapes, str(tensors[0].dtype)[6:], tensors[0].element_size()
+
     def _enter(self, op, args, kwargs, group_at, async_at):
-        tensor_type = sys.modules["torch"].Tensor
         if kwargs:
             group = kwargs["group"] if "group" in kwargs else (args[group_at] if group_at is not None and len(args) > group_at else None)
             asynchronous = bool(kwargs["async_op"] if "async_op" in kwargs else (args[async_at] if async_at is not None and len(args) > async_at else False))
@@ -189,41 +235,26 @@ class Recorder:
         try:
             # torch's own number, which counts every collective of the group
             # (DDP's too) alike on every rank, and is what Flight Recorder says.
-            seq = group._get_sequence_number_for_group() + 1
+            info.seq = group._get_sequence_number_for_group() + 1
         except Exception:  # noqa: BLE001 - a backend without one: counted here
-            seq = None
-        with self.lock:
-            info.seq = info.seq + 1 if seq is None else seq
-            info.count += 1
-            info.last_op = op
-            self.keys += 1
-            key = self.keys
-        # The first argument: the tensor, or the list of tensors, it moves.
-        # type(), not isinstance(): an object list's items may be anything.
-        if issubclass(type(first), tensor_type):
-            tensors = (first,)
-        elif type(first) in (list, tuple):
-            tensors = [v for v in first[:4] if issubclass(type(v), tensor_type)]
-        else:
-            tensors = ()
-        if tensors:
-            shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
-            dtype = str(tensors[0].dtype)[6:]
-            size = tensors[0].numel() * tensors[0].element_size()
-        else:
-            shapes = dtype = size = None
+            info.seq += 1
+        info.count += 1
+        info.last_op = op
+        key = next(self.keys)  # one step under the GIL: no two calls share a key
+        shapes, dtype, size = self._tensors(first)
         caller = sys._getframe(2)
-        site = (caller.f_code, caller.f_lineno)
+        # By instruction, not line: a line number is looked up in the code's
+        # line table, which costs more than the rest of the call site.
+        site = (caller.f_code, caller.f_lasti)
         where = self.sites.get(site)
         if where is None:
             where = f"{caller.f_code.co_name} ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
             if len(self.sites) < 4096:
                 self.sites[site] = where
-        started = time.time()
-        row = [started, info.seq, op, info.name, info.size, info.rank, info.members, "in flight", shapes, dtype, size,
+        row = [time.time(), info.seq, op, info.name, info.size, info.rank, info.members, "in flight", shapes, dtype, size,
                asynchronous, None, None, where, _thread_name()]
         _native.table_open("collectives", key, row)
-        self.in_flight[key] = (op, info.name, info.seq, started, where)
+        self.in_flight[key] = row
         return key, row, time.perf_counter()
 
     def _leave(self, entry, state, result=None):
@@ -235,23 +266,20 @@ class Recorder:
                 future = getattr(result, "get_future", None)
                 if future is not None:
                     try:
-                        future().add_done_callback(lambda _f: self._close(key, row, began, "done"))
+                        future().add_done_callback(lambda _f: self._close(key, began, "done"))
                         return
                     except Exception:  # noqa: BLE001 - a backend without futures: closed as issued
                         pass
                 state = "issued"
-            self._close(key, row, began, state)
+            self._close(key, began, state)
         except Exception:  # noqa: BLE001
             self.errors += 1
 
-    def _close(self, key, row, began, state):
+    def _close(self, key, began, state):
         try:
-            row = list(row)
-            row[7] = state
-            row[12] = time.time() * 1e6
-            row[13] = (time.perf_counter() - began) * 1e3
+            ended = time.perf_counter()
             self.in_flight.pop(key, None)
-            _native.table_close("collectives", key, row)
+            _native.table_finish("collectives", key, _END_CELLS, (state, time.time() * 1e6, (ended - began) * 1e3))
         except Exception:  # noqa: BLE001
             self.errors += 1
 
@@ -264,9 +292,9 @@ class Recorder:
         groups = []
         for info in self.groups.values():
             flying = [
-                {"op": op, "seq": seq, "waiting_s": now - started, "caller": caller}
-                for op, name, seq, started, caller in list(self.in_flight.values())
-                if name == info.name
+                {"op": row[2], "seq": row[1], "waiting_s": now - row[0], "caller": row[14]}
+                for row in list(self.in_flight.values())
+                if row[3] == info.name
             ]
             groups.append(
                 {
@@ -370,4 +398,4 @@ def at_import(c10d) -> None:
 
 def at_init() -> None:
     if RECORDER.originals:
-        RECORDER.on = True
+        RECORDER.start()
