@@ -27,7 +27,6 @@ import rankscope
 rankscope.start()
 from rankscope._probe import breakpoints
 from rankscope._probe import snapshots
-if "--no-spill" in sys.argv: snapshots._spill.off = True
 
 def step(i):
     a0, a1, a2, a3, a4 = i, i * 1.5, str(i), [i] * 4, {"i": i}
@@ -69,7 +68,9 @@ def main() -> int:
     with open(script, "w") as f:
         f.write(TARGET)
     env = base_env(RANKSCOPE_DIR=private_dir("rankscope-bench-hit-"), RANKSCOPE_RUN_DIR=os.path.join(work, "run"))
-    command = [args.python, script, str(args.calls)] + (["--no-spill"] if args.no_spill else [])
+    if args.no_spill:
+        env["RANKSCOPE_STORE"] = "0"  # the run store keeps its rows in memory only
+    command = [args.python, script, str(args.calls)]
     out = subprocess.run(command, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise BenchError(out.stderr.strip()[-800:])

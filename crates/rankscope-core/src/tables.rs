@@ -357,6 +357,8 @@ pub const OBJECTS: TableDef = TableDef {
 /// Tables whose rows a probe keeps itself (bounded rings), read through
 /// `GET /v1/table?name=...`.
 pub const PROBE_TABLES: &[TableDef] = &[
+    SNAPSHOTS,
+    SNAPSHOT_LOCALS,
     TORCH_TRACE,
     TORCH_STEPS,
     NAN_EVENTS,

@@ -270,5 +270,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::table_finish, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
+    m.add_function(wrap_pyfunction!(store::snapshot_rows, m)?)?;
     Ok(())
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString};
 use rankscope_store::{Cell, Store, StoreConfig};
 
 static STORE: Mutex<Option<Arc<Store>>> = Mutex::new(None);
@@ -111,12 +111,29 @@ fn cell(value: &Bound<'_, PyAny>) -> Cell {
         text.to_str()
             .map(|s| Cell::Str(s.to_string()))
             .unwrap_or(Cell::Null)
+    } else if let Ok(map) = value.cast::<PyDict>() {
+        // A map column (a snapshot's locals): keys and values as text.
+        Cell::Map(
+            map.iter()
+                .map(|(k, v)| (text_of(&k), text_of(&v)))
+                .collect(),
+        )
     } else {
         value
             .str()
             .ok()
             .and_then(|s| s.to_str().ok().map(|s| Cell::Str(s.to_string())))
             .unwrap_or(Cell::Null)
+    }
+}
+
+fn text_of(value: &Bound<'_, PyAny>) -> String {
+    match value.cast::<PyString>() {
+        Ok(text) => text.to_string_lossy().into_owned(),
+        Err(_) => value
+            .str()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default(),
     }
 }
 
@@ -346,6 +363,49 @@ pub fn store_describe() -> String {
             serde_json::json!({"rows": rows, "spill": null}).to_string()
         }
     }
+}
+
+/// A breakpoint hit's rows, made here in one call: `head` is `[ts, id,
+/// bp_id, hit, thread, func, file, lineno, log]` (a `python.snapshots` row
+/// without its locals) and `locals` the hit frame's `[name, repr, type]`
+/// lists, which become its locals map and one `python.snapshot_locals` row
+/// each. They reach the disk within `spill_within` seconds. One call, and
+/// the rows built here: a hit is on the program's thread.
+#[pyfunction]
+pub fn snapshot_rows(
+    head: &Bound<'_, PyAny>,
+    locals: &Bound<'_, PyAny>,
+    spill_within: f64,
+) -> PyResult<()> {
+    let (ts, mut cells) = ts_and_cells(head)?;
+    if cells.len() < 3 {
+        return Err(PyValueError::new_err(
+            "a snapshot row starts with ts, id, bp_id, hit",
+        ));
+    }
+    let key = cells[..3].to_vec();
+    let mut map = Vec::new();
+    let mut local_rows = Vec::new();
+    for local in locals.try_iter()? {
+        let local = local?;
+        let field = |i: usize| local.get_item(i).map(|v| text_of(&v)).unwrap_or_default();
+        let (name, repr, ty) = (field(0), field(1), field(2));
+        map.push((name.clone(), repr.clone()));
+        let mut row = key.clone();
+        row.extend([Cell::Str(name), Cell::Str(repr), Cell::Str(ty)]);
+        local_rows.push((ts, row));
+    }
+    cells.push(Cell::Map(map));
+    let store = store();
+    let fail = |e: rankscope_store::StoreError| PyValueError::new_err(e.to_string());
+    store.append("snapshots", ts, cells).map_err(fail)?;
+    if !local_rows.is_empty() {
+        store
+            .append_rows("snapshot_locals", local_rows)
+            .map_err(fail)?;
+    }
+    store.spill_soon(Duration::from_secs_f64(spill_within.clamp(0.0, 3600.0)));
+    Ok(())
 }
 
 /// Writes the rows waiting for the disk now (at exit), without the GIL.

@@ -10,6 +10,8 @@ pub enum Cell {
     Float(f64),
     Bool(bool),
     Str(String),
+    /// A text-to-text map (a snapshot's locals: name to repr), in order.
+    Map(Vec<(String, String)>),
 }
 
 impl Cell {
@@ -28,7 +30,8 @@ impl Cell {
             (ColumnType::Float64, cell @ Cell::Float(_)) => cell,
             (ColumnType::Bool, cell @ Cell::Bool(_)) => cell,
             (ColumnType::Bool, Cell::Int(i)) => Cell::Bool(i != 0),
-            (ColumnType::Utf8 | ColumnType::MapUtf8, cell @ Cell::Str(_)) => cell,
+            (ColumnType::Utf8, cell @ Cell::Str(_)) => cell,
+            (ColumnType::MapUtf8, cell @ Cell::Map(_)) => cell,
             (ColumnType::Utf8, Cell::Int(i)) => Cell::Str(i.to_string()),
             (ColumnType::Utf8, Cell::Float(f)) => Cell::Str(f.to_string()),
             (ColumnType::Utf8, Cell::Bool(b)) => Cell::Str(b.to_string()),
@@ -46,6 +49,12 @@ impl Cell {
             Cell::Float(f) => json!(f),
             Cell::Bool(b) => json!(b),
             Cell::Str(s) => json!(s),
+            Cell::Map(entries) => Value::Object(
+                entries
+                    .iter()
+                    .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                    .collect(),
+            ),
         }
     }
 
@@ -88,6 +97,13 @@ mod tests {
         assert_eq!(Cell::Float(f64::NAN).coerce(ColumnType::Int64), Cell::Null);
         assert_eq!(Cell::Str("x".into()).coerce(ColumnType::Int64), Cell::Null);
         assert_eq!(Cell::Int(1).coerce(ColumnType::Bool), Cell::Bool(true));
+        let locals = Cell::Map(vec![("loss".into(), "0.5".into())]);
+        assert_eq!(locals.clone().coerce(ColumnType::MapUtf8), locals);
+        assert_eq!(locals.to_json(), json!({"loss": "0.5"}));
+        assert_eq!(
+            Cell::Str("x".into()).coerce(ColumnType::MapUtf8),
+            Cell::Null
+        );
     }
 
     #[test]

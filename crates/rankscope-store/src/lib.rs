@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rankscope_core::tables::{TableDef, PROBE_TABLES};
 use serde_json::{json, Value};
@@ -126,6 +126,8 @@ struct State {
     tables: BTreeMap<&'static str, Table>,
     waiting: usize,
     stopping: bool,
+    /// A producer asked for its rows on disk by then (`spill_soon`).
+    soon: Option<Instant>,
 }
 
 pub struct Store {
@@ -165,6 +167,7 @@ impl Store {
                 tables: BTreeMap::new(),
                 waiting: 0,
                 stopping: false,
+                soon: None,
             }),
             wake: Condvar::new(),
             rank: AtomicI64::new(NO_RANK),
@@ -317,6 +320,29 @@ impl Store {
         };
         self.after_push(wake);
         Ok(true)
+    }
+
+    /// The rows added so far should be on disk within `within` (a
+    /// breakpoint's hits, which a SIGKILL right after must not lose), not
+    /// at the next regular flush. The writes stay on the store's thread, so
+    /// a burst of rows costs one write.
+    pub fn spill_soon(self: &Arc<Self>, within: Duration) {
+        if self.config.run_dir.is_none() {
+            return;
+        }
+        let by = Instant::now() + within;
+        let sooner = {
+            let mut state = lock(&self.state);
+            let sooner = state.soon.is_none_or(|soon| by < soon);
+            if sooner {
+                state.soon = Some(by);
+            }
+            sooner
+        };
+        self.ensure_thread();
+        if sooner {
+            self.wake.notify_one();
+        }
     }
 
     fn push(self: &Arc<Self>, def: &'static TableDef, row: Arc<Row>, closes: Option<u64>) {
@@ -523,16 +549,26 @@ fn spill_loop(store: std::sync::Weak<Store>) {
     loop {
         let Some(store) = store.upgrade() else { return };
         {
-            let state = lock(&store.state);
-            let (state, _) = store
-                .wake
-                .wait_timeout_while(state, store.config.flush_every, |s| {
-                    !s.stopping && s.waiting < store.config.flush_rows
-                })
-                .unwrap_or_else(|e| e.into_inner());
+            let mut state = lock(&store.state);
+            let until = Instant::now() + store.config.flush_every;
+            // Woken by a row batch, by `spill_soon` (which may bring the
+            // deadline forward), or at `flush_every`.
+            loop {
+                let deadline = state.soon.map_or(until, |soon| soon.min(until));
+                let now = Instant::now();
+                if state.stopping || state.waiting >= store.config.flush_rows || now >= deadline {
+                    break;
+                }
+                state = store
+                    .wake
+                    .wait_timeout(state, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
             if state.stopping {
                 return;
             }
+            state.soon = None;
         }
         store.flush();
     }
@@ -683,6 +719,56 @@ mod tests {
         store.flush();
         let batches = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, None).unwrap();
         assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 1);
+    }
+
+    #[test]
+    fn a_map_column_spills_soon_when_asked_and_reads_back() {
+        use arrow_array::{Array, MapArray, StringArray};
+        use rankscope_core::tables::SNAPSHOTS;
+        let dir = tempfile::tempdir().unwrap();
+        // config(): the regular flush is an hour away.
+        let store = Store::new(config(Some(dir.path().to_path_buf())));
+        let mut cells = vec![Cell::Null; SNAPSHOTS.columns.len()];
+        cells[0] = Cell::Int(1);
+        cells[8] = Cell::Map(vec![
+            ("step".into(), "3".into()),
+            ("loss".into(), "0.25".into()),
+        ]);
+        store.append("snapshots", 1.0, cells).unwrap();
+        let mut no_locals = vec![Cell::Null; SNAPSHOTS.columns.len()];
+        no_locals[0] = Cell::Int(2);
+        store.append("snapshots", 2.0, no_locals).unwrap();
+        store.spill_soon(Duration::from_millis(10));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let batches = loop {
+            let batches = read_table(&[dir.path().to_path_buf()], &SNAPSHOTS, None).unwrap();
+            if batches.iter().map(|b| b.num_rows()).sum::<usize>() == 2 {
+                break batches;
+            }
+            assert!(Instant::now() < deadline, "not spilled soon");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let locals = batches[0]
+            .column_by_name("locals")
+            .unwrap()
+            .as_any()
+            .downcast_ref::<MapArray>()
+            .unwrap()
+            .clone();
+        let first = locals.value(0);
+        let text = |i: usize| {
+            first
+                .column(i)
+                .as_any()
+                .downcast_ref::<StringArray>()
+                .unwrap()
+                .iter()
+                .map(|v| v.unwrap().to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(text(0), ["step", "loss"]);
+        assert_eq!(text(1), ["3", "0.25"]);
+        assert!(locals.is_null(1), "no map: null, not empty");
     }
 
     #[test]

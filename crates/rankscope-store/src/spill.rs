@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use arrow_array::builder::{
-    BooleanBuilder, Float64Builder, Int64Builder, StringBuilder, TimestampMicrosecondBuilder,
+    BooleanBuilder, Float64Builder, Int64Builder, MapBuilder, StringBuilder,
+    TimestampMicrosecondBuilder,
 };
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_ipc::writer::StreamWriter;
@@ -279,7 +280,19 @@ pub fn to_batch(
                 Arc::new(b.finish())
             }
             ColumnType::MapUtf8 => {
-                arrow_array::new_null_array(&crate::schema::data_type(ColumnType::MapUtf8), n)
+                let mut b = MapBuilder::new(None, StringBuilder::new(), StringBuilder::new());
+                for c in cells {
+                    if let Cell::Map(entries) = c {
+                        for (k, v) in entries {
+                            b.keys().append_value(k);
+                            b.values().append_value(v);
+                        }
+                        b.append(true)?;
+                    } else {
+                        b.append(false)?;
+                    }
+                }
+                Arc::new(b.finish())
             }
         };
         columns.push(array);

@@ -1,16 +1,17 @@
 """Snapshots: what a breakpoint or watch records at a hit (the stack, and
 the locals of the hit frame with the same safe reprs and tensor summaries
-as crash records), kept in a bounded in-memory table and spilled to the run
-directory so that they outlive the process."""
+as crash records), kept whole in a bounded in-memory table, and the hit
+frame as rows of the run store, which spills them to the run directory so
+that they outlive the process."""
 
 from __future__ import annotations
 
 import collections
 import itertools
-import json
-import os
 import threading
 import time
+
+from rankscope import _native
 
 from rankscope._probe.saferepr import MAX_ITEMS, MAX_STRING, Budget, _plain, safe_repr, type_name
 from rankscope._probe.stacks import MAX_LOCALS_PER_FRAME
@@ -18,8 +19,6 @@ from rankscope._probe.stacks import MAX_LOCALS_PER_FRAME
 MAX_SNAPSHOTS = 1000
 MAX_SNAPSHOT_FRAMES = 30
 MAX_SNAPSHOT_STATS_ELEMENTS = 1_000_000
-# Snapshots spilled to the run directory (see _Spill); past this size the spill stops.
-MAX_SPILL_BYTES = 64 << 20
 
 _table: collections.deque = collections.deque(maxlen=MAX_SNAPSHOTS)
 _ids = itertools.count(1)
@@ -88,89 +87,29 @@ def take(bp_id: int, hit: int, frame, message: str | None, with_locals: bool = T
     }
 
 
-class _Spill:
-    """Snapshots appended, one JSON line each, to
-    <run dir>/snapshots/pid<P>.jsonl, so that they outlive the process.
-
-    A hit after a quiet spell is written at once; the hits of a burst are
-    written together, at most FLUSH_S later (by the next hit, a one-shot
-    timer, or exit), so a hot breakpoint costs one write per burst rather
-    than one per hit. Any failure (full or read-only disk) turns the spill
-    off and costs the program nothing."""
-
-    FLUSH_S = 0.02
-    # Snapshots hold only JSON-ready values (no cycles), so the encoder needs
-    # neither the circularity check nor a per-call setup.
-    _encoder = json.JSONEncoder(check_circular=False, default=str)
-
-    def __init__(self):
-        self.fd: int | None = None
-        self.off = False
-        self.written = 0
-        self.buffer: list[bytes] = []
-        self.last_write = 0.0
-        self.timer: threading.Timer | None = None
-        self.identity = ""
-        self.lock = threading.Lock()
-
-    def _open(self) -> None:
-        from rankscope._probe import crashes
-
-        directory = os.path.join(crashes.run_dir(), "snapshots")
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        path = os.path.join(directory, f"pid{os.getpid()}.jsonl")
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        identity = {"pid": os.getpid(), "rank": crashes._rank(), "host": os.uname().nodename}
-        # Appended to each line's object: ', "pid": 1, ...}'
-        self.identity = ", " + json.dumps(identity)[1:]
-        import atexit
-
-        atexit.register(self.flush)
-
-    def add(self, snap: dict) -> None:
-        if self.off:
-            return
-        try:
-            if self.fd is None:
-                self._open()
-            line = (self._encoder.encode(snap)[:-1] + self.identity + "\n").encode("utf-8", "backslashreplace")
-            with self.lock:
-                if self.written + len(line) > MAX_SPILL_BYTES:
-                    self.off = True
-                    return
-                self.written += len(line)
-                self.buffer.append(line)
-                if time.monotonic() - self.last_write >= self.FLUSH_S:
-                    self._write()
-                elif self.timer is None:
-                    self.timer = threading.Timer(self.FLUSH_S, self.flush)
-                    self.timer.daemon = True
-                    self.timer.start()
-        except Exception:  # noqa: BLE001
-            self.off = True
-
-    def flush(self) -> None:
-        try:
-            with self.lock:
-                self.timer = None
-                if self.buffer and self.fd is not None:
-                    self._write()
-        except Exception:  # noqa: BLE001
-            self.off = True
-
-    def _write(self) -> None:
-        data = b"".join(self.buffer)
-        self.buffer.clear()
-        self.last_write = time.monotonic()
-        os.write(self.fd, data)
-
-
-_spill = _Spill()
+# A hit reaches the run directory's store within this (a SIGKILL right
+# after must not lose it); a burst of hits is one write.
+SPILL_WITHIN_S = 0.02
+_errors = 0
 
 
 def record(snap: dict) -> None:
+    """Keeps the snapshot for `rankscope PID snapshots`, and hands its hit
+    frame to the run store as `python.snapshots` and
+    `python.snapshot_locals` rows, which the store spills to the run
+    directory (so `query --run` answers after the process is gone)."""
+    global _errors
     _table.append(snap)
-    _spill.add(snap)
+    try:
+        frame = snap["frames"][0] if snap["frames"] else {}
+        _native.snapshot_rows(
+            [snap["time"], snap["id"], snap["bp_id"], snap["hit"], snap["thread"], frame.get("func"), frame.get("file"),
+             frame.get("lineno"), snap["log"]],
+            frame.get("locals") or (),
+            SPILL_WITHIN_S,
+        )
+    except Exception:  # noqa: BLE001 - the hit is still kept in memory
+        _errors += 1
 
 
 def listing() -> list[dict]:
@@ -178,5 +117,5 @@ def listing() -> list[dict]:
 
 
 def flush() -> None:
-    """Writes what a burst left buffered (a breakpoint is done: nothing may wait for the next hit)."""
-    _spill.flush()
+    """Writes the hits that wait for the disk (a breakpoint is done: nothing may wait)."""
+    _native.store_flush()

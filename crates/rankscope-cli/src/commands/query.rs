@@ -142,17 +142,6 @@ impl RowSource for LiveProbe {
                     rankscope_core::host::now_seconds(),
                 ))
             }
-            ("python", "snapshots") | ("python", "snapshot_locals") => {
-                let snaps = self
-                    .probe
-                    .breakpoints(&serde_json::json!({"op": "snapshots"}))
-                    .map_err(|e| format!("{e:#}"))?;
-                Ok(snapshot_rows(
-                    table.name,
-                    Some(&meta),
-                    snaps.as_array().map(Vec::as_slice).unwrap_or_default(),
-                ))
-            }
             ("python", "tensors") | ("python", "objects") => {
                 let reply = self
                     .probe
@@ -269,96 +258,6 @@ impl LiveProbe {
     }
 }
 
-/// `python.snapshots` (one row per hit, at the hit frame) or
-/// `python.snapshot_locals` (one row per local of that frame).
-/// The identity columns come from the live probe's metadata, or, for
-/// snapshots spilled to the run directory, from each line's own fields.
-fn snapshot_rows(table: &str, meta: Option<&ProcessMeta>, snaps: &[serde_json::Value]) -> Rows {
-    use serde_json::json;
-    let mut rows = Vec::new();
-    for snap in snaps {
-        let (pid, rank, host) = match meta {
-            Some(m) => (json!(m.pid), json!(m.rank), json!(m.host)),
-            None => (
-                snap["pid"].clone(),
-                snap["rank"].clone(),
-                snap["host"].clone(),
-            ),
-        };
-        let identity = [
-            pid,
-            rank,
-            host,
-            json!((snap["time"].as_f64().unwrap_or(0.0) * 1e6).round() as i64),
-        ];
-        let frame = &snap["frames"][0];
-        if table == "snapshots" {
-            let mut row = identity.to_vec();
-            row.extend([
-                snap["id"].clone(),
-                snap["bp_id"].clone(),
-                snap["hit"].clone(),
-                snap["thread"].clone(),
-                frame["func"].clone(),
-                frame["file"].clone(),
-                frame["lineno"].clone(),
-                snap["log"].clone(),
-                serde_json::Value::Object(
-                    frame["locals"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|local| {
-                            let [name, repr, _] = super::breakpoints::snapshot_local(local);
-                            Some((name.as_str()?.to_string(), repr))
-                        })
-                        .collect(),
-                ),
-            ]);
-            rows.push(row);
-        } else {
-            for local in frame["locals"].as_array().into_iter().flatten() {
-                let mut row = identity.to_vec();
-                row.extend([
-                    snap["id"].clone(),
-                    snap["bp_id"].clone(),
-                    snap["hit"].clone(),
-                ]);
-                row.extend(super::breakpoints::snapshot_local(local));
-                rows.push(row);
-            }
-        }
-    }
-    rows
-}
-
-/// Every snapshot spilled under the run directories (`snapshots/*.jsonl`).
-fn spilled_snapshots(run: Option<PathBuf>) -> Vec<serde_json::Value> {
-    let mut snaps = Vec::new();
-    for dir in rankscope_core::crash::run_dirs(run) {
-        let Ok(read) = std::fs::read_dir(dir.join("snapshots")) else {
-            continue;
-        };
-        let mut files: Vec<PathBuf> = read
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
-            .collect();
-        files.sort();
-        for file in files {
-            let Ok(text) = std::fs::read_to_string(&file) else {
-                continue;
-            };
-            // A line cut short by a kill is skipped; the rest still count.
-            snaps.extend(
-                text.lines()
-                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()),
-            );
-        }
-    }
-    snaps
-}
-
 /// What is left on disk when no process is asked: the run directories.
 struct RunDirs {
     run: Option<PathBuf>,
@@ -382,9 +281,6 @@ impl RowSource for RunDirs {
     fn rows(&self, table: &TableDef) -> Result<Rows, String> {
         match (table.schema, table.name) {
             ("python", "crashes") => super::crashes::table_rows(self.run.clone(), None, self.all).map_err(|e| format!("{e:#}")),
-            ("python", "snapshots") | ("python", "snapshot_locals") => {
-                Ok(snapshot_rows(table.name, None, &spilled_snapshots(self.run.clone())))
-            }
             _ => Err(format!(
                 "{} is read from a live process: run `rankscope PID query ...` (`rankscope list` shows the PIDs)",
                 table.qualified_name()
