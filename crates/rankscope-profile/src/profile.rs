@@ -233,7 +233,7 @@ impl Profile {
     pub fn finish(&mut self, duration_s: f64) {
         self.duration_s = duration_s;
         let mut open: Vec<Slice> = self.open.drain().map(|(_, s)| s).collect();
-        open.sort_by(|a, b| a.thread.cmp(&b.thread));
+        open.sort_by_key(|s| s.thread);
         self.slices.extend(open);
     }
 

@@ -105,6 +105,9 @@ impl Entry {
     }
 }
 
+/// Whether an entry, by (pid, time), is one of the job's.
+pub type KeepEntry = Box<dyn Fn(Option<u32>, f64) -> bool>;
+
 /// Which entries a listing shows.
 #[derive(Default)]
 pub struct Select {
@@ -112,7 +115,7 @@ pub struct Select {
     pub all: bool,
     /// Only what one job left in a run directory other jobs share: see
     /// `cluster crashes`. Called with (pid, time) of each entry.
-    pub keep: Option<Box<dyn Fn(Option<u32>, f64) -> bool>>,
+    pub keep: Option<KeepEntry>,
 }
 
 impl Select {
