@@ -277,9 +277,15 @@ class Recorder:
 
     def _close(self, key, began, state):
         try:
-            ended = time.perf_counter()
-            self.in_flight.pop(key, None)
-            _native.table_finish("collectives", key, _END_CELLS, (state, time.time() * 1e6, (ended - began) * 1e3))
+            end = (state, time.time() * 1e6, (time.perf_counter() - began) * 1e3)
+            row = self.in_flight.pop(key, None)
+            if not _native.table_finish("collectives", key, _END_CELLS, end) and row is not None:
+                # Dropped from the store's open rows (thousands in flight at
+                # once): the finished row still goes in, whole.
+                row = list(row)
+                for at, value in zip(_END_CELLS, end):
+                    row[at + 1] = value
+                _native.table_append("collectives", row)
         except Exception:  # noqa: BLE001
             self.errors += 1
 
