@@ -146,6 +146,15 @@ def test_diff_names_what_one_rank_does_that_the_others_do_not(job, cli, tmp_path
     cluster_profile(cli, run, "--diff", "2", "-o", svg)
     assert any("odd_loop" in t for t in frame_titles(svg))
 
+    # Each rank's profiles are kept in the job's run store: the odd rank
+    # shows in SQL too, after the ranks are gone as well as now.
+    sql = "SELECT rank, sum(CASE WHEN stack LIKE '%odd_loop%' THEN samples ELSE 0 END) AS odd, sum(samples) AS n FROM python.profile GROUP BY rank ORDER BY rank"
+    result = cli("query", "--run", run, sql, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3], rows
+    assert all((r["odd"] > 0) == (r["rank"] == 2) and r["n"] > 0 for r in rows), rows
+
 
 @pytest.mark.parametrize(
     "args, message",

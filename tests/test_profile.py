@@ -125,6 +125,26 @@ def test_a_thread_holding_the_gil_in_c_is_still_profiled(python, spawn, cli, tmp
     assert stuck >= 20 and stuck / sum(counts.values()) > 0.8, counts
 
 
+def test_the_profile_is_a_table_live_and_after_the_process_is_gone(python, spawn, cli, tmp_path):
+    run = tmp_path / "run"
+    target = spawn(python, WORKLOAD, env={"RANKSCOPE_RUN_DIR": str(run)})
+    done = profile(cli, target.pid, "--top", "1")
+    assert f"python.profile: kept in {run}/tables/profile" in done.stderr, done.stderr
+    sql = "SELECT thread, func, sum(samples) AS n FROM python.profile WHERE NOT idle GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 1"
+    live = cli(target.pid, "query", sql, "--format", "json")
+    assert live.returncode == 0, live.stderr
+    [top] = json.loads(live.stdout)
+    assert (top["thread"], top["func"]) == ("MainThread", "burn") and top["n"] >= 20, top
+    # One row per stack and thread: the stack is folded text, outermost first.
+    stacks = json.loads(cli(target.pid, "query", "SELECT stack, depth, idle FROM python.profile WHERE thread = 'napper'", "--format", "json").stdout)
+    assert stacks and all(r["stack"].count(";") == r["depth"] - 1 and "napper (" in r["stack"] for r in stacks), stacks
+    assert any(r["idle"] for r in stacks), stacks
+    target.kill()  # SIGKILL: the table was written by the CLI, not by the process
+    after = cli("query", "--run", run, "SELECT pid, func, sum(samples) AS n FROM python.profile WHERE NOT idle GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 1", "--format", "json")
+    assert after.returncode == 0, after.stderr
+    assert [(r["pid"], r["func"]) for r in json.loads(after.stdout)] == [(target.pid, "burn")], after.stdout
+
+
 def test_a_process_without_a_probe_is_profiled(python, spawn, cli, tmp_path):
     target = spawn(python, WORKLOAD, probe=False)
     out = tmp_path / "bare.txt"

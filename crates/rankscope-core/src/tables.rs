@@ -354,6 +354,32 @@ pub const OBJECTS: TableDef = TableDef {
     ],
 };
 
+pub const PROFILE: TableDef = TableDef {
+    schema: "python",
+    name: "profile",
+    description: "the profiles taken of the process (`rankscope PID profile`, `cluster profile`): one row per stack and thread, with its samples; ts is the profile's start (the last profile: the largest ts)",
+    columns: &[
+        col("thread", Utf8),
+        col("thread_id", Int64),
+        // The innermost frame: `GROUP BY func` gives each function's own time.
+        col("func", Utf8),
+        col("file", Utf8),
+        col("line", Int64),
+        col("depth", Int64),
+        // Outermost first, `;` between frames, as folded text has it.
+        col("stack", Utf8),
+        col("samples", Int64),
+        col("idle", Bool),
+        col("gil", Bool),
+        col("rate_hz", Float64),
+        col("duration_s", Float64),
+    ],
+};
+
+/// Tables the CLI writes into a process's run store itself (a profile is
+/// taken from outside the process, and kept like the probe's own tables).
+pub const CLI_STORE_TABLES: &[TableDef] = &[PROFILE];
+
 /// Tables whose rows a probe keeps itself (bounded rings), read through
 /// `GET /v1/table?name=...`.
 pub const PROBE_TABLES: &[TableDef] = &[
@@ -385,12 +411,22 @@ pub const ALL_TABLES: &[TableDef] = &[
     MEMORY,
     TENSORS,
     OBJECTS,
+    PROFILE,
 ];
 
 pub fn is_probe_table(def: &TableDef) -> bool {
     PROBE_TABLES
         .iter()
         .any(|t| t.schema == def.schema && t.name == def.name)
+}
+
+/// A table whose rows are kept in the run store's files (by the probe or
+/// by the CLI), which `query --run` reads.
+pub fn is_store_table(def: &TableDef) -> bool {
+    is_probe_table(def)
+        || CLI_STORE_TABLES
+            .iter()
+            .any(|t| t.schema == def.schema && t.name == def.name)
 }
 
 /// A probe table's rows as the probe sends them: its own column names

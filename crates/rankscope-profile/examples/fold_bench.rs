@@ -61,7 +61,7 @@ fn main() {
     // Which stack each sample is: a few hot ones, a long tail.
     let picks: Vec<usize> = (0..SAMPLES)
         .map(|_| {
-            let hot = rng.next() % 4 == 0;
+            let hot = rng.next().is_multiple_of(4);
             let r = rng.next() as usize;
             if hot {
                 r % 100

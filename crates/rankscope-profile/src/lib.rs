@@ -7,12 +7,14 @@
 //! per (thread, stack, idle, GIL). What leaves the sampler is that fold and,
 //! for the Chrome trace, the runs of equal stacks per thread; never one
 //! record per sample. `formats` writes the formats people open; `job`
-//! merges the ranks of a job and sets one rank against the others.
+//! merges the ranks of a job and sets one rank against the others; `table`
+//! keeps a profile in the run store as `python.profile`.
 
 pub mod formats;
 pub mod job;
 mod profile;
 mod sampler;
+pub mod table;
 
 pub use job::JobProfile;
 pub use profile::{FrameKey, FrameRef, Profile, Slice, StackKey, ThreadInfo};

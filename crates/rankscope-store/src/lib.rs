@@ -27,12 +27,12 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rankscope_core::tables::{TableDef, PROBE_TABLES};
+use rankscope_core::tables::{TableDef, CLI_STORE_TABLES, PROBE_TABLES};
 use serde_json::{json, Value};
 use thiserror::Error;
 
 pub use cell::Cell;
-pub use read::read_table;
+pub use read::{read_table, read_table_of};
 pub use schema::arrow_schema;
 
 #[derive(Debug, Error)]
@@ -149,7 +149,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// `python.torch_trace`.
 pub fn store_table(name: &str) -> Option<&'static TableDef> {
     let short = name.strip_prefix("python.").unwrap_or(name);
-    PROBE_TABLES.iter().find(|t| t.name == short)
+    PROBE_TABLES
+        .iter()
+        .chain(CLI_STORE_TABLES)
+        .find(|t| t.name == short)
 }
 
 impl Store {

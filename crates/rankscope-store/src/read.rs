@@ -35,6 +35,18 @@ pub fn read_table(
     def: &TableDef,
     columns: Option<&[&str]>,
 ) -> Result<Vec<RecordBatch>, StoreError> {
+    read_table_of(run_dirs, def, columns, None)
+}
+
+/// The same, from the files one process wrote only (`(host, pid)`: its
+/// files are named `<host>-<pid>-<n>.arrows`).
+pub fn read_table_of(
+    run_dirs: &[PathBuf],
+    def: &TableDef,
+    columns: Option<&[&str]>,
+    process: Option<(&str, u32)>,
+) -> Result<Vec<RecordBatch>, StoreError> {
+    let prefix = process.map(|(host, pid)| format!("{host}-{pid}-"));
     let full = crate::schema::arrow_schema(def);
     let schema = match columns {
         None => full,
@@ -51,6 +63,17 @@ pub fn read_table(
     let mut batches = Vec::new();
     for dir in run_dirs {
         for path in table_files(dir, def) {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            // The rest is the file's number only: host `a-1`, pid 2 is not
+            // host `a`, pid 1's file `a-1-2-0`.
+            let theirs = |p: &str| {
+                name.strip_prefix(p)
+                    .and_then(|rest| rest.strip_suffix(".arrows"))
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            };
+            if prefix.as_deref().is_some_and(|p| !theirs(p)) {
+                continue;
+            }
             let Some(mut buffer) = map(&path) else {
                 continue;
             };

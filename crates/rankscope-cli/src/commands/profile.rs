@@ -157,6 +157,27 @@ fn missed_note(missed: u64) -> String {
     }
 }
 
+/// Keeps the profile in the sampled process's run store (`python.profile`),
+/// where that process's own tables go: its run directory from its
+/// environment at start. A failure is only a note: the profile is out.
+fn keep(profile: &Profile) -> Result<PathBuf, String> {
+    let environ = std::fs::read(format!("/proc/{}/environ", profile.pid)).unwrap_or_default();
+    let vars: Vec<(&[u8], &[u8])> = environ
+        .split(|&b| b == 0)
+        .filter_map(|var| {
+            let at = var.iter().position(|&b| b == b'=')?;
+            Some((&var[..at], &var[at + 1..]))
+        })
+        .collect();
+    let run_dir = rankscope_core::crash::run_dir_of(|name| {
+        vars.iter()
+            .find(|(k, _)| *k == name.as_bytes())
+            .and_then(|(_, v)| std::str::from_utf8(v).ok().map(str::to_string))
+    });
+    rankscope_profile::table::keep(profile, &run_dir, &rankscope_core::host::hostname())
+        .map_err(|e| format!("python.profile not kept in {}: {e}", run_dir.display()))
+}
+
 pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     let path = args.check()?;
     // A probe, where there is one, names the rank; sampling never needs it.
@@ -194,6 +215,13 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     let mut profile = result.map_err(|e| explain(pid, e))?;
     profile.rank = rank;
     args.filter(&mut profile);
+    match keep(&profile) {
+        Ok(dir) => eprintln!(
+            "python.profile: kept in {} (`rankscope {pid} query \"SELECT func, sum(samples) FROM python.profile GROUP BY 1 ORDER BY 2 DESC\"`)",
+            dir.display()
+        ),
+        Err(e) => eprintln!("note: {e}"),
+    }
     let write = args.write_options();
     match path {
         Some(path) => {
@@ -310,6 +338,9 @@ pub fn cluster(
         match result {
             Ok(mut profile) => {
                 args.filter(&mut profile);
+                if let Err(e) = keep(&profile) {
+                    eprintln!("note: rank {rank}: {e}");
+                }
                 job.profiles.push(profile);
             }
             Err(e) => eprintln!("note: rank {rank} is not profiled: {e:#}"),

@@ -31,6 +31,20 @@ pub struct LiveProbe {
 }
 
 impl LiveProbe {
+    /// The target's run directory, from the target's environment.
+    fn run_dir(&self) -> Result<PathBuf, String> {
+        let env = self
+            .probe
+            .env(PROBE_TIMEOUT)
+            .map_err(|e| format!("{e:#}"))?;
+        Ok(rankscope_core::crash::run_dir_of(|name| {
+            env.vars
+                .iter()
+                .find(|v| v.name == name && !v.hidden)
+                .map(|v| v.value.clone())
+        }))
+    }
+
     pub fn new(probe: Probe, native: bool, all_frames: bool) -> LiveProbe {
         LiveProbe {
             probe,
@@ -160,17 +174,7 @@ impl RowSource for LiveProbe {
                 }
             }
             ("python", "crashes") => {
-                // The target's run directory, from the target's environment.
-                let env = self
-                    .probe
-                    .env(PROBE_TIMEOUT)
-                    .map_err(|e| format!("{e:#}"))?;
-                let dir = rankscope_core::crash::run_dir_of(|name| {
-                    env.vars
-                        .iter()
-                        .find(|v| v.name == name && !v.hidden)
-                        .map(|v| v.value.clone())
-                });
+                let dir = self.run_dir()?;
                 if !dir.is_dir() {
                     return Ok(Vec::new());
                 }
@@ -184,6 +188,19 @@ impl RowSource for LiveProbe {
     fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
         if tables::is_probe_table(table) {
             return self.probe_table(table, scan);
+        }
+        if tables::is_store_table(table) {
+            // Written by the CLI into the process's run store (a profile):
+            // that process's files in its run directory.
+            let meta = self.meta()?;
+            return rankscope_store::read_table_of(
+                &[self.run_dir()?],
+                table,
+                scan.columns.as_deref(),
+                Some((&meta.host, meta.pid)),
+            )
+            .map(Fetched::Batches)
+            .map_err(|e| e.to_string());
         }
         if table.schema != "python" || !matches!(table.name, "backtrace" | "threads") || self.native
         {
@@ -267,7 +284,7 @@ struct RunDirs {
 
 impl RowSource for RunDirs {
     fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
-        if tables::is_probe_table(table) {
+        if tables::is_store_table(table) {
             // The run store's files, read as they are (Arrow batches), the
             // query's columns only.
             let dirs = rankscope_core::crash::run_dirs(self.run.clone());
