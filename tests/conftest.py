@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 import time
@@ -266,6 +267,31 @@ def bare_venvs(tmp_path_factory):
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+SPEEDSCOPE = "speedscope@1.25.0"
+
+
+@pytest.fixture(scope="session")
+def speedscope_schema():
+    """speedscope's own JSON schema of its file format, from its npm package
+    (fetched once into ~/.cache/rankscope/npm); the test skips where npm,
+    the registry or jsonschema cannot be had."""
+    jsonschema = pytest.importorskip("jsonschema")
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "rankscope", "npm", SPEEDSCOPE)
+    schema = os.path.join(cache, "package", "dist", "release", "file-format-schema.json")
+    if not os.path.exists(schema):
+        if shutil.which("npm") is None:
+            pytest.skip("npm is not installed: speedscope's schema cannot be fetched")
+        os.makedirs(cache, exist_ok=True)
+        packed = subprocess.run(["npm", "pack", SPEEDSCOPE, "--silent"], cwd=cache, capture_output=True, text=True, timeout=180)
+        tarball = os.path.join(cache, packed.stdout.strip().splitlines()[-1]) if packed.returncode == 0 and packed.stdout.strip() else None
+        if tarball is None or not os.path.exists(tarball):
+            pytest.skip(f"npm pack {SPEEDSCOPE} failed: {packed.stderr.strip()[-200:]}")
+        with tarfile.open(tarball) as tar:
+            tar.extract("package/dist/release/file-format-schema.json", cache, filter="data")
+    with open(schema) as f:
+        return jsonschema.Draft7Validator(json.load(f))
 
 
 @pytest.fixture

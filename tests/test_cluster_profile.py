@@ -70,7 +70,7 @@ def frame_titles(path) -> list[str]:
     return [t.text or "" for t in root.iter(f"{SVG}title")]
 
 
-def test_the_merged_views_name_the_ranks_of_each_frame(job, cli, tmp_path, browser):
+def test_the_merged_views_name_the_ranks_of_each_frame(job, cli, tmp_path, browser, speedscope_schema):
     run, targets = job
     svg = tmp_path / "job.svg"
     done = cluster_profile(cli, run, "-o", svg)
@@ -104,6 +104,7 @@ def test_the_merged_views_name_the_ranks_of_each_frame(job, cli, tmp_path, brows
     scope = tmp_path / "job.speedscope.json"
     cluster_profile(cli, run, "-o", scope)
     data = json.loads(scope.read_text())
+    speedscope_schema.validate(data)
     profiles = [p["name"] for p in data["profiles"]]
     assert profiles[-1] == "the job · all ranks and threads", profiles
     assert {p.split(" · ")[0] for p in profiles[:-1]} == {"rank 0", "rank 1", "rank 2", "rank 3"}, profiles

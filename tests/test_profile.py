@@ -53,7 +53,7 @@ def folded_counts(path) -> dict[str, int]:
     return counts
 
 
-def test_the_hot_function_dominates_in_every_format(python, spawn, cli, tmp_path):
+def test_the_hot_function_dominates_in_every_format(python, spawn, cli, tmp_path, speedscope_schema):
     target = spawn(python, WORKLOAD)
     out = tmp_path / "p.folded"
     done = profile(cli, target.pid, "-o", out)
@@ -93,6 +93,8 @@ def test_the_hot_function_dominates_in_every_format(python, spawn, cli, tmp_path
     profile(cli, target.pid, "-o", scope)
     data = json.loads(scope.read_text())
     assert data["$schema"] == "https://www.speedscope.app/file-format-schema.json"
+    # What speedscope itself publishes as its file format.
+    speedscope_schema.validate(data)
     frames = data["shared"]["frames"]
     assert all(type(f["name"]) is str for f in frames)
     names = [p["name"] for p in data["profiles"]]
