@@ -11,6 +11,7 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+from conftest import require_torch
 
 WORKLOAD = """
 import re, sys, threading, time
@@ -145,6 +146,43 @@ def test_the_profile_is_a_table_live_and_after_the_process_is_gone(python, spawn
     after = cli("query", "--run", run, "SELECT pid, func, sum(samples) AS n FROM python.profile WHERE NOT idle GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 1", "--format", "json")
     assert after.returncode == 0, after.stderr
     assert [(r["pid"], r["func"]) for r in json.loads(after.stdout)] == [(target.pid, "burn")], after.stdout
+
+
+TORCH_LOOP = """
+import time
+import torch
+from torch import nn
+
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+print("READY", flush=True)
+while True:
+    loss = model(torch.randn(32, 64)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    time.sleep(0.02)
+"""
+
+
+def test_each_sample_carries_the_torch_step_while_the_probe_knows_it(python, spawn, cli, tmp_path):
+    require_torch(python)
+    run = tmp_path / "run"
+    # The trace's step clock on from the start: the probe knows the step.
+    target = spawn(python, TORCH_LOOP, env={"RANKSCOPE_RUN_DIR": str(run), "RANKSCOPE_TORCH": "trace,every=1000"})
+    profile(cli, target.pid, "--top", "1")
+    steps = json.loads(cli(target.pid, "query", "SELECT count(DISTINCT step) AS n, min(step) AS first, max(step) AS last FROM python.profile WHERE step IS NOT NULL", "--format", "json").stdout)[0]
+    # About 20 ms a step over 1.5 s: dozens of steps, each told to the sampler.
+    assert steps["n"] >= 10 and steps["last"] - steps["first"] >= 10, steps
+    now = json.loads(cli(target.pid, "torch", "--format", "json").stdout)["step"]
+    assert steps["last"] <= now, (steps, now)
+
+    # Off: the probe knows no step, and the next profile's samples carry none.
+    assert cli(target.pid, "torch", "trace", "off").returncode == 0
+    profile(cli, target.pid, "--top", "1")
+    last = json.loads(cli(target.pid, "query", "SELECT count(step) AS stepped, sum(samples) AS n FROM python.profile WHERE ts = (SELECT max(ts) FROM python.profile)", "--format", "json").stdout)[0]
+    assert last["n"] > 0 and last["stepped"] == 0, last
 
 
 def test_a_process_without_a_probe_is_profiled(python, spawn, cli, tmp_path):

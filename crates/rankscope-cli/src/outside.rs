@@ -242,6 +242,7 @@ pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
         protocol: rankscope_core::PROTOCOL_VERSION,
         tcp: None,
         job_id: None,
+        step_address: None,
     }
 }
 

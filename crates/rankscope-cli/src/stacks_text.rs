@@ -128,6 +128,7 @@ mod tests {
             protocol: 1,
             tcp: None,
             job_id: None,
+            step_address: None,
         };
         let stacks = StacksReply {
             taken_at: 0.0,

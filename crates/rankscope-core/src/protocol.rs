@@ -38,6 +38,11 @@ pub struct ProcessMeta {
     /// (TORCHELASTIC_RUN_ID, SLURM_JOB_ID, Open MPI's job id); None outside a job.
     #[serde(default)]
     pub job_id: Option<String>,
+    /// Where in the process's memory the probe keeps the torch step (an
+    /// i64, `i64::MIN` while no step is known): a profiler reading the
+    /// process from outside reads it at each sample, without a request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_address: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

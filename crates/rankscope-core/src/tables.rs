@@ -357,7 +357,7 @@ pub const OBJECTS: TableDef = TableDef {
 pub const PROFILE: TableDef = TableDef {
     schema: "python",
     name: "profile",
-    description: "the profiles taken of the process (`rankscope PID profile`, `cluster profile`): one row per stack and thread, with its samples; ts is the profile's start (the last profile: the largest ts)",
+    description: "the profiles taken of the process (`rankscope PID profile`, `cluster profile`): one row per stack, thread and torch step, with its samples; ts is the profile's start (the last profile: the largest ts)",
     columns: &[
         col("thread", Utf8),
         col("thread_id", Int64),
@@ -371,6 +371,10 @@ pub const PROFILE: TableDef = TableDef {
         col("samples", Int64),
         col("idle", Bool),
         col("gil", Bool),
+        // The torch step the samples were taken in, where the process's
+        // probe knew it (its torch features on); a stack seen in several
+        // steps has a row for each.
+        col("step", Int64),
         col("rate_hz", Float64),
         col("duration_s", Float64),
     ],
@@ -594,6 +598,7 @@ mod tests {
             protocol: 1,
             tcp: None,
             job_id: None,
+            step_address: None,
         }
     }
 

@@ -131,6 +131,13 @@ pub fn set_step(step: i64) {
     STEP.store(step, Ordering::Relaxed);
 }
 
+/// Where the step lives in this process: a profiler outside reads it there
+/// at each sample (`ProcessMeta::step_address`). A static, so the address
+/// holds for the process's life; an aligned i64, so a read never tears.
+pub fn step_address() -> u64 {
+    &STEP as *const AtomicI64 as u64
+}
+
 /// The process's memory now, in bytes, from /proc.
 #[pyfunction]
 pub fn memory_now<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

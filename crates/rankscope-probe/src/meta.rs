@@ -60,5 +60,6 @@ pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
         ]
         .iter()
         .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty())),
+        step_address: Some(crate::memory::step_address()),
     }
 }

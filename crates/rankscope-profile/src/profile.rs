@@ -85,6 +85,10 @@ pub struct Profile {
     pub rate_hz: f64,
     pub started_at: f64,
     pub duration_s: f64,
+    /// Samples by stack and torch step, for those taken while the target's
+    /// probe knew the step (`set_step`); `counts` has every sample.
+    pub steps: FxHashMap<(StackKey, i64), u64>,
+    step: Option<i64>,
     frame_ids: FxHashMap<FrameKey, usize>,
     stack_ids: FxHashMap<Vec<usize>, usize>,
     /// Stacks by a hash of their borrowed frames (several where hashes
@@ -194,16 +198,22 @@ impl Profile {
         }
     }
 
+    /// The torch step the next samples were taken in (None: not known).
+    pub fn set_step(&mut self, step: Option<i64>) {
+        self.step = step;
+    }
+
     fn count(&mut self, thread: usize, stack: usize, idle: bool, gil: bool, at_s: f64) {
-        *self
-            .counts
-            .entry(StackKey {
-                thread,
-                stack,
-                idle,
-                gil,
-            })
-            .or_default() += 1;
+        let key = StackKey {
+            thread,
+            stack,
+            idle,
+            gil,
+        };
+        *self.counts.entry(key).or_default() += 1;
+        if let Some(step) = self.step {
+            *self.steps.entry((key, step)).or_default() += 1;
+        }
         let interval = if self.rate_hz > 0.0 {
             1.0 / self.rate_hz
         } else {
@@ -240,6 +250,7 @@ impl Profile {
     /// Only the samples `keep` says yes to (`--idle`, `--gil`, `--no-idle`).
     pub fn retain(&mut self, keep: impl Fn(&StackKey) -> bool) {
         self.counts.retain(|k, _| keep(k));
+        self.steps.retain(|(k, _), _| keep(k));
         self.slices.retain(|s| {
             keep(&StackKey {
                 thread: s.thread,

@@ -6,6 +6,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use py_spy::config::LockingStrategy;
 use py_spy::{Config, PythonSpy};
 
+use remoteprocess::ProcessMemory;
+
 use crate::profile::{FrameRef, Profile};
 use crate::ProfileError;
 
@@ -17,6 +19,9 @@ pub struct SampleOptions {
     pub native: bool,
     /// rankscope's own threads and frames stay in (they are left out otherwise).
     pub all_frames: bool,
+    /// Where the target's probe keeps the torch step (its metadata's
+    /// `step_address`): read at each sample, 8 bytes, without stopping it.
+    pub step_address: Option<u64>,
 }
 
 /// rankscope's own threads (the probe's server, its store and sampler)
@@ -87,6 +92,11 @@ pub fn sample(
         }
         next += interval;
         let at = start.elapsed().as_secs_f64();
+        if let Some(address) = options.step_address {
+            // i64::MIN: the probe knows no step now (its torch clock is off).
+            let step = spy.process.copy_struct::<i64>(address as usize).ok();
+            profile.set_step(step.filter(|&s| s != i64::MIN));
+        }
         match spy.get_stack_traces() {
             Ok(traces) => {
                 profile.ticks += 1;

@@ -8,15 +8,29 @@ use std::path::{Path, PathBuf};
 use rankscope_core::tables::PROFILE;
 use rankscope_store::{Cell, Store, StoreConfig};
 
-use crate::Profile;
+use crate::{Profile, StackKey};
 
 /// The profile's rows, in `python.profile`'s column order after ts (the
 /// profile's start, the same for all its rows).
 pub fn rows(profile: &Profile) -> Vec<(f64, Vec<Cell>)> {
-    let mut keys: Vec<_> = profile.counts.iter().collect();
-    keys.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
-    keys.into_iter()
-        .map(|(key, &samples)| {
+    // Per stack: a row per step it was seen in, and one without a step for
+    // the samples taken while no step was known.
+    let mut by_step: Vec<(StackKey, Option<i64>, u64)> = Vec::new();
+    let mut stepped: rustc_hash::FxHashMap<StackKey, u64> = Default::default();
+    for (&(key, step), &n) in &profile.steps {
+        by_step.push((key, Some(step), n));
+        *stepped.entry(key).or_default() += n;
+    }
+    for (&key, &n) in &profile.counts {
+        let rest = n.saturating_sub(stepped.get(&key).copied().unwrap_or(0));
+        if rest > 0 {
+            by_step.push((key, None, rest));
+        }
+    }
+    by_step.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+    by_step
+        .into_iter()
+        .map(|(key, step, samples)| {
             let thread = &profile.threads[key.thread];
             let frames = &profile.stacks[key.stack];
             let leaf = frames.last().map(|&f| &profile.frames[f]);
@@ -36,6 +50,7 @@ pub fn rows(profile: &Profile) -> Vec<(f64, Vec<Cell>)> {
                 Cell::Int(samples as i64),
                 Cell::Bool(key.idle),
                 Cell::Bool(key.gil),
+                step.map_or(Cell::Null, Cell::Int),
                 Cell::Float(profile.rate_hz),
                 Cell::Float(profile.duration_s),
             ];
@@ -87,6 +102,8 @@ mod tests {
         profile.rank = Some(3);
         let main = profile.thread(7, "MainThread");
         for i in 0..3 {
+            // The first sample before the step was known, the others in step 11.
+            profile.set_step((i > 0).then_some(11));
             profile.add_sample(
                 main,
                 &[frame("<module>", 9), frame("step", 4)],
@@ -95,11 +112,12 @@ mod tests {
                 i as f64 * 0.01,
             );
         }
+        profile.set_step(None);
         profile.add_sample(main, &[frame("<module>", 9)], true, false, 0.03);
         profile.finish(0.04);
 
         let rows = rows(&profile);
-        assert_eq!(rows.len(), 2, "one row per stack and thread");
+        assert_eq!(rows.len(), 3, "one row per stack, thread and step");
         let (ts, top) = &rows[0];
         assert_eq!(*ts, 1_700_000_000.0);
         assert_eq!(top[2], Cell::Str("step".into()), "the innermost frame");
@@ -108,8 +126,23 @@ mod tests {
             top[6],
             Cell::Str("<module> (train.py:9);step (train.py:4)".into())
         );
-        assert_eq!(top[7], Cell::Int(3));
-        assert_eq!(rows[1].1[8], Cell::Bool(true), "idle");
+        assert_eq!(
+            (&top[7], &top[10]),
+            (&Cell::Int(2), &Cell::Int(11)),
+            "two samples in step 11"
+        );
+        let unstepped: Vec<_> = rows
+            .iter()
+            .filter(|(_, r)| r[10] == Cell::Null)
+            .map(|(_, r)| (r[7].clone(), r[8].clone()))
+            .collect();
+        assert_eq!(
+            unstepped,
+            [
+                (Cell::Int(1), Cell::Bool(false)),
+                (Cell::Int(1), Cell::Bool(true))
+            ]
+        );
 
         let dir = tempfile::tempdir().unwrap();
         keep(&profile, dir.path(), "node-1").unwrap();
@@ -144,9 +177,9 @@ mod tests {
                     .collect::<Vec<_>>()
             })
             .collect();
-        assert_eq!(ranks, [3, 3]);
+        assert_eq!(ranks, [3, 3, 3]);
         let all = rankscope_store::read_table(&dirs, &PROFILE, None).unwrap();
-        assert_eq!(all.iter().map(|b| b.num_rows()).sum::<usize>(), 3);
+        assert_eq!(all.iter().map(|b| b.num_rows()).sum::<usize>(), 4);
         let none =
             rankscope_store::read_table_of(&dirs, &PROFILE, None, Some(("node-1", 42))).unwrap();
         assert!(

@@ -356,6 +356,7 @@ mod tests {
             protocol: 1,
             tcp: None,
             job_id: None,
+            step_address: None,
         }
     }
 

@@ -107,6 +107,7 @@ impl ProfileArgs {
             duration: Duration::from_secs_f64(self.duration),
             native: self.native,
             all_frames: false,
+            step_address: None,
         }
     }
 
@@ -178,14 +179,24 @@ fn keep(profile: &Profile) -> Result<PathBuf, String> {
         .map_err(|e| format!("python.profile not kept in {}: {e}", run_dir.display()))
 }
 
-pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
-    let path = args.check()?;
-    // A probe, where there is one, names the rank; sampling never needs it.
-    let rank = Probe::find(pid)
+/// The process's probe's metadata, where it has a probe that answers soon.
+fn probe_meta(pid: u32) -> Option<rankscope_core::protocol::ProcessMeta> {
+    Probe::find(pid)
         .ok()
         .flatten()
         .and_then(|probe| probe.meta(Duration::from_millis(500)).ok())
-        .and_then(|meta| meta.job_id.map(|_| meta.rank));
+}
+
+pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
+    let path = args.check()?;
+    // A probe, where there is one, names the rank and where the torch step
+    // is kept; sampling never needs it.
+    let meta = probe_meta(pid);
+    let rank = meta.as_ref().and_then(|m| m.job_id.as_ref().map(|_| m.rank));
+    let options = SampleOptions {
+        step_address: meta.as_ref().and_then(|m| m.step_address),
+        ..args.sample_options()
+    };
     if args.native {
         eprintln!(
             "note: --native pauses each thread briefly at every sample, to unwind its native stack"
@@ -196,7 +207,7 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     let catcher = SigintCatcher::install();
     let result = sample(
         pid,
-        &args.sample_options(),
+        &options,
         &SIGINT_SEEN,
         |ticks, elapsed| {
             if tty {
@@ -305,7 +316,11 @@ pub fn cluster(
             .map(|(at, &(rank, pid))| {
                 let (options, ticks) = (&options, &ticks);
                 scope.spawn(move || {
-                    let mut profile = sample(pid, options, &SIGINT_SEEN, |n, elapsed| {
+                    let options = SampleOptions {
+                        step_address: probe_meta(pid).and_then(|m| m.step_address),
+                        ..options.clone()
+                    };
+                    let mut profile = sample(pid, &options, &SIGINT_SEEN, |n, elapsed| {
                         ticks[at].store(n, Ordering::Relaxed);
                         // One line for the job, drawn by the first rank's sampler.
                         if tty && at == 0 {

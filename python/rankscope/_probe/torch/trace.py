@@ -51,6 +51,9 @@ MAX_REDISCOVERY_INTERVAL = 1024
 # The memory timeline's rows carry the step (``_native.set_step``), told at
 # most this often: a call into the probe per step is a cost of its own.
 STEP_TOLD_NS = 20_000_000
+# What the step is told as once the clock stops: no step (the native side's
+# i64::MIN), so that later memory rows and profile samples carry none.
+NO_STEP = -(1 << 63)
 
 
 class UserError(Exception):
@@ -322,6 +325,8 @@ class Tracer:
 
             if getattr(rankscope, "_step_hook", None) == self.mark_step:
                 rankscope._step_hook = None
+        _native.set_step(NO_STEP)
+        self.step_told = 0
         return self._remove_optimizer_hooks(wait_s)
 
     def _fail(self, where: str, exc: BaseException) -> None:
