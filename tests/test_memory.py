@@ -130,6 +130,11 @@ def test_model_optimizer_and_a_local_are_named_as_holders(torch_python, spawn, c
     assert cli(target.pid, "eval", "view = kept[0][:10]").returncode == 0
     first = query_json(cli, target.pid, "SELECT holder, views, bytes FROM python.tensors WHERE holder = 'kept[0]' OR holder = 'view'")
     assert first == [{"holder": "kept[0]", "views": 2, "bytes": 1024}], first
+    # A dict's item is named by its key; a tensor no name reaches (in a set)
+    # by the type of what holds it.
+    assert cli(target.pid, "eval", "by_key = {'w': torch.zeros(7)}; hidden = {torch.zeros(3000)}").returncode == 0
+    others = query_json(cli, target.pid, "SELECT holder, bytes FROM python.tensors WHERE bytes IN (28, 12000) ORDER BY bytes")
+    assert others == [{"holder": "by_key['w']", "bytes": 28}, {"holder": "referrer: set", "bytes": 12000}], others
 
     text = cli(target.pid, "memory")
     assert text.returncode == 0, text.stderr

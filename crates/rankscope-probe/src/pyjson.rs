@@ -6,7 +6,7 @@
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyIterator, PyList, PyString, PyTuple};
 use serde_json::Number;
 
 /// Nesting past this is a bug in a helper, not data.
@@ -80,10 +80,19 @@ fn write(value: &Bound<'_, PyAny>, depth: usize, out: &mut Vec<u8>) -> PyResult<
         out.push(b'}');
         return Ok(());
     }
+    // A generator of rows (`python.tensors`): each row is written and
+    // dropped before the next is made, so the rows never all live at once.
+    // An error inside it ends the reply as an error.
+    let mut failed = None;
     let items: Box<dyn Iterator<Item = Bound<'_, PyAny>>> = if let Ok(l) = value.cast::<PyList>() {
         Box::new(l.iter())
     } else if let Ok(t) = value.cast::<PyTuple>() {
         Box::new(t.iter())
+    } else if let Ok(it) = value.cast::<PyIterator>() {
+        Box::new(
+            it.clone()
+                .map_while(|item| item.map_err(|e| failed = Some(e)).ok()),
+        )
     } else {
         return Err(PyTypeError::new_err(format!(
             "a helper replied with a {}",
@@ -98,5 +107,5 @@ fn write(value: &Bound<'_, PyAny>, depth: usize, out: &mut Vec<u8>) -> PyResult<
         write(&item, depth + 1, out)?;
     }
     out.push(b']');
-    Ok(())
+    failed.map_or(Ok(()), Err)
 }

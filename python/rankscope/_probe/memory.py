@@ -94,7 +94,7 @@ def handle(request_text: str):
         if action == "summary":
             return {"ok": summary(int(request.get("top") or 5), light=bool(request.get("light")))}
         if action == "tensors":
-            return {"ok": tensors(float(request.get("budget_s") or 2.0))}
+            return {"ok": tensors(float(request.get("budget_s") or 2.0), request.get("columns"))}
         if action == "objects":
             return {"ok": objects()}
         if action == "track":
@@ -163,14 +163,22 @@ def summary(top: int, light: bool = False) -> dict:
     return out
 
 
-def tensors(budget_s: float) -> dict:
-    """``python.tensors``: rows in the table's column order."""
+def tensors(budget_s: float, columns=None) -> dict:
+    """``python.tensors``: rows in the table's column order, or only the
+    ``columns`` a query reads (the others come back as null). The rows are
+    a generator: the probe writes each into the reply as it is made."""
+    names = ["ts", *TENSOR_COLUMNS]
     torch = _torch()
     if torch is None:
-        return {"columns": ["ts", *TENSOR_COLUMNS], "rows": []}
+        return {"columns": names, "rows": []}
     from rankscope._probe.torch import tensors as tensor_scan
 
-    return {"columns": ["ts", *TENSOR_COLUMNS], "rows": tensor_scan.scan(budget_s=budget_s)["rows"]}
+    rows = tensor_scan.scan_rows(budget_s=budget_s)
+    if columns is not None:
+        keep = [i for i, name in enumerate(names) if i == 0 or name in columns]
+        names = [names[i] for i in keep]
+        rows = ([row[i] for i in keep] for row in rows)
+    return {"columns": names, "rows": rows}
 
 
 def objects() -> dict:

@@ -192,7 +192,9 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     // A probe, where there is one, names the rank and where the torch step
     // is kept; sampling never needs it.
     let meta = probe_meta(pid);
-    let rank = meta.as_ref().and_then(|m| m.job_id.as_ref().map(|_| m.rank));
+    let rank = meta
+        .as_ref()
+        .and_then(|m| m.job_id.as_ref().map(|_| m.rank));
     let options = SampleOptions {
         step_address: meta.as_ref().and_then(|m| m.step_address),
         ..args.sample_options()
@@ -205,20 +207,15 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     let tty = std::io::stderr().is_terminal();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
     let catcher = SigintCatcher::install();
-    let result = sample(
-        pid,
-        &options,
-        &SIGINT_SEEN,
-        |ticks, elapsed| {
-            if tty {
-                eprint!(
+    let result = sample(pid, &options, &SIGINT_SEEN, |ticks, elapsed| {
+        if tty {
+            eprint!(
                 "\rsampling PID {pid}: {ticks} samples, {elapsed:.1}/{:.0} s (Ctrl-C ends early) ",
                 args.duration
             );
-                let _ = std::io::stderr().flush();
-            }
-        },
-    );
+            let _ = std::io::stderr().flush();
+        }
+    });
     drop(catcher);
     if tty {
         eprintln!();

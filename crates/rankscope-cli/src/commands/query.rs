@@ -31,6 +31,21 @@ pub struct LiveProbe {
 }
 
 impl LiveProbe {
+    /// A table the probe finds on demand (`python.tensors`, `python.objects`):
+    /// only the columns the query reads are asked for, so a scan of 100 k
+    /// tensors for a count sends a few fields a row.
+    fn memory_table(&self, table: &TableDef, columns: Option<&[&str]>) -> Result<Rows, String> {
+        let meta = self.meta()?;
+        let mut request = serde_json::json!({"action": table.name});
+        if let Some(columns) = columns {
+            request["columns"] = serde_json::json!(columns);
+        }
+        let reply = self.probe.memory(&request).map_err(|e| format!("{e:#}"))?;
+        let reply: rankscope_core::protocol::ProbeTableReply =
+            serde_json::from_value(reply).map_err(|e| e.to_string())?;
+        Ok(tables::probe_table_rows(table, &meta, &reply))
+    }
+
     /// The target's run directory, from the target's environment.
     fn run_dir(&self) -> Result<PathBuf, String> {
         let env = self
@@ -156,15 +171,7 @@ impl RowSource for LiveProbe {
                     rankscope_core::host::now_seconds(),
                 ))
             }
-            ("python", "tensors") | ("python", "objects") => {
-                let reply = self
-                    .probe
-                    .memory(&serde_json::json!({"action": table.name}))
-                    .map_err(|e| format!("{e:#}"))?;
-                let reply: rankscope_core::protocol::ProbeTableReply =
-                    serde_json::from_value(reply).map_err(|e| e.to_string())?;
-                Ok(tables::probe_table_rows(table, &meta, &reply))
-            }
+            ("python", "tensors") | ("python", "objects") => self.memory_table(table, None),
             _ if tables::is_probe_table(table) => {
                 match self.probe_table(table, &Scan::default())? {
                     Fetched::Rows(rows) => Ok(rows),
@@ -188,6 +195,11 @@ impl RowSource for LiveProbe {
     fn scan(&self, table: &TableDef, scan: &Scan) -> Result<Fetched, String> {
         if tables::is_probe_table(table) {
             return self.probe_table(table, scan);
+        }
+        if table.schema == "python" && matches!(table.name, "tensors" | "objects") {
+            return self
+                .memory_table(table, scan.columns.as_deref())
+                .map(Fetched::Rows);
         }
         if tables::is_store_table(table) {
             // Written by the CLI into the process's run store (a profile):

@@ -41,8 +41,11 @@ def _label_in_main(obj) -> str | None:
     return None
 
 
-def _names(objects: list) -> dict:
-    """id(tensor) -> (holder path, kind), best names first (setdefault)."""
+def _names(objects: list, containers: list) -> dict:
+    """id(tensor) -> (holder path, kind), best names first; for a
+    container's items an int instead, the container's place in
+    ``containers`` and the item's index packed together (see ``_holder``):
+    a list of 100 k tensors costs an int each, not a string and a tuple."""
     names: dict = {}
     found, optimizers, _ = models.discover(objects)
     param_names = {}
@@ -70,12 +73,12 @@ def _names(objects: list) -> dict:
             # A module's own frame reads its globals: named by the pass below.
             if code.co_name != "<module>" and not any(part in code.co_filename for part in own):
                 for name, value in list(frame.f_locals.items()):
-                    _name_value(names, f"{code.co_name}:{name}", value, "local")
+                    _name_value(names, containers, f"{code.co_name}:{name}", value, "local")
             frame = frame.f_back
     main = sys.modules.get("__main__")
     for name, value in list(getattr(main, "__dict__", {}).items()):
         if not name.startswith("__"):
-            _name_value(names, name, value, "global")
+            _name_value(names, containers, name, value, "global")
     return names
 
 
@@ -85,58 +88,112 @@ def _is_tensor(value) -> bool:
     return issubclass(type(value), torch.Tensor)
 
 
-def _name_value(names: dict, path: str, value, kind: str) -> None:
+def _name_value(names: dict, containers: list, path: str, value, kind: str) -> None:
     if _is_tensor(value):
         names.setdefault(id(value), (path, kind))
-    elif type(value) in (list, tuple):
-        tensor_type = torch.Tensor
-        for i, item in enumerate(value[:MAX_ITEMS]):
-            if issubclass(type(item), tensor_type):
-                names.setdefault(id(item), (f"{path}[{i}]", kind))
+        return
+    if type(value) in (list, tuple):
+        items, keys = value[:MAX_ITEMS], None
     elif type(value) is dict:
-        for i, (key, item) in enumerate(list(value.items())):
-            if i >= MAX_ITEMS:
-                break
-            if _is_tensor(item):
-                names.setdefault(id(item), (f"{path}[{key!r}]", kind))
+        keys = list(value)[:MAX_ITEMS]
+        items = [value.get(key) for key in keys]
+    else:
+        return
+    slot = len(containers) << 32
+    tensor_type = torch.Tensor
+    named = False
+    for i, item in enumerate(items):
+        if issubclass(type(item), tensor_type):
+            names.setdefault(id(item), slot | i)
+            named = True
+    if named:
+        containers.append((path, kind, keys))
 
 
 def _storage_key(tensor):
+    """The storage's identity, and its size. A CPU storage is its address
+    alone (an int: a scan keys 100 k of them), another device's is the
+    address with the device."""
     try:
         storage = tensor.untyped_storage()
+        if tensor.is_cpu:
+            return storage.data_ptr(), storage.nbytes()
         return (storage.data_ptr(), str(tensor.device)), storage.nbytes()
     except Exception:  # noqa: BLE001 - a tensor without a storage (sparse, a subclass): on its own
         return ("id", id(tensor)), tensor.numel() * tensor.element_size()
 
 
+def _holder(named, containers: list):
+    """(path, kind) from what ``_names`` keeps; a container's item is
+    spelled only here, one row at a time."""
+    if named is None:
+        return None, "tensor"
+    if type(named) is int:
+        path, kind, keys = containers[named >> 32]
+        index = named & 0xFFFFFFFF
+        return f"{path}[{index if keys is None else keys[index]!r}]", kind
+    return named
+
+
 def scan(budget_s: float = 2.0) -> dict:
     """{"rows": [[ts, shape, dtype, device, mb, bytes, requires_grad,
     kind, holder, views, complete], ...], "complete": bool}."""
+    rows = list(scan_rows(budget_s))
+    return {"rows": rows, "complete": rows[0][-1] if rows else True}
+
+
+def scan_rows(budget_s: float = 2.0):
+    """The rows of ``scan``, made one at a time (a generator): the probe
+    writes each into the reply and drops it before the next is made, so the
+    100 k rows of a big scan never all live at once."""
     deadline = time.monotonic() + budget_s
     objects = gc.get_objects()
-    names = _names(objects)
+    containers: list = []
+    names = _names(objects, containers)
     tensor_type = torch.Tensor
     kinds = {kind for kind in set(map(type, objects)) if issubclass(kind, tensor_type)}
     found = [obj for obj in objects if type(obj) in kinds]
     del objects
-    groups: dict = {}
+    # One tensor per storage; a storage seen through several views gets
+    # [views, the view shown] in `shared` (the view with a name, else the
+    # largest). Most storages have one view, and cost a dict entry only.
+    first: dict = {}
+    shared: dict = {}
     complete = True
     for index, obj in enumerate(found):
         if index % 4096 == 0 and time.monotonic() > deadline:
             complete = False
             break
-        key, nbytes = _storage_key(obj)
-        group = groups.get(key)
+        key, _ = _storage_key(obj)
+        shown = first.setdefault(key, obj)
+        if shown is obj:
+            continue
+        group = shared.get(key)
         if group is None:
-            groups[key] = [obj, nbytes, 1, names.get(id(obj))]
-        else:
-            group[2] += 1
-            named = names.get(id(obj))
-            # The row shows the view with a name, else the largest.
-            if group[3] is None and named is not None or (named is None) == (group[3] is None) and obj.numel() > group[0].numel():
-                group[0], group[3] = obj, named if named is not None else group[3]
-    rows = []
-    unnamed = []
+            group = shared[key] = [1, shown]
+        group[0] += 1
+        current = group[1]
+        named, current_named = id(obj) in names, id(current) in names
+        if named and not current_named or named == current_named and obj.numel() > current.numel():
+            group[1] = obj
+    del found
+    for key, (_, shown) in shared.items():
+        first[key] = shown
+    # The largest unnamed tensors get the type of an object that refers to them.
+    referred: dict = {}
+    if time.monotonic() < deadline:
+        unnamed = sorted(((_storage_key(t)[1], id(t)) for t in first.values() if id(t) not in names), reverse=True)[:MAX_REFERRER_LOOKUPS]
+        if unnamed:
+            wanted = {i for _, i in unnamed}
+            targets = [t for t in first.values() if id(t) in wanted]
+            # The scan's own tables refer to every tensor: not an answer.
+            own = {id(first), id(shared), id(targets), *map(id, shared.values())}
+            referred = _referrers(targets, own)
+            del targets
+    return _rows(first, shared, names, containers, referred, complete)
+
+
+def _rows(first: dict, shared: dict, names: dict, containers: list, referred: dict, complete: bool):
     now = time.time()
     # Many tensors share a shape, a dtype and a device: each is spelled once.
     spelled: dict = {}
@@ -149,52 +206,43 @@ def scan(budget_s: float = 2.0) -> dict:
 
     shape_text = lambda shape: "x".join(map(str, shape)) or "scalar"  # noqa: E731
     dtype_text = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-    for tensor, nbytes, views, named in groups.values():
-        if named is None:
-            kind, holder = "tensor", None
-            unnamed.append((nbytes, len(rows)))
-        else:
-            holder, kind = named
-        rows.append(
-            [
-                now,
-                spell(tensor.shape, shape_text),
-                spell(tensor.dtype, dtype_text),
-                spell(tensor.device, str),
-                nbytes / float(1 << 20),
-                nbytes,
-                tensor.requires_grad,
-                kind,
-                holder,
-                views,
-                complete,
-            ]
-        )
-    shown = list(groups.values())
-    lookups = sorted(unnamed, reverse=True)[:MAX_REFERRER_LOOKUPS]
-    if lookups and time.monotonic() < deadline:
-        for row_index, holder in _referrers(shown, [i for _, i in lookups]).items():
-            rows[row_index][8] = holder
-    del groups, names, shown, found
-    return {"rows": rows, "complete": complete}
+    while first:
+        # Taken out as it is written: the scan's hold on each tensor goes with its row.
+        key, tensor = first.popitem()
+        group = shared.pop(key, None)
+        _, nbytes = _storage_key(tensor)
+        holder, kind = _holder(names.get(id(tensor)), containers)
+        if holder is None:
+            holder = referred.get(id(tensor))
+        yield [
+            now,
+            spell(tensor.shape, shape_text),
+            spell(tensor.dtype, dtype_text),
+            spell(tensor.device, str),
+            nbytes / float(1 << 20),
+            nbytes,
+            tensor.requires_grad,
+            kind,
+            holder,
+            1 if group is None else group[0],
+            complete,
+        ]
+        del tensor, group
 
 
-def _referrers(shown: list, row_indexes: list) -> dict:
-    """row index -> "referrer: TYPE" for the given rows' tensors, in one
-    walk of the heap (``gc.get_referrers`` of all of them at once); the
-    scan's own lists and frames are left out."""
-    tensors = {id(shown[i][0]): i for i in row_indexes}
+def _referrers(targets: list, own: set) -> dict:
+    """id(tensor) -> "referrer: TYPE" for the given tensors, in one walk of
+    the heap (``gc.get_referrers`` of all of them at once); frames and the
+    objects in ``own`` (the scan's) are left out."""
+    wanted = {id(t) for t in targets}
     frame_type = type(sys._getframe())
-    own = {id(group) for group in shown}
-    own.add(id(shown))
     found: dict = {}
-    for ref in gc.get_referrers(*(shown[i][0] for i in row_indexes)):
+    for ref in gc.get_referrers(*targets):
         if type(ref) is frame_type or id(ref) in own:
             continue
         for item in gc.get_referents(ref):
-            row_index = tensors.get(id(item))
-            if row_index is not None and row_index not in found:
-                found[row_index] = f"referrer: {type(ref).__qualname__}"
-        if len(found) == len(tensors):
+            if id(item) in wanted and id(item) not in found:
+                found[id(item)] = f"referrer: {type(ref).__qualname__}"
+        if len(found) == len(wanted):
             break
     return found
