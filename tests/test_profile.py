@@ -177,6 +177,15 @@ def test_each_sample_carries_the_torch_step_while_the_probe_knows_it(python, spa
     assert steps["n"] >= 10 and steps["last"] - steps["first"] >= 10, steps
     now = json.loads(cli(target.pid, "torch", "--format", "json").stdout)["step"]
     assert steps["last"] <= now, (steps, now)
+    # The Chrome/Perfetto trace has the steps as a lane of their own.
+    trace = tmp_path / "steps.json"
+    profile(cli, target.pid, "-o", trace)
+    events = json.loads(trace.read_text())["traceEvents"]
+    lane = [e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["args"]["name"] == "torch steps"]
+    marked = [e for e in events if e["ph"] == "X" and e.get("cat") == "torch" and [e["tid"]] == lane]
+    assert len(marked) >= 10 and all(e["name"] == f"step {e['args']['step']}" and e["dur"] > 0 for e in marked), marked[:3]
+    numbers = [e["args"]["step"] for e in marked]
+    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers), numbers
 
     # Off: the probe knows no step, and the next profile's samples carry none.
     assert cli(target.pid, "torch", "trace", "off").returncode == 0

@@ -244,6 +244,10 @@ pub(crate) fn chrome_of(ps: &[&Profile], options: &WriteOptions) -> Value {
     json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"exporter": "rankscope", "pids": pids, "rate_hz": rate}})
 }
 
+/// The Chrome trace's lane for the torch steps: a thread id no thread has
+/// (Linux thread ids stay below 2^22).
+const STEPS_LANE: u64 = u32::MAX as u64;
+
 fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
     let pid = p.pid;
     events.push(
@@ -260,6 +264,16 @@ fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
         events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": t.id, "args": {"name": thread_label(p, i)}}));
     }
     let origin_us = p.started_at * 1e6;
+    if !p.step_spans.is_empty() {
+        // The torch steps as a lane of their own above the threads, so a
+        // slow step lines up with what the threads did in it.
+        events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": STEPS_LANE, "args": {"name": "torch steps"}}));
+        events.push(json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": STEPS_LANE, "args": {"sort_index": -1}}));
+        for &(step, start, end) in &p.step_spans {
+            events.push(json!({"ph": "X", "name": format!("step {step}"), "cat": "torch", "pid": pid, "tid": STEPS_LANE,
+                "ts": origin_us + start * 1e6, "dur": (end - start).max(0.0) * 1e6, "args": {"step": step}}));
+        }
+    }
     let gap = 1.5 / p.rate_hz.max(0.001);
     let mut by_thread: BTreeMap<usize, Vec<&crate::profile::Slice>> = BTreeMap::new();
     for s in &p.slices {

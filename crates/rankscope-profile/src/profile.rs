@@ -88,6 +88,9 @@ pub struct Profile {
     /// Samples by stack and torch step, for those taken while the target's
     /// probe knew the step (`set_step`); `counts` has every sample.
     pub steps: FxHashMap<(StackKey, i64), u64>,
+    /// The steps as they went: (step, first seen, last seen + a tick), in
+    /// seconds since the start; the Chrome trace draws them as a lane.
+    pub step_spans: Vec<(i64, f64, f64)>,
     step: Option<i64>,
     frame_ids: FxHashMap<FrameKey, usize>,
     stack_ids: FxHashMap<Vec<usize>, usize>,
@@ -198,9 +201,20 @@ impl Profile {
         }
     }
 
-    /// The torch step the next samples were taken in (None: not known).
-    pub fn set_step(&mut self, step: Option<i64>) {
+    /// The torch step the samples of the tick at `at_s` were taken in
+    /// (None: not known).
+    pub fn set_step(&mut self, step: Option<i64>, at_s: f64) {
         self.step = step;
+        let Some(step) = step else { return };
+        let tick = if self.rate_hz > 0.0 {
+            1.0 / self.rate_hz
+        } else {
+            0.0
+        };
+        match self.step_spans.last_mut() {
+            Some(last) if last.0 == step => last.2 = at_s + tick,
+            _ => self.step_spans.push((step, at_s, at_s + tick)),
+        }
     }
 
     fn count(&mut self, thread: usize, stack: usize, idle: bool, gil: bool, at_s: f64) {

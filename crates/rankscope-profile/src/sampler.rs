@@ -95,7 +95,7 @@ pub fn sample(
         if let Some(address) = options.step_address {
             // i64::MIN: the probe knows no step now (its torch clock is off).
             let step = spy.process.copy_struct::<i64>(address as usize).ok();
-            profile.set_step(step.filter(|&s| s != i64::MIN));
+            profile.set_step(step.filter(|&s| s != i64::MIN), at);
         }
         match spy.get_stack_traces() {
             Ok(traces) => {

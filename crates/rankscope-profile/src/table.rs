@@ -103,7 +103,7 @@ mod tests {
         let main = profile.thread(7, "MainThread");
         for i in 0..3 {
             // The first sample before the step was known, the others in step 11.
-            profile.set_step((i > 0).then_some(11));
+            profile.set_step((i > 0).then_some(11), i as f64 * 0.01);
             profile.add_sample(
                 main,
                 &[frame("<module>", 9), frame("step", 4)],
@@ -112,9 +112,14 @@ mod tests {
                 i as f64 * 0.01,
             );
         }
-        profile.set_step(None);
+        profile.set_step(None, 0.03);
         profile.add_sample(main, &[frame("<module>", 9)], true, false, 0.03);
         profile.finish(0.04);
+        assert_eq!(
+            profile.step_spans,
+            [(11, 0.01, 0.03)],
+            "step 11 from its first tick to its last"
+        );
 
         let rows = rows(&profile);
         assert_eq!(rows.len(), 3, "one row per stack, thread and step");
