@@ -211,6 +211,17 @@ pub fn demangle(name: &str) -> String {
 }
 
 /// What can be said about a process without a probe, for the `bt` header.
+/// A process's environment as it started (`/proc/PID/environ`; what it set
+/// itself later is not there), the variables that are UTF-8; empty when
+/// the file cannot be read (another user's process, or gone).
+pub fn initial_environ(pid: u32) -> HashMap<String, String> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    raw.split(|&b| b == 0)
+        .filter_map(|entry| std::str::from_utf8(entry).ok()?.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
     let cmdline: Vec<String> = std::fs::read(format!("/proc/{pid}/cmdline"))
         .unwrap_or_default()
@@ -218,13 +229,9 @@ pub fn meta_from_proc(pid: u32, python_version: String) -> ProcessMeta {
         .filter(|w| !w.is_empty())
         .map(|w| String::from_utf8_lossy(w).into_owned())
         .collect();
-    let env_rank = std::fs::read(format!("/proc/{pid}/environ"))
-        .ok()
-        .and_then(|raw| {
-            raw.split(|&b| b == 0)
-                .filter_map(|kv| std::str::from_utf8(kv).ok())
-                .find_map(|kv| kv.strip_prefix("RANK=")?.parse().ok())
-        });
+    let env_rank = initial_environ(pid)
+        .get("RANK")
+        .and_then(|v| v.parse().ok());
     ProcessMeta {
         pid,
         ppid: 0,

@@ -232,7 +232,7 @@ impl Store {
         cells: Vec<Cell>,
     ) -> Result<(), StoreError> {
         let (def, row) = self.row(table, ts_seconds, cells)?;
-        self.push(def, row, None);
+        self.push_all(def, vec![row]);
         Ok(())
     }
 
@@ -253,7 +253,7 @@ impl Store {
     }
 
     /// Shows a row that is still changing under `key` (read with the
-    /// table, not spilled) until `close_row` replaces it with its last form.
+    /// table, not spilled) until `finish_row` turns it into a row like any other.
     pub fn open_row(
         self: &Arc<Self>,
         table: &str,
@@ -271,19 +271,6 @@ impl Store {
             entry.open.pop_first();
         }
         entry.open.insert(key, row);
-        Ok(())
-    }
-
-    /// The open row `key` is done: `cells` is its last form, a row like any other.
-    pub fn close_row(
-        self: &Arc<Self>,
-        table: &str,
-        key: u64,
-        ts_seconds: f64,
-        cells: Vec<Cell>,
-    ) -> Result<(), StoreError> {
-        let (def, row) = self.row(table, ts_seconds, cells)?;
-        self.push(def, row, Some(key));
         Ok(())
     }
 
@@ -346,16 +333,6 @@ impl Store {
         if sooner {
             self.wake.notify_one();
         }
-    }
-
-    fn push(self: &Arc<Self>, def: &'static TableDef, row: Arc<Row>, closes: Option<u64>) {
-        if let Some(key) = closes {
-            let mut state = lock(&self.state);
-            if let Some(entry) = state.tables.get_mut(def.name) {
-                entry.open.remove(&key);
-            }
-        }
-        self.push_all(def, vec![row]);
     }
 
     fn push_all(self: &Arc<Self>, def: &'static TableDef, rows: Vec<Arc<Row>>) {
@@ -687,12 +664,10 @@ mod tests {
                 .sum()
         };
         assert_eq!(on_disk(dir.path()), 1, "the open row stays in memory");
-        store.close_row("torch_steps", 7, 2.0, step_row(3)).unwrap();
-        assert_eq!(
-            steps(&store),
-            vec![1, 3],
-            "closed: replaced by its last form"
-        );
+        assert!(store
+            .finish_row("torch_steps", 7, vec![(0, Cell::Int(3))])
+            .unwrap());
+        assert_eq!(steps(&store), vec![1, 3], "finished: a row like any other");
         store.flush();
         assert_eq!(on_disk(dir.path()), 2);
     }

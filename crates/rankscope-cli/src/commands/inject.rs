@@ -101,21 +101,10 @@ const RANK_VARIABLES: [&str; 3] = ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
 /// The rank in a process's initial environment (`/proc/PID/environ`), if it
 /// carries one; `None` too when that file cannot be read.
 fn rank_in_environment(pid: u32) -> Option<i64> {
-    let raw = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    let vars: BTreeMap<&[u8], &[u8]> = raw
-        .split(|&b| b == 0)
-        .filter_map(|entry| {
-            let eq = entry.iter().position(|&b| b == b'=')?;
-            Some((&entry[..eq], &entry[eq + 1..]))
-        })
-        .collect();
-    RANK_VARIABLES.iter().find_map(|name| {
-        std::str::from_utf8(vars.get(name.as_bytes())?)
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    })
+    let vars = crate::outside::initial_environ(pid);
+    RANK_VARIABLES
+        .iter()
+        .find_map(|name| vars.get(*name)?.trim().parse().ok())
 }
 
 /// Parent to children, read once from `/proc/*/stat`.

@@ -162,19 +162,8 @@ fn missed_note(missed: u64) -> String {
 /// where that process's own tables go: its run directory from its
 /// environment at start. A failure is only a note: the profile is out.
 fn keep(profile: &Profile) -> Result<PathBuf, String> {
-    let environ = std::fs::read(format!("/proc/{}/environ", profile.pid)).unwrap_or_default();
-    let vars: Vec<(&[u8], &[u8])> = environ
-        .split(|&b| b == 0)
-        .filter_map(|var| {
-            let at = var.iter().position(|&b| b == b'=')?;
-            Some((&var[..at], &var[at + 1..]))
-        })
-        .collect();
-    let run_dir = rankscope_core::crash::run_dir_of(|name| {
-        vars.iter()
-            .find(|(k, _)| *k == name.as_bytes())
-            .and_then(|(_, v)| std::str::from_utf8(v).ok().map(str::to_string))
-    });
+    let vars = crate::outside::initial_environ(profile.pid);
+    let run_dir = rankscope_core::crash::run_dir_of(|name| vars.get(name).cloned());
     rankscope_profile::table::keep(profile, &run_dir, &rankscope_core::host::hostname())
         .map_err(|e| format!("python.profile not kept in {}: {e}", run_dir.display()))
 }
