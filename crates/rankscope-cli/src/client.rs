@@ -348,6 +348,20 @@ impl Probe {
         )
     }
 
+    /// `POST /v1/debug`: one op of a debug session (`rankscope dap`).
+    pub fn debug(
+        &self,
+        request: &serde_json::Value,
+        timeout: Duration,
+    ) -> Result<serde_json::Value> {
+        self.helper(
+            "/v1/debug",
+            request,
+            timeout,
+            "`rankscope dap` drives the probe's debug sessions",
+        )
+    }
+
     /// A helper's `{"ok": ...}`, or its `{"error": ..., "hint": ...}` as an error that keeps the hint.
     fn helper(
         &self,

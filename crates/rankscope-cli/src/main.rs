@@ -115,6 +115,38 @@ enum Command {
         #[arg(long)]
         run: Option<PathBuf>,
     },
+    /// A Debug Adapter Protocol server, for debugging a running process from an editor (VSCode, nvim-dap, Emacs dape, Helix, Zed)
+    ///
+    /// `rankscope dap --listen 5678 --pid PID`, then in VSCode a debugpy "Remote Attach"
+    /// configuration: {"type": "debugpy", "request": "attach", "connect": {"host": "127.0.0.1", "port": 5678}}.
+    /// Editors that start their adapter run `rankscope dap --stdio --pid PID`. The process is
+    /// attached as it runs (a probe is injected if it has none) and is never ended by the debugger.
+    Dap {
+        /// Wait for the editor on TCP: PORT, :PORT or HOST:PORT (loopback unless a host is given); after an editor leaves, the next may connect
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<String>,
+        /// Speak DAP on stdin/stdout, for an editor that starts the adapter; exits when the session ends
+        #[arg(long)]
+        stdio: bool,
+        /// The process to debug (a probe is started in it if it has none)
+        #[arg(long)]
+        pid: Option<u32>,
+        /// The process of this rank of the job running on this machine
+        #[arg(long)]
+        rank: Option<i64>,
+        /// Every rank of the job on this machine, in one session (threads named `rank N / ...`)
+        #[arg(long)]
+        job: bool,
+        /// With --listen: the editor must send this as "rankscopeToken" in its attach configuration [default: RANKSCOPE_TOKEN]; required for a non-loopback address
+        #[arg(long)]
+        token: Option<String>,
+        /// Seconds the probe waits to hear from the adapter before it ends the session itself (breakpoints removed, stopped threads resumed), should the adapter die
+        #[arg(long, default_value_t = 10.0)]
+        lease: f64,
+        /// Print every DAP message in and out on stderr
+        #[arg(long)]
+        trace: bool,
+    },
     /// Start the probe inside a running Python process that was started without it; on a launcher (torchrun), in each of its ranks
     Inject {
         /// A Python process, or a launcher whose descendants carry RANK
@@ -589,6 +621,25 @@ fn main() -> ExitCode {
         } => run_cluster(job, run, timeout, action),
         Command::Debug { rank, pid, run } => commands::debug::run(rank, pid, run),
         Command::Inject { pid, timeout } => commands::inject::run(pid, timeout),
+        Command::Dap {
+            listen,
+            stdio,
+            pid,
+            rank,
+            job,
+            token,
+            lease,
+            trace,
+        } => commands::dap::run(commands::dap::DapArgs {
+            listen,
+            stdio,
+            pid,
+            rank,
+            job,
+            token,
+            lease,
+            trace,
+        }),
         Command::Demo { python } => commands::demo::run(python),
         Command::Crashes {
             run,

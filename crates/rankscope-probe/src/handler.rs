@@ -92,6 +92,10 @@ impl Handler for ProbeHandler {
                 ),
                 Err(_) => Response::error(400, "a breakpoint request is JSON text"),
             },
+            ("POST", "/v1/debug") => match std::str::from_utf8(&request.body) {
+                Ok(body) => call_helper("rankscope._probe.debugger", "handle", (body.to_string(),)),
+                Err(_) => Response::error(400, "a debug request is JSON text"),
+            },
             ("POST", "/v1/torch") => match std::str::from_utf8(&request.body) {
                 Ok(body) => call_helper("rankscope._probe.torch", "handle", (body.to_string(),)),
                 Err(_) => Response::error(400, "a torch request is JSON text"),
@@ -123,7 +127,8 @@ impl Handler for ProbeHandler {
             (
                 _,
                 "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt"
-                | "/v1/breakpoints" | "/v1/job" | "/v1/torch" | "/v1/memory" | "/v1/table",
+                | "/v1/breakpoints" | "/v1/debug" | "/v1/job" | "/v1/torch" | "/v1/memory"
+                | "/v1/table",
             ) => Response::error(
                 405,
                 &format!("{} is not allowed on {}", request.method, request.path),

@@ -199,6 +199,10 @@ def _arm_pending(filename: str) -> None:
                 continue
             del _pending[pending.id]
             bp.note = note
+            if pending.options.stop is not None:
+                from rankscope._probe import debugger
+
+                debugger.breakpoint_armed(bp)
         if not _pending and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
 
@@ -215,6 +219,8 @@ class Options:
     from_hit: int | None = None
     pause: bool | None = None
     pause_timeout: float | None = None
+    # The editor's debug session (`rankscope dap`) this breakpoint stops for.
+    stop: int | None = None
 
     # wire name -> field, as the CLI sends them and `break list` shows them
     REQUEST_KEYS = {"condition": "condition", "log": "log", "max": "max_hits", "every": "every", "hit": "from_hit", "pause": "pause", "pause_timeout": "pause_timeout"}
@@ -239,6 +245,8 @@ class Options:
             raise UserError("--max, --every, --hit and --pause-timeout take a number of at least 1")
         if self.pause and self.log is not None:
             raise UserError("a logpoint never stops: give --log or --pause, not both")
+        if self.pause and self.stop is not None:
+            raise UserError("a breakpoint pauses for `attach` or stops for an editor, not both")
         for source, what in ((self.condition, "condition"), (None if self.log is None else "f" + repr(self.log), "log template")):
             if source:
                 try:
@@ -309,7 +317,11 @@ class Breakpoint:
         if self.max_hits and self.hits >= self.max_hits:
             self.enabled = False
             remove(self.id, release_paused=False)
-        if self.pause and not pause_module.in_session():
+        if self.options.stop is not None:
+            from rankscope._probe import debugger
+
+            debugger.on_breakpoint(self, frame, message)
+        elif self.pause and not pause_module.in_session():
             self.note = pause_module.pause(
                 frame, self.id, self.pause_timeout, on_resume=_after_session, wanted=lambda: not self.released
             )
@@ -330,8 +342,10 @@ class Watch:
     made it: the value is compared at every line of the function (its code
     object only), the change is charged to the line that ran before."""
 
-    def __init__(self, file: str, function: str, name: str, code: types.CodeType, tensor: bool):
+    def __init__(self, file: str, function: str, name: str, code: types.CodeType, tensor: bool, stop: int | None = None):
         self.id = next(_ids)
+        # The editor's debug session a change stops for (a data breakpoint).
+        self.stop = stop
         self.file, self.function, self.name, self.codes = file, function, name, [code]
         self.tensor = tensor
         # Every line of the body; 0 stands for "a call starts" (state reset).
@@ -423,6 +437,10 @@ class Watch:
         snap["frames"][0]["locals"] = [[self.name, text, type_name(value)]]
         snap["changed_by"] = changed_by
         snapshots.record(snap)
+        if self.stop is not None:
+            from rankscope._probe import debugger
+
+            debugger.on_watch(self, frame, message)
 
 
 def _all_code() -> list[types.CodeType]:
@@ -544,7 +562,7 @@ def add_with(spec: str, options: Options) -> dict:
     return bp.describe()
 
 
-def watch(spec: str, name: str, tensor: bool = False) -> dict:
+def watch(spec: str, name: str, tensor: bool = False, stop: int | None = None) -> dict:
     path, where = _split(spec)
     if where.isdigit():
         raise UserError(f"a watch is set on a function, FILE:FUNCTION (e.g. train.py:train_step), not on line {where}")
@@ -561,7 +579,7 @@ def watch(spec: str, name: str, tensor: bool = False) -> dict:
         if name not in local_names:
             known = ", ".join(sorted(local_names)) or "none"
             raise UserError(f"{name!r} is not a local of {code.co_qualname} (its locals: {known})")
-        handler = Watch(file, code.co_qualname, name, code, tensor)
+        handler = Watch(file, code.co_qualname, name, code, tensor, stop)
         if not handler.lines:
             raise UserError(f"{code.co_qualname} in {file} has no body to watch")
         handler.note = _arm(handler)

@@ -30,25 +30,47 @@ pub fn run(pid: u32, timeout: f64) -> Result<u8> {
     if !paths::pid_alive(pid) {
         return Err(explain(pid, InjectError::NoProcess(pid)));
     }
-    if rank_in_environment(pid).is_none() {
-        let tree = Tree::read();
-        if let Some(job) = job_below(pid, &tree) {
-            return inject_job(pid, job, started, timeout);
-        }
+    if let Some(job) = launcher_job(pid) {
+        return inject_job(pid, job, started, timeout);
     }
+    match inject_process(pid, timeout)? {
+        None => println!("process {pid} already has a rankscope probe; nothing to do"),
+        Some(done) => println!("{done}; try `rankscope {pid} bt`"),
+    }
+    Ok(0)
+}
+
+/// The processes below `pid` when it is a job's launcher (no rank of its
+/// own, ranks among its descendants).
+fn launcher_job(pid: u32) -> Option<Vec<Member>> {
+    if rank_in_environment(pid).is_some() {
+        return None;
+    }
+    job_below(pid, &Tree::read())
+}
+
+/// Whether `pid` launched a job (torchrun): injecting it would probe the
+/// launcher, not its ranks.
+pub fn is_launcher(pid: u32) -> bool {
+    launcher_job(pid).is_some()
+}
+
+/// Starts the probe in one Python process and says what it did; `None` when
+/// the process already had a probe. Prints nothing: `rankscope dap --stdio`
+/// owns stdout.
+pub fn inject_process(pid: u32, timeout: Duration) -> Result<Option<String>> {
+    let started = Instant::now();
     if already_probed(pid) {
-        println!("process {pid} already has a rankscope probe; nothing to do");
-        return Ok(0);
+        return Ok(None);
     }
     let python = rankscope_inject::python_in(pid).map_err(|e| explain(pid, e))?;
     let stage = Stage::prepare()?;
     stage.inject(pid, &python, started + timeout, timeout)?;
-    println!(
-        "probe started in process {pid} (Python {}) in {} ms; try `rankscope {pid} bt`",
+    Ok(Some(format!(
+        "probe started in process {pid} (Python {}) in {} ms",
         python.version,
         started.elapsed().as_millis()
-    );
-    Ok(0)
+    )))
 }
 
 fn already_probed(pid: u32) -> bool {

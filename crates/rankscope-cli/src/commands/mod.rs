@@ -1,6 +1,7 @@
 pub mod breakpoints;
 pub mod cluster;
 pub mod crashes;
+pub mod dap;
 pub mod debug;
 pub mod demo;
 pub mod inject;
