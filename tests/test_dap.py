@@ -134,6 +134,7 @@ def local(client, frame_id, name):
 
 def test_a_whole_editor_session_on_a_running_loop(python, spawn, adapters, schema, cli):
     target = spawn(python, LOOP)
+    before = hooks(cli, target.pid)
     path = str(target.script)
     lines = {m: line_of(LOOP, m) for m in ("x", "y", "helper", "acc", "call", "helper_call")}
     client = adapters(target.pid, schema).client
@@ -256,6 +257,8 @@ def test_a_whole_editor_session_on_a_running_loop(python, spawn, adapters, schem
     ticks_after(target, 1001)
     listed = cli(target.pid, "break", "list", "--format", "json")
     assert listed.returncode == 0 and json.loads(listed.stdout) == []
+    # No trace function, sys.monitoring tool or excepthook of ours is left.
+    assert hooks(cli, target.pid) == before
     assert not client.invalid, client.invalid
 
 

@@ -362,7 +362,10 @@ class _Stepper:
         self.first = True
         self.active = True
         self.ident = threading.get_ident()
+        # (frame, the trace function it had): a tool that traced this thread
+        # before the step (coverage) gets its functions back after it.
         self.traced: list = []
+        self.previous = None
 
     def install(self) -> None:
         with _lock:
@@ -370,18 +373,19 @@ class _Stepper:
         frame = self.target
         while frame is not None:
             if not stacks.is_own(frame):
+                self.traced.append((frame, frame.f_trace))
                 frame.f_trace = self.local
-                self.traced.append(frame)
             frame = frame.f_back
+        self.previous = sys.gettrace()
         sys.settrace(self.on_call)
 
     def finish(self) -> None:
         """Takes this thread's tracing off (called on the thread itself)."""
         self.active = False
-        sys.settrace(None)
-        for frame in self.traced:
+        sys.settrace(self.previous)
+        for frame, before in self.traced:
             if frame.f_trace == self.local:
-                frame.f_trace = None
+                frame.f_trace = before
         self.traced = []
 
     def _stoppable(self, frame) -> bool:
@@ -393,7 +397,7 @@ class _Stepper:
         if not self.active:
             return None
         if self.mode == "step_in" and self._stoppable(frame):
-            self.traced.append(frame)
+            self.traced.append((frame, None))
             return self.local
         return None
 
@@ -420,7 +424,7 @@ class _Stepper:
                     return None
                 if caller.f_trace is None:
                     caller.f_trace = self.local
-                    self.traced.append(caller)
+                    self.traced.append((caller, None))
                 self.target = caller
                 if self.mode == "step_out":
                     self.mode = "next"
