@@ -400,3 +400,52 @@ def test_listen_serves_one_editor_after_another_over_tcp(default_python, spawn, 
     finally:
         adapter.kill()
         adapter.wait()
+
+
+TENSORS = """
+import time
+import torch
+
+def step(model, batch):
+    out = model(batch)
+    loss = out.pow(2).mean()  # @loss
+    return loss
+
+model = torch.nn.Linear(4, 2)
+batch = torch.ones(8, 4)
+print("READY", flush=True)
+while True:
+    step(model, batch)
+    time.sleep(0.005)
+"""
+
+
+def test_tensors_show_shape_dtype_device_and_statistics(python, spawn, adapters, schema):
+    from conftest import require_torch
+
+    require_torch(python)
+    target = spawn(python, TENSORS)
+    client = adapters(target.pid, schema).client
+    attach(client)
+    mark = client.mark()
+    client.request("setBreakpoints", {"source": {"path": str(target.script)}, "breakpoints": [{"line": line_of(TENSORS, "loss")}]})
+    client.request("configurationDone")
+    thread = client.stopped(mark, "breakpoint")["threadId"]
+    (top,) = client.top(thread)
+    _, out = local(client, top["id"], "out")
+    assert out["type"] == "torch.Tensor"
+    assert "shape=[8, 2]" in out["value"] and "dtype=torch.float32" in out["value"] and "device=cpu" in out["value"]
+    assert "mean=" in out["value"]  # CPU statistics, from the data, not .item() of a device value
+    children = client.request("variables", {"variablesReference": out["variablesReference"]})["body"]["variables"]
+    fields = {v["name"]: v["value"] for v in children}
+    assert fields["shape"] == "torch.Size([8, 2])" and fields["dtype"] == "torch.float32" and fields["device"] == "device(type='cpu')"
+    assert fields["requires_grad"] == "True" and "grad" not in fields  # a non-leaf's .grad would warn into the program
+    # The model's weights, from its attributes.
+    weight = client.request("evaluate", {"expression": "model.weight", "frameId": top["id"], "context": "hover"})["body"]
+    assert weight["result"].startswith("Parameter(shape=[2, 4]")
+    # A hover runs no call.
+    refused = client.request("evaluate", {"expression": "model(batch)", "frameId": top["id"], "context": "hover"}, ok=False)
+    assert not refused["success"]
+    client.request("disconnect", {})
+    assert client.wait_eof()
+    assert not client.invalid, client.invalid
