@@ -294,6 +294,39 @@ def speedscope_schema():
         return jsonschema.Draft7Validator(json.load(f))
 
 
+DEBUGADAPTER_TESTSUPPORT = "@vscode/debugadapter-testsupport@1.68.0"
+
+
+@pytest.fixture(scope="session")
+def debugadapter_testsupport():
+    """The node_modules folder of Microsoft's own DAP test client
+    (`@vscode/debugadapter-testsupport` and the protocol types it needs),
+    installed once with npm into ~/.cache/rankscope/npm; the test skips
+    where node, npm or the registry cannot be had."""
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed: Microsoft's DAP test client cannot run")
+    name = DEBUGADAPTER_TESTSUPPORT.lstrip("@").replace("/", "-")
+    prefix = os.path.join(os.path.expanduser("~"), ".cache", "rankscope", "npm", name)
+    modules = os.path.join(prefix, "node_modules")
+    entry = os.path.join(modules, "@vscode", "debugadapter-testsupport", "lib", "main.js")
+    if not os.path.exists(entry):
+        if shutil.which("npm") is None:
+            pytest.skip(f"npm is not installed: {DEBUGADAPTER_TESTSUPPORT} cannot be fetched")
+        os.makedirs(prefix, exist_ok=True)
+        # Its own folder (a package.json of its own): npm leaves every other project alone.
+        with open(os.path.join(prefix, "package.json"), "w") as f:
+            json.dump({"name": "rankscope-test-npm", "private": True}, f)
+        command = ["npm", "install", "--no-audit", "--no-fund", "--no-save", "--ignore-scripts", "--prefix", prefix, DEBUGADAPTER_TESTSUPPORT]
+        try:
+            installed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"npm install {DEBUGADAPTER_TESTSUPPORT} did not finish in 300 s (no registry?)")
+        if installed.returncode != 0 or not os.path.exists(entry):
+            errors = [line for line in installed.stderr.splitlines() if line.startswith("npm error")] or installed.stderr.splitlines()
+            pytest.skip(f"npm install {DEBUGADAPTER_TESTSUPPORT} failed (offline, or no registry?): {' / '.join(errors[:2])}")
+    return modules
+
+
 @pytest.fixture
 def browser():
     """A headless Chromium driven by selenium (Debian's chromium and

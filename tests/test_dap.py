@@ -248,7 +248,9 @@ def test_a_whole_editor_session_on_a_running_loop(python, spawn, adapters, schem
     mark = client.mark()
     client.request("pause", {"threadId": thread})
     client.stopped(mark, "pause")
-    assert client.top(thread)[0]["name"] == "train"
+    # At the next line it runs: in the loop, or still in helper where the
+    # data breakpoint stopped it (a pause can overtake the continue).
+    assert client.top(thread)[0]["name"] in ("train", "helper")
 
     # Disconnect: breakpoints gone, the thread runs, the target lives.
     client.request("disconnect", {"terminateDebuggee": True})

@@ -134,7 +134,7 @@ enum Command {
         /// The process of this rank of the job running on this machine
         #[arg(long)]
         rank: Option<i64>,
-        /// Every rank of the job on this machine, in one session (threads named `rank N / ...`)
+        /// Every rank of the job on this machine, in one session (threads named `rank N / ...`); a breakpoint whose condition names ranks (`rank == 1 and ...`, `rank in (1, 2)`) goes to those ranks only
         #[arg(long)]
         job: bool,
         /// With --listen: the editor must send this as "rankscopeToken" in its attach configuration [default: RANKSCOPE_TOKEN]; required for a non-loopback address

@@ -6,12 +6,13 @@
 //! reports into DAP events. Both of the last two write to the client,
 //! through one locked writer that numbers every message.
 
+use std::collections::HashSet;
 use std::io::{BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 use thiserror::Error;
@@ -54,6 +55,9 @@ pub trait Backend: Send + Sync {
 pub struct Target {
     /// `rank 3` in a `--job` session: named in thread names, stops and errors.
     pub label: Option<String>,
+    /// The process's rank in its job (`--job`, `--rank`): a breakpoint
+    /// whose condition names ranks goes only to the ranks it names.
+    pub rank: Option<i64>,
     pub pid: u32,
     /// The process's working directory: relative remote roots and relative
     /// frame paths are taken from it.
@@ -139,6 +143,7 @@ where
             line_offset: 0,
             column: 1,
             last_stop_target: 0,
+            held: vec![Held::default(); targets],
         }),
         stop: AtomicBool::new(false),
         bp_updates: Mutex::new(0),
@@ -278,7 +283,22 @@ struct State {
     /// Where an evaluation without a frame runs in a `--job` session: the
     /// rank that stopped last.
     last_stop_target: usize,
+    /// Per target: its threads stopped now, and since when it has been
+    /// held (from its first stop until a `continue` leaves none stopped;
+    /// steps keep it held, as the other ranks of a job go on waiting).
+    held: Vec<Held>,
 }
+
+#[derive(Debug, Clone, Default)]
+struct Held {
+    since: Option<Instant>,
+    threads: HashSet<i64>,
+    /// When the Debug Console last heard what the hold does to the job:
+    /// at its first stop, then at most once a minute (every step stops).
+    told: Option<Instant>,
+}
+
+const RETELL_HOLD: Duration = Duration::from_secs(60);
 
 struct Shared {
     backend: Arc<dyn Backend>,
@@ -438,6 +458,19 @@ fn same_secret(a: &str, b: &str) -> bool {
 enum AttachError {
     Failed(String),
     Refused(String),
+}
+
+/// The entries of one breakpoint request, per target: (their index in
+/// the request, the probe's entry); and those no target gets, with why.
+struct Routed {
+    per_target: Vec<Vec<(usize, Value)>>,
+    nowhere: Vec<(usize, String)>,
+}
+
+impl Routed {
+    fn entries(&self, target: usize) -> Vec<&Value> {
+        self.per_target[target].iter().map(|(_, e)| e).collect()
+    }
 }
 
 struct Session {
@@ -817,13 +850,66 @@ impl Session {
             .ok_or_else(|| format!("variables reference {id} is gone: its thread has run on since"))
     }
 
-    /// Probe breakpoint replies (one per target, each a list in request
-    /// order) merged into one DAP breakpoint per request entry. Lines are
-    /// the probe's (from 1) until the end.
+    /// Where each entry of a breakpoint request goes. With every target
+    /// a rank, a condition's clauses that name ranks ([`RankCondition`])
+    /// pick the targets, and the probe gets the rest of it; otherwise every
+    /// target gets every entry as written. `probe_entry` makes the probe's
+    /// entry from the DAP one and the condition to send.
+    fn route(&self, entries: &[Value], probe_entry: impl Fn(&Value, Value) -> Value) -> Routed {
+        let targets = &self.shared.options.targets;
+        let ranked = targets.iter().all(|t| t.rank.is_some());
+        let mut routed = Routed {
+            per_target: vec![Vec::new(); targets.len()],
+            nowhere: Vec::new(),
+        };
+        for (i, entry) in entries.iter().enumerate() {
+            let condition = opt_str(entry, "condition");
+            let by_rank = condition
+                .as_str()
+                .filter(|_| ranked)
+                .and_then(RankCondition::parse);
+            let Some(by_rank) = by_rank else {
+                for list in &mut routed.per_target {
+                    list.push((i, probe_entry(entry, condition.clone())));
+                }
+                continue;
+            };
+            let rest = by_rank.rest.clone().map_or(Value::Null, Value::from);
+            let mut sent = false;
+            for (t, target) in targets.iter().enumerate() {
+                if target.rank.is_some_and(|r| by_rank.matches(r)) {
+                    routed.per_target[t].push((i, probe_entry(entry, rest.clone())));
+                    sent = true;
+                }
+            }
+            if !sent {
+                let ranks: Vec<String> = targets
+                    .iter()
+                    .filter_map(|t| t.rank)
+                    .map(|r| r.to_string())
+                    .collect();
+                routed.nowhere.push((
+                    i,
+                    format!(
+                        "no rank of this session has `{}` (it debugs rank{} {})",
+                        by_rank.ranks_text,
+                        if ranks.len() == 1 { "" } else { "s" },
+                        ranks.join(", ")
+                    ),
+                ));
+            }
+        }
+        routed
+    }
+
+    /// Probe breakpoint replies (one per target, each a list in the order
+    /// of what it was sent) merged into one DAP breakpoint per request
+    /// entry. Lines are the probe's (from 1) until the end.
     fn merge_breakpoints(
         &self,
         group: &str,
         count: usize,
+        routed: &Routed,
         replies: Vec<(usize, Result<Value, String>)>,
         requested_lines: Option<&[i64]>,
     ) -> Result<Vec<Value>, String> {
@@ -841,6 +927,7 @@ impl Session {
         let mut merged = vec![json!({"verified": false}); count];
         let mut messages: Vec<Vec<String>> = vec![Vec::new(); count];
         for (t, reply) in &replies {
+            let sent = &routed.per_target[*t];
             let list = match reply {
                 Ok(v) => v
                     .get("breakpoints")
@@ -848,11 +935,13 @@ impl Session {
                     .cloned()
                     .unwrap_or_default(),
                 Err(e) => {
-                    messages.iter_mut().for_each(|m| m.push(e.clone()));
+                    for (i, _) in sent {
+                        messages[*i].push(e.clone());
+                    }
                     continue;
                 }
             };
-            for (i, bp) in list.iter().take(count).enumerate() {
+            for (&(i, _), bp) in sent.iter().zip(&list) {
                 if let Some(id) = bp.get("id").and_then(Value::as_i64) {
                     parts[i].push((*t, id));
                 }
@@ -872,6 +961,9 @@ impl Session {
                     messages[i].push(self.shared.labelled(*t, m.to_string()));
                 }
             }
+        }
+        for (i, why) in &routed.nowhere {
+            messages[*i].push(why.clone());
         }
         let mut state = self.shared.state();
         let ids = state.bps.replace(group, parts);
@@ -918,29 +1010,27 @@ impl Session {
             .iter()
             .map(|e| e.get("line").and_then(Value::as_i64).unwrap_or(0) + offset)
             .collect();
-        let probe_bps: Vec<Value> = entries
-            .iter()
-            .zip(&lines)
-            .map(|(e, line)| {
-                json!({
-                    "line": line,
-                    "condition": opt_str(e, "condition"),
-                    "hit_condition": opt_str(e, "hitCondition"),
-                    "log_message": opt_str(e, "logMessage"),
-                })
+        let routed = self.route(&entries, |e, condition| {
+            json!({
+                "line": e.get("line").and_then(Value::as_i64).unwrap_or(0) + offset,
+                "condition": condition,
+                "hit_condition": opt_str(e, "hitCondition"),
+                "log_message": opt_str(e, "logMessage"),
             })
-            .collect();
+        });
         let remote: Vec<String> = {
             let state = self.shared.state();
             state.paths.iter().map(|p| p.to_remote(local)).collect()
         };
+        // Every target gets its list, an empty one too: that clears what it had.
         let replies = self.shared.each_target(
-            |t| json!({"op": "set_breakpoints", "path": remote[t], "breakpoints": probe_bps}),
+            |t| json!({"op": "set_breakpoints", "path": remote[t], "breakpoints": routed.entries(t)}),
             CALL_TIMEOUT,
         );
         let mut merged = self.merge_breakpoints(
             &format!("line:{local}"),
             entries.len(),
+            &routed,
             replies,
             Some(&lines),
         )?;
@@ -956,21 +1046,18 @@ impl Session {
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        let probe_bps: Vec<Value> = entries
-            .iter()
-            .map(|e| {
-                json!({
-                    "name": e.get("name").and_then(Value::as_str).unwrap_or_default(),
-                    "condition": opt_str(e, "condition"),
-                    "hit_condition": opt_str(e, "hitCondition"),
-                })
+        let routed = self.route(&entries, |e, condition| {
+            json!({
+                "name": e.get("name").and_then(Value::as_str).unwrap_or_default(),
+                "condition": condition,
+                "hit_condition": opt_str(e, "hitCondition"),
             })
-            .collect();
+        });
         let replies = self.shared.each_target(
-            |_| json!({"op": "set_function_breakpoints", "breakpoints": probe_bps}),
+            |t| json!({"op": "set_function_breakpoints", "breakpoints": routed.entries(t)}),
             CALL_TIMEOUT,
         );
-        let merged = self.merge_breakpoints("function", entries.len(), replies, None)?;
+        let merged = self.merge_breakpoints("function", entries.len(), &routed, replies, None)?;
         Ok(json!({"breakpoints": merged}))
     }
 
@@ -1073,19 +1160,37 @@ impl Session {
         // Per target: the entries it gets, and where each sits in the request.
         let mut per_target: Vec<Vec<(usize, Value)>> = vec![Vec::new(); targets];
         let mut unknown = Vec::new();
+        let mut other_rank = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             let id = e.get("dataId").and_then(Value::as_str).unwrap_or_default();
-            match self.decode_data_id(id) {
-                Some((t, probe_id)) => per_target[t].push((
-                    i,
-                    json!({
-                        "dataId": probe_id,
-                        "condition": opt_str(e, "condition"),
-                        "hit_condition": opt_str(e, "hitCondition"),
-                    }),
-                )),
-                None => unknown.push(i),
+            let Some((t, probe_id)) = self.decode_data_id(id) else {
+                unknown.push(i);
+                continue;
+            };
+            // A data breakpoint is on one rank already: a condition that
+            // names ranks is decided here, as for line breakpoints.
+            let mut condition = opt_str(e, "condition");
+            let rank = self.shared.options.targets[t].rank;
+            if let (Some(rank), Some(by_rank)) =
+                (rank, condition.as_str().and_then(RankCondition::parse))
+            {
+                if !by_rank.matches(rank) {
+                    other_rank.push((
+                        i,
+                        format!("rank {rank} does not have `{}`", by_rank.ranks_text),
+                    ));
+                    continue;
+                }
+                condition = by_rank.rest.map_or(Value::Null, Value::from);
             }
+            per_target[t].push((
+                i,
+                json!({
+                    "dataId": probe_id,
+                    "condition": condition,
+                    "hit_condition": opt_str(e, "hitCondition"),
+                }),
+            ));
         }
         // Every target gets its list, empty ones too: that clears what it had.
         let replies = self.shared.each_target(
@@ -1100,6 +1205,9 @@ impl Session {
         let mut merged = vec![json!({"verified": false}); entries.len()];
         for i in unknown {
             merged[i]["message"] = "unknown dataId".into();
+        }
+        for (i, why) in other_rank {
+            merged[i]["message"] = why.into();
         }
         let mut errors = Vec::new();
         for (t, reply) in replies {
@@ -1429,6 +1537,12 @@ impl Session {
         let mut state = self.shared.state();
         state.frames.forget_thread(thread);
         state.refs.forget_thread(thread);
+        let held = &mut state.held[target];
+        held.threads.remove(&thread);
+        if op == "continue" && held.threads.is_empty() {
+            held.since = None;
+            held.told = None;
+        }
         Ok(())
     }
 
@@ -1569,6 +1683,7 @@ fn target_gone(shared: &Shared, target: usize, why: &str, tx: &Sender<Incoming>)
     let (exited_threads, all_gone) = {
         let mut state = shared.state();
         state.sessions[target] = None;
+        state.held[target] = Held::default();
         state.frames.forget_target(target);
         state.refs.forget_target(target);
         let threads: Vec<i64> = state
@@ -1600,6 +1715,12 @@ fn forward_event(shared: &Shared, target: usize, event: &Value) {
     };
     let mut body = event.get("body").cloned().unwrap_or_else(|| json!({}));
     strip_nulls(&mut body);
+    // The probe's own part of a stop (its job's collectives), not DAP's.
+    let collectives = body
+        .as_object_mut()
+        .and_then(|b| b.remove("collectives"))
+        .unwrap_or(Value::Null);
+    let mut notice = None;
     let names_breakpoints = match name {
         "stopped" => body.get("hitBreakpointIds").is_some(),
         "breakpoint" => true,
@@ -1626,6 +1747,21 @@ fn forward_event(shared: &Shared, target: usize, event: &Value) {
                     // A new stop hands out new probe ids.
                     state.frames.forget_thread(id);
                     state.refs.forget_thread(id);
+                    state.held[target].threads.insert(id);
+                }
+                let held = &mut state.held[target];
+                let since = *held.since.get_or_insert_with(Instant::now);
+                if held.told.is_none_or(|t| t.elapsed() >= RETELL_HOLD) {
+                    notice = collective_notice(
+                        &label,
+                        job,
+                        &collectives,
+                        since.elapsed(),
+                        SystemTime::now(),
+                    );
+                    if notice.is_some() {
+                        held.told = Some(Instant::now());
+                    }
                 }
                 state.last_stop_target = target;
                 if let Some(hits) = body.get("hitBreakpointIds").and_then(Value::as_array) {
@@ -1676,6 +1812,11 @@ fn forward_event(shared: &Shared, target: usize, event: &Value) {
                     return;
                 };
                 body["breakpoint"]["id"] = id.into();
+                if job {
+                    if let Some(m) = body.pointer("/breakpoint/message").and_then(Value::as_str) {
+                        body["breakpoint"]["message"] = format!("{label}: {m}").into();
+                    }
+                }
                 if let Some(line) = body.pointer("/breakpoint/line").and_then(Value::as_i64) {
                     body["breakpoint"]["line"] = (line - offset).into();
                 }
@@ -1694,9 +1835,322 @@ fn forward_event(shared: &Shared, target: usize, event: &Value) {
         return;
     }
     shared.out.event(name, Some(body));
+    if let Some(notice) = notice {
+        shared.out.output("console", &notice);
+    }
+}
+
+/// What a stopped rank does to the rest of its job, for the Debug Console:
+/// the others wait for it in their next collective, until the backend's
+/// timeout fails it. `info` is what the probe read of torch.distributed
+/// (`rank`, `world_size`, `backend`, `timeout_s`; null where it has none);
+/// `held_for`: how long the rank has been held. Said in a `--job` session,
+/// and in any session on a rank of a group of two or more.
+pub fn collective_notice(
+    label: &str,
+    job: bool,
+    info: &Value,
+    held_for: Duration,
+    now: SystemTime,
+) -> Option<String> {
+    let world = info.get("world_size").and_then(Value::as_i64);
+    if !job && world.unwrap_or(0) < 2 {
+        return None;
+    }
+    let who = match info.get("rank").and_then(Value::as_i64) {
+        Some(rank) => format!("rank {rank}"),
+        None => label.to_string(),
+    };
+    let others = match world {
+        Some(2) => "the other rank waits for it in its".to_string(),
+        Some(n) if n > 2 => format!("the other {} ranks wait for it in their", n - 1),
+        _ => "the other ranks wait for it in their".to_string(),
+    };
+    let mut text = format!("rankscope: {who} is stopped: {others} next collective");
+    match info.get("timeout_s").and_then(Value::as_f64) {
+        Some(timeout) if timeout > 0.0 => {
+            let backend = info
+                .get("backend")
+                .and_then(Value::as_str)
+                .unwrap_or("the backend");
+            let left = timeout - held_for.as_secs_f64();
+            if left >= 1.0 {
+                let until = now + Duration::from_secs_f64(left);
+                text += &format!(
+                    "; {backend} fails a collective that waits {}: about {} left (until {} UTC)",
+                    span(timeout),
+                    span(left),
+                    clock(until)
+                );
+            } else {
+                text += &format!(
+                    "; {backend} fails a collective that waits {}, and {who} has been held longer: the others may have failed",
+                    span(timeout)
+                );
+            }
+        }
+        _ => text += " (the backend's collective timeout could not be read)",
+    }
+    Some(text)
+}
+
+/// `45 s`, `5 min`, `29 min 58 s`, `2 h 5 min`.
+fn span(seconds: f64) -> String {
+    let s = seconds.round().max(0.0) as u64;
+    match s {
+        0..=119 => format!("{s} s"),
+        120..=7199 if s.is_multiple_of(60) => format!("{} min", s / 60),
+        120..=7199 => format!("{} min {} s", s / 60, s % 60),
+        _ => format!("{} h {} min", s / 3600, s % 3600 / 60),
+    }
+}
+
+/// The time of day, `HH:MM:SS` in UTC.
+fn clock(at: SystemTime) -> String {
+    let s = at
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+        % 86_400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
 }
 
 /// A string field of a probe reply, empty when absent.
 fn text_of(reply: &Value, key: &str) -> Value {
     reply.get(key).and_then(Value::as_str).unwrap_or("").into()
+}
+
+/// The clauses of a breakpoint condition that name ranks (`rank == 1`,
+/// `rank in (1, 2)`, `rank != 0`, `rank >= 4`, `rank in range(2, 6)`),
+/// joined by `and` to the rest: the adapter decides them itself, from the
+/// ranks it debugs, and sends the breakpoint only to the ranks they pick,
+/// with what is left of the condition for the probe to evaluate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankCondition {
+    tests: Vec<RankTest>,
+    /// The clauses that name ranks, as written.
+    pub ranks_text: String,
+    /// What the probe evaluates at each pass (`None`: nothing more).
+    pub rest: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum RankTest {
+    Compare(&'static str, i64),
+    In(RankSet),
+    NotIn(RankSet),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum RankSet {
+    List(Vec<i64>),
+    /// `range(start, stop)`
+    Range(i64, i64),
+}
+
+impl RankSet {
+    fn contains(&self, rank: i64) -> bool {
+        match self {
+            RankSet::List(list) => list.contains(&rank),
+            RankSet::Range(start, stop) => (*start..*stop).contains(&rank),
+        }
+    }
+}
+
+impl RankCondition {
+    /// `None` when the condition names no rank in a form decided here
+    /// (an `or`, a conditional expression, `rank % 2 == 0`): it goes to
+    /// every rank as written, and the program's own names answer it.
+    pub fn parse(condition: &str) -> Option<RankCondition> {
+        let clauses = top_level_clauses(condition)?;
+        let mut tests = Vec::new();
+        let mut ranks = Vec::new();
+        let mut rest = Vec::new();
+        for clause in clauses {
+            let clause = clause.trim();
+            match rank_test(strip_parens(clause)) {
+                Some(test) => {
+                    tests.push(test);
+                    ranks.push(clause);
+                }
+                None => rest.push(clause),
+            }
+        }
+        if tests.is_empty() || rest.iter().any(|c| c.is_empty()) {
+            return None;
+        }
+        Some(RankCondition {
+            tests,
+            ranks_text: ranks.join(" and "),
+            rest: (!rest.is_empty()).then(|| rest.join(" and ")),
+        })
+    }
+
+    pub fn matches(&self, rank: i64) -> bool {
+        self.tests.iter().all(|test| match test {
+            RankTest::Compare(op, n) => match *op {
+                "==" => rank == *n,
+                "!=" => rank != *n,
+                "<" => rank < *n,
+                "<=" => rank <= *n,
+                ">" => rank > *n,
+                _ => rank >= *n,
+            },
+            RankTest::In(set) => set.contains(rank),
+            RankTest::NotIn(set) => !set.contains(rank),
+        })
+    }
+}
+
+fn is_word_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b >= 0x80
+}
+
+/// The condition cut at each `and` outside brackets and strings; `None`
+/// where `and` would not be the outermost operator (`or`, `if ... else`,
+/// `lambda`) or the text is not plain enough to cut (a comment, a
+/// triple-quoted string, unbalanced brackets).
+fn top_level_clauses(text: &str) -> Option<Vec<&str>> {
+    if text.contains("'''") || text.contains("\"\"\"") {
+        return None;
+    }
+    let bytes = text.as_bytes();
+    let mut clauses = Vec::new();
+    let (mut depth, mut start, mut i) = (0i32, 0usize, 0usize);
+    let mut quote: Option<u8> = None;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if let Some(q) = quote {
+            if b == b'\\' {
+                i += 2;
+                continue;
+            }
+            if b == q {
+                quote = None;
+            }
+            i += 1;
+            continue;
+        }
+        match b {
+            b'\'' | b'"' => quote = Some(b),
+            b'(' | b'[' | b'{' => depth += 1,
+            b')' | b']' | b'}' => {
+                depth -= 1;
+                if depth < 0 {
+                    return None;
+                }
+            }
+            b'#' => return None,
+            _ if is_word_byte(b) => {
+                let end = bytes[i..]
+                    .iter()
+                    .position(|&c| !is_word_byte(c))
+                    .map_or(bytes.len(), |n| i + n);
+                if depth == 0 {
+                    match &text[i..end] {
+                        "and" => {
+                            clauses.push(&text[start..i]);
+                            start = end;
+                        }
+                        "or" | "if" | "else" | "lambda" => return None,
+                        _ => {}
+                    }
+                }
+                i = end;
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    if quote.is_some() || depth != 0 {
+        return None;
+    }
+    clauses.push(&text[start..]);
+    Some(clauses)
+}
+
+/// `(x)` as `x`, where the outer brackets enclose the whole clause.
+fn strip_parens(mut clause: &str) -> &str {
+    while clause.starts_with('(') && clause.ends_with(')') {
+        let inner = &clause[1..clause.len() - 1];
+        let mut depth = 0i32;
+        let balanced = inner.bytes().all(|b| {
+            match b {
+                b'(' => depth += 1,
+                b')' => depth -= 1,
+                _ => {}
+            }
+            depth >= 0
+        });
+        if !balanced || depth != 0 {
+            break;
+        }
+        clause = inner.trim();
+    }
+    clause
+}
+
+fn rank_test(clause: &str) -> Option<RankTest> {
+    let rest = clause.strip_prefix("rank")?;
+    if rest.bytes().next().is_some_and(is_word_byte) {
+        return None; // `ranks`, `rank_id`
+    }
+    let rest = rest.trim_start();
+    for op in ["==", "!=", "<=", ">=", "<", ">"] {
+        if let Some(number) = rest.strip_prefix(op) {
+            return Some(RankTest::Compare(op, integer(number)?));
+        }
+    }
+    if let Some(set) = rest.strip_prefix("not") {
+        let set = set.trim_start().strip_prefix("in")?;
+        return Some(RankTest::NotIn(rank_set(set)?));
+    }
+    let set = rest.strip_prefix("in")?;
+    Some(RankTest::In(rank_set(set)?))
+}
+
+fn integer(text: &str) -> Option<i64> {
+    let text = text.trim();
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
+/// `(1, 2)`, `[1, 2]`, `{1, 2}` or `range(a[, b])` of integer literals.
+fn rank_set(text: &str) -> Option<RankSet> {
+    let text = text.trim();
+    if let Some(args) = text
+        .strip_prefix("range")
+        .map(str::trim_start)
+        .and_then(|t| t.strip_prefix('('))
+        .and_then(|t| t.strip_suffix(')'))
+    {
+        let bounds: Vec<i64> = args.split(',').map(integer).collect::<Option<_>>()?;
+        return match bounds.as_slice() {
+            [stop] => Some(RankSet::Range(0, *stop)),
+            [start, stop] => Some(RankSet::Range(*start, *stop)),
+            _ => None,
+        };
+    }
+    let close = match text.chars().next()? {
+        '(' => ')',
+        '[' => ']',
+        '{' => '}',
+        _ => return None,
+    };
+    let inner = text[1..].strip_suffix(close)?;
+    let items: Vec<&str> = inner.split(',').map(str::trim).collect();
+    let items = match items.split_last() {
+        // A trailing comma: `(1,)`.
+        Some((last, before)) if last.is_empty() && !before.is_empty() => before,
+        _ => &items[..],
+    };
+    items
+        .iter()
+        .map(|i| integer(i))
+        .collect::<Option<Vec<_>>>()
+        .map(RankSet::List)
 }

@@ -334,6 +334,7 @@ fn check_shape(m: &Value) {
 fn one() -> Options {
     let mut o = Options::new(vec![Target {
         label: None,
+        rank: None,
         pid: 100,
         cwd: Some(env!("CARGO_MANIFEST_DIR").into()),
     }]);
@@ -667,6 +668,7 @@ fn a_job_session_names_ranks_and_sets_breakpoints_on_each() {
         (0..2)
             .map(|r| Target {
                 label: Some(format!("rank {r}")),
+                rank: Some(r as i64),
                 pid: 100 + r,
                 cwd: None,
             })
@@ -734,4 +736,240 @@ fn a_hit_that_overtakes_the_breakpoints_answer_still_names_it() {
     let stopped = c.event("stopped");
     assert_eq!(stopped["body"]["hitBreakpointIds"], json!([1]));
     c.end();
+}
+
+fn job(ranks: i64) -> Options {
+    let mut options = Options::new(
+        (0..ranks)
+            .map(|r| Target {
+                label: Some(format!("rank {r}")),
+                rank: Some(r),
+                pid: 100 + r as u32,
+                cwd: None,
+            })
+            .collect(),
+    );
+    options.events_wait = Duration::from_millis(50);
+    options
+}
+
+#[test]
+fn a_condition_splits_into_the_ranks_it_names_and_the_rest() {
+    use crate::adapter::RankCondition;
+
+    let picks = |condition: &str| {
+        RankCondition::parse(condition).map(|c| {
+            let ranks: Vec<i64> = (0..8).filter(|&r| c.matches(r)).collect();
+            (ranks, c.rest)
+        })
+    };
+    assert_eq!(picks("rank == 1"), Some((vec![1], None)));
+    assert_eq!(
+        picks("rank == 1 and step % 10 == 0"),
+        Some((vec![1], Some("step % 10 == 0".into())))
+    );
+    assert_eq!(
+        picks("step > 3 and (rank in (1, 2)) and loss != loss"),
+        Some((vec![1, 2], Some("step > 3 and loss != loss".into())))
+    );
+    assert_eq!(picks("rank in [5,]"), Some((vec![5], None)));
+    assert_eq!(picks("rank not in {0, 7}"), Some(((1..7).collect(), None)));
+    assert_eq!(picks("rank in range(2, 4)"), Some((vec![2, 3], None)));
+    assert_eq!(picks("rank in range(3)"), Some((vec![0, 1, 2], None)));
+    assert_eq!(picks("rank != 0"), Some(((1..8).collect(), None)));
+    assert_eq!(picks("rank>=6"), Some((vec![6, 7], None)));
+    assert_eq!(
+        picks("rank < 2 and rank > 0"),
+        Some((vec![1], None)),
+        "clauses that name ranks all hold"
+    );
+    // An `and` inside brackets or a string is not a clause's end.
+    assert_eq!(
+        picks("rank == 0 and f(a and b, 'x and y')"),
+        Some((vec![0], Some("f(a and b, 'x and y')".into())))
+    );
+    // Where `and` is not the outermost operator, or the rank is the
+    // program's to compute, the probe gets the condition as written.
+    for left in [
+        "rank == 1 or step > 3",
+        "rank == 1 and x if y else z",
+        "rank % 2 == 0",
+        "ranks == 1",
+        "rank_id == 1",
+        "rank == world - 1",
+        "rank in group",
+        "rank in ()",
+        "not rank == 1",
+        "step > 3",
+        "rank == 1 and",
+        "rank == 1 # why",
+        "rank == (1",
+        "s == '''a and b''' and rank == 1",
+    ] {
+        assert_eq!(picks(left), None, "{left}");
+    }
+}
+
+#[test]
+fn a_breakpoint_goes_only_to_the_ranks_its_condition_names() {
+    let fake = Fake::new(3);
+    let mut c = Client::start(fake.clone(), job(3));
+    c.attach(json!({}));
+    let reply = c.ok(
+        "setBreakpoints",
+        json!({"source": {"path": "/x/train.py"}, "breakpoints": [
+            {"line": 5, "condition": "rank == 1 and step > 3"},
+            {"line": 6},
+            {"line": 7, "condition": "rank in (0, 2)"},
+            {"line": 8, "condition": "rank == 9"},
+        ]}),
+    );
+    // What each rank was sent: the lines it has, each with what is left of its condition.
+    let mut sent = vec![Value::Null; 3];
+    for (t, call) in fake.ops() {
+        if call["op"] == "set_breakpoints" {
+            sent[t] = call["breakpoints"].clone();
+        }
+    }
+    let lines_and_conditions = |t: usize| -> Vec<(i64, Value)> {
+        sent[t]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| (b["line"].as_i64().unwrap(), b["condition"].clone()))
+            .collect()
+    };
+    assert_eq!(
+        lines_and_conditions(0),
+        [(6, Value::Null), (7, Value::Null)]
+    );
+    assert_eq!(
+        lines_and_conditions(1),
+        [(5, json!("step > 3")), (6, Value::Null)]
+    );
+    assert_eq!(
+        lines_and_conditions(2),
+        [(6, Value::Null), (7, Value::Null)]
+    );
+    let bps = reply["breakpoints"].as_array().unwrap();
+    let verified: Vec<bool> = bps.iter().map(|b| b["verified"] == true).collect();
+    assert_eq!(verified, [true, true, true, false]);
+    assert_eq!(
+        bps[3]["message"],
+        "no rank of this session has `rank == 9` (it debugs ranks 0, 1, 2)"
+    );
+    let ids: Vec<i64> = bps[..3].iter().map(|b| b["id"].as_i64().unwrap()).collect();
+    // Each rank's probe ids (100, 101 in what it was sent) name the right
+    // DAP breakpoint: rank 1's first is line 5, rank 2's second is line 7.
+    c.ok("threads", json!({}));
+    fake.push_event(1, json!({"seq": 1, "event": "stopped", "body": {"reason": "breakpoint", "threadId": MAIN, "hitBreakpointIds": [100]}}));
+    let stopped = c.event("stopped");
+    assert_eq!(stopped["body"]["hitBreakpointIds"], json!([ids[0]]));
+    assert_eq!(stopped["body"]["description"], "rank 1");
+    fake.push_event(2, json!({"seq": 1, "event": "stopped", "body": {"reason": "breakpoint", "threadId": MAIN, "hitBreakpointIds": [101]}}));
+    assert_eq!(
+        c.event("stopped")["body"]["hitBreakpointIds"],
+        json!([ids[2]])
+    );
+    // Clearing the file clears it on every rank, those it was never sent to too.
+    c.ok(
+        "setBreakpoints",
+        json!({"source": {"path": "/x/train.py"}, "breakpoints": []}),
+    );
+    let cleared = fake
+        .ops()
+        .iter()
+        .filter(|(_, call)| call["op"] == "set_breakpoints" && call["breakpoints"] == json!([]))
+        .count();
+    assert_eq!(cleared, 3);
+    c.ok("disconnect", json!({}));
+    c.end();
+}
+
+#[test]
+fn a_pid_session_leaves_a_rank_condition_to_the_program() {
+    let fake = Fake::new(1);
+    let mut c = Client::start(fake.clone(), one());
+    c.attach(json!({}));
+    c.ok(
+        "setBreakpoints",
+        json!({"source": {"path": "/x.py"}, "breakpoints": [{"line": 3, "condition": "rank == 1"}]}),
+    );
+    assert_eq!(
+        fake.last("set_breakpoints")["breakpoints"][0]["condition"],
+        "rank == 1"
+    );
+    c.ok("disconnect", json!({}));
+    c.end();
+}
+
+#[test]
+fn a_stopped_rank_says_the_others_wait_until_the_backends_timeout() {
+    use crate::adapter::collective_notice;
+    use std::time::UNIX_EPOCH;
+
+    let fake = Fake::new(2);
+    let mut c = Client::start(fake.clone(), job(2));
+    c.attach(json!({}));
+    c.ok("threads", json!({}));
+    let gloo = json!({"rank": 1, "world_size": 2, "backend": "gloo", "timeout_s": 300.0});
+    fake.push_event(1, json!({"seq": 1, "event": "stopped", "body": {"reason": "breakpoint", "threadId": MAIN, "description": "breakpoint at train.py:5", "collectives": gloo}}));
+    let stopped = c.event("stopped");
+    // The probe's part of the stop is the adapter's to read, not the editor's.
+    assert!(stopped["body"].get("collectives").is_none(), "{stopped}");
+    assert_eq!(
+        stopped["body"]["description"],
+        "rank 1: breakpoint at train.py:5"
+    );
+    let said = c.event("output")["body"]["output"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        said.starts_with("rankscope: rank 1 is stopped: the other rank waits for it in its next collective; gloo fails a collective that waits 5 min: about 5 min left (until "),
+        "{said}"
+    );
+    let stop = |c: &mut Client, seq: i64| {
+        fake.push_event(1, json!({"seq": seq, "event": "stopped", "body": {"reason": "step", "threadId": MAIN, "collectives": gloo}}));
+        c.event("stopped");
+        // Whatever the events thread sends with the stop is in before this answer.
+        c.ok("threads", json!({}));
+        c.unread_events
+            .drain(..)
+            .filter(|e| e["event"] == "output")
+            .count()
+    };
+    // A step keeps the rank held: its next stop says nothing again (within a minute).
+    c.ok("next", json!({"threadId": 3}));
+    assert_eq!(stop(&mut c, 2), 0);
+    // A continue lets it go: a new hold is told again.
+    c.ok("continue", json!({"threadId": 3}));
+    assert_eq!(stop(&mut c, 3), 1);
+    c.ok("disconnect", json!({}));
+    c.end();
+
+    // The time left counts from the rank's first stop; past the timeout it says so.
+    let five = UNIX_EPOCH + Duration::from_secs(5 * 3600);
+    let nccl = json!({"rank": 3, "world_size": 8, "backend": "nccl", "timeout_s": 600.0});
+    assert_eq!(
+        collective_notice("rank 3", true, &nccl, Duration::from_secs(100), five).unwrap(),
+        "rankscope: rank 3 is stopped: the other 7 ranks wait for it in their next collective; nccl fails a collective that waits 10 min: about 8 min 20 s left (until 05:08:20 UTC)"
+    );
+    let late = collective_notice("rank 3", true, &nccl, Duration::from_secs(700), five).unwrap();
+    assert!(late.ends_with("; nccl fails a collective that waits 10 min, and rank 3 has been held longer: the others may have failed"), "{late}");
+    // Nothing read of torch.distributed: said in a job session, without the time.
+    assert_eq!(
+        collective_notice("rank 0", true, &Value::Null, Duration::ZERO, five).unwrap(),
+        "rankscope: rank 0 is stopped: the other ranks wait for it in their next collective (the backend's collective timeout could not be read)"
+    );
+    // One process on its own: nothing to say.
+    assert_eq!(
+        collective_notice("process 9", false, &Value::Null, Duration::ZERO, five),
+        None
+    );
+    let alone = json!({"rank": 0, "world_size": 1, "backend": "gloo", "timeout_s": 1800.0});
+    assert_eq!(
+        collective_notice("process 9", false, &alone, Duration::ZERO, five),
+        None
+    );
 }

@@ -262,6 +262,12 @@ def _count_error(handler, err: Exception) -> None:
     if handler.errors >= MAX_ERRORS:
         handler.enabled = False
         handler.note = f"disabled after {handler.errors} errors; last: {handler.note}"
+        # A debug session's: its editor hears of it (once, should threads race here).
+        owner = handler.options.stop if isinstance(handler, Breakpoint) else handler.stop
+        if owner is not None and handler.errors == MAX_ERRORS:
+            from rankscope._probe import debugger
+
+            debugger.breakpoint_disabled(handler, owner)
 
 
 class Breakpoint:

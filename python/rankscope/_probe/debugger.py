@@ -167,6 +167,9 @@ class Session:
         self.refs: dict[int, tuple] = {}
         self.frames: dict[int, tuple[int, object]] = {}
         self.pauses: dict[int, list] = {}
+        # Threads told to continue that a pause reached before they left
+        # `serve`: each pauses itself on its way out.
+        self.pause_on_leaving: set[int] = set()
         self.steppers: dict[int, "_Stepper"] = {}
         self.known_threads: dict[int, str] | None = None
         # 3.11: a step that stops on a line with a breakpoint is followed by
@@ -287,11 +290,22 @@ def stop(frame, reason: str, description: str = "", hit_ids=(), text: str | None
         session.stopped[me] = held
         for fid, (f, _) in zip(held.frame_ids, held.frames):
             session.frames[fid] = (me, f)
+        # A pause asked for before this stop is answered by it: it must not
+        # stop the thread again once it is continued.
+        session.pause_on_leaving.discard(me)
+        pending = session.pauses.pop(me, None)
+        if pending is not None:
+            pending[0] = False
+            if _monitor is not None:
+                _monitor.done(me)
     body = {"reason": reason, "threadId": me, "allThreadsStopped": False, "description": description or reason}
     if hit_ids:
         body["hitBreakpointIds"] = list(hit_ids)
     if text:
         body["text"] = text
+    collectives = _collectives()
+    if collectives is not None:
+        body["collectives"] = collectives  # the adapter's: it says what the stop does to the other ranks
     session.post("stopped", body)
     action = "continue"
     try:
@@ -303,6 +317,56 @@ def stop(frame, reason: str, description: str = "", hit_ids=(), text: str | None
         _Stepper(session, action, top).install()
     else:
         breakpoints._after_session()
+        if me in session.pause_on_leaving and not session.closed:
+            session.pause_on_leaving.discard(me)
+            try:
+                _pause(session, me)
+            except DebugError as err:
+                session.post("output", {"category": "console", "output": f"rankscope: the pause did not take: {err}\n"})
+
+
+def _collectives() -> dict | None:
+    """What a stop here does to the rest of a job: torch.distributed's
+    default group (this rank, its size, its backend) and the timeout after
+    which the backend fails a collective that waits, read from the group
+    where the program set torch.distributed up (torch is never imported
+    here). None where it has not."""
+    dist = sys.modules.get("torch.distributed")
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if dist is None or c10d is None:
+        return None
+    try:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        group = c10d._get_default_group()
+        info = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": str(dist.get_backend(group))}
+        # Per device type (cpu:gloo,cuda:nccl): the first to give up is the one that counts.
+        timeouts = []
+        for device in getattr(group, "_device_types", ()):
+            try:
+                backend = group._get_backend(device)
+                timeouts.append((backend.options._timeout.total_seconds(), str(backend.name())))
+            except Exception:  # noqa: BLE001 - a backend without options: the default below
+                continue
+        if timeouts:
+            info["timeout_s"], info["backend"] = min(timeouts)
+        else:
+            info["timeout_s"] = c10d._get_default_timeout(info["backend"]).total_seconds()
+        return info
+    except Exception:  # noqa: BLE001 - an older or newer torch: the stop goes on without it
+        return None
+
+
+def breakpoint_disabled(handler, owner: int) -> None:
+    """A session's breakpoint (or data breakpoint) turned itself off after
+    its condition or log message kept failing: the editor marks it
+    unverified, and the Debug Console says why."""
+    session = _session
+    if session is None or session.closed or owner != session.id:
+        return
+    where = f"{os.path.basename(handler.file)}:{getattr(handler, 'line', None) or handler.function}"
+    session.post("breakpoint", {"reason": "changed", "breakpoint": {"id": handler.id, "verified": False, "message": handler.note}})
+    session.post("output", {"category": "console", "output": f"rankscope: the breakpoint at {where} is off: {handler.note}\n"})
 
 
 def on_breakpoint(bp, frame, message: str | None) -> None:
@@ -448,8 +512,14 @@ class _Stepper:
 def _pause(session: Session, ident: int) -> dict:
     from rankscope import _native
 
-    if ident in session.stopped:
-        return {}
+    with _lock:
+        held = session.stopped.get(ident)
+        if held is not None:
+            if held.resume == "continue":
+                # Continued a moment ago and not gone yet: the pause would
+                # find it in `serve` and be lost; it pauses itself as it leaves.
+                session.pause_on_leaving.add(ident)
+            return {}  # stopped, or stepping: a stop comes anyway
     frame = sys._current_frames().get(ident)
     if frame is None:
         raise DebugError(f"no thread {ident}; `threads` lists them")

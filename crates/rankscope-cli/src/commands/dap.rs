@@ -304,6 +304,7 @@ fn find_targets(args: &DapArgs) -> Result<(Targets, Vec<String>)> {
         let meta = probe.meta(META_TIMEOUT)?;
         let target = Target {
             label: None,
+            rank: None,
             pid,
             cwd: Some(PathBuf::from(&meta.cwd)),
         };
@@ -318,6 +319,7 @@ fn find_targets(args: &DapArgs) -> Result<(Targets, Vec<String>)> {
                 let meta = probe.meta(META_TIMEOUT)?;
                 let target = Target {
                     label: Some(format!("rank {rank}")),
+                    rank: Some(rank),
                     pid: one.pid,
                     cwd: Some(PathBuf::from(&meta.cwd)),
                 };
@@ -369,6 +371,7 @@ fn find_targets(args: &DapArgs) -> Result<(Targets, Vec<String>)> {
             Ok(meta) => targets.push((
                 Target {
                     label: Some(format!("rank {}", meta.rank)),
+                    rank: Some(meta.rank),
                     pid: m.pid,
                     cwd: Some(PathBuf::from(&meta.cwd)),
                 },
