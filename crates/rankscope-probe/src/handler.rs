@@ -93,7 +93,7 @@ impl Handler for ProbeHandler {
                 Err(_) => Response::error(400, "a breakpoint request is JSON text"),
             },
             ("POST", "/v1/debug") => match std::str::from_utf8(&request.body) {
-                Ok(body) => call_helper("rankscope._probe.debugger", "handle", (body.to_string(),)),
+                Ok(body) => debug_request(body),
                 Err(_) => Response::error(400, "a debug request is JSON text"),
             },
             ("POST", "/v1/torch") => match std::str::from_utf8(&request.body) {
@@ -136,6 +136,51 @@ impl Handler for ProbeHandler {
             _ => Response::error(404, &format!("no endpoint {}", request.path)),
         }
     }
+}
+
+/// The editor's debug session. Its long poll for events (`"op": "events"`)
+/// asks the helper without waiting and waits between asks here, outside
+/// the GIL (see `debug_wait`).
+fn debug_request(body: &str) -> Response {
+    let helper = |text: String| call_helper("rankscope._probe.debugger", "handle", (text,));
+    let mut parsed = match serde_json::from_str::<serde_json::Value>(body) {
+        Ok(parsed) if parsed.get("op").and_then(|op| op.as_str()) == Some("events") => parsed,
+        _ => return helper(body.to_string()),
+    };
+    let wait = parsed
+        .get("wait_s")
+        .and_then(|w| w.as_f64())
+        .unwrap_or(2.0)
+        .clamp(0.0, 30.0);
+    parsed["wait_s"] = 0.into();
+    let ask = parsed.to_string();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs_f64(wait);
+    loop {
+        let seen = crate::debug_wait::generation();
+        let response = helper(ask.clone());
+        if std::time::Instant::now() >= until || !nothing_new(&response) {
+            return response;
+        }
+        crate::debug_wait::wait_for_post(seen, until);
+    }
+}
+
+/// An answer to `events` with no event, from a session still open.
+fn nothing_new(response: &Response) -> bool {
+    if response.status != 200 {
+        return false;
+    }
+    let Ok(reply) = serde_json::from_slice::<serde_json::Value>(&response.body) else {
+        return false;
+    };
+    let Some(ok) = reply.get("ok") else {
+        return false;
+    };
+    ok.get("closed").and_then(|c| c.as_bool()) == Some(false)
+        && ok
+            .get("events")
+            .and_then(|e| e.as_array())
+            .is_some_and(|events| events.is_empty())
 }
 
 fn env_reply() -> Response {

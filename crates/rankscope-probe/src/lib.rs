@@ -6,6 +6,7 @@
 
 mod crash_hook;
 mod deadline;
+mod debug_wait;
 mod frame_trace;
 mod gil;
 mod handler;
@@ -271,5 +272,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
     m.add_function(wrap_pyfunction!(store::snapshot_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(debug_wait::debug_posted, m)?)?;
     Ok(())
 }

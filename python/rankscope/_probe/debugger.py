@@ -184,6 +184,7 @@ class Session:
             self.seq += 1
             self.events.append({"seq": self.seq, "event": event, "body": body})
             self.posted.notify_all()
+        _wake_polls()
 
     def forget(self, ident: int) -> None:
         """A resumed thread's frames and values are no longer the editor's to ask for."""
@@ -193,6 +194,14 @@ class Session:
                 del self.refs[ref]
             for fid in [f for f, held in self.frames.items() if held[0] == ident]:
                 del self.frames[fid]
+
+
+def _wake_polls() -> None:
+    """The adapter's long poll waits in the probe's Rust side, outside the
+    GIL (crates/rankscope-probe/src/debug_wait.rs): tell it to ask again."""
+    from rankscope import _native
+
+    _native.debug_posted()
 
 
 def _current(session_id) -> Session:
@@ -250,6 +259,7 @@ def _end(session: Session, why: str) -> int:
         for stepper in session.steppers.values():
             stepper.active = False
         session.posted.notify_all()
+    _wake_polls()
     for bp_id in ids:
         try:
             breakpoints.remove(bp_id)
