@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import select
 import shutil
 import statistics
 import subprocess
@@ -42,31 +43,81 @@ def private_dir(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
 
 
-def start_target(source: str, env: dict[str, str], args: tuple[str, ...] = (), ready: str = "ready", timeout: float = 30.0):
-    """Run `source` (with `args` as sys.argv[1:]) with this interpreter and wait for a stdout line starting
-    with `ready` (the target prints it once it is set up: no sleeps here).
+def start_target(
+    source: str,
+    env: dict[str, str],
+    args: tuple[str, ...] = (),
+    ready: str = "ready",
+    timeout: float = 30.0,
+    python: str | None = None,
+    stderr=None,
+):
+    """Run `source` (with `args` as sys.argv[1:]) with `python` (default: this
+    interpreter) and wait for a stdout line starting with `ready` (the target
+    prints it once it is set up: no sleeps here). `stderr` is Popen's.
 
     Returns (process, the ready line). The process keeps stdin and stdout
     pipes so a benchmark can talk to it line by line.
     """
     proc = subprocess.Popen(
-        [sys.executable, "-c", source, *args],
+        [python or sys.executable, "-c", source, *args],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         bufsize=1,
     )
     deadline = time.monotonic() + timeout
-    line = proc.stdout.readline()
-    while line and not line.startswith(ready):
-        if time.monotonic() > deadline:
-            break
-        line = proc.stdout.readline()
+    try:
+        line = read_line(proc.stdout, deadline, f"the target's {ready!r} line")
+        while line and not line.startswith(ready):
+            line = read_line(proc.stdout, deadline, f"the target's {ready!r} line")
+    except BenchError:
+        stop_target(proc)
+        raise
     if not line.startswith(ready):
         stop_target(proc)
         raise BenchError(f"target exited (rc={proc.returncode}) before printing {ready!r}")
     return proc, line.strip()
+
+
+def read_line(stream, deadline: float, what: str = "a line") -> str:
+    """One line from a child's pipe, or "" at its end; a BenchError past
+    `deadline` (time.monotonic()).
+
+    Bytes are taken one at a time from the descriptor, never read ahead:
+    the stream's own buffer stays empty, so `stream.readline()` (as `ask`
+    does) still sees the next line, and select() never waits on a line
+    that already sits in a buffer."""
+    fd = stream.fileno()
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BenchError(f"timed out waiting for {what}")
+        if not select.select([fd], [], [], left)[0]:
+            continue
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode(errors="replace")
+
+
+def wait_for_probe(endpoint_dir: str, pid: int, timeout: float = 10.0) -> Path:
+    """The probe's metadata file `<endpoint_dir>/<pid>.json`, once it is there.
+
+    A client that finds no probe for a pid injects one (`rankscope dap`
+    does), so a benchmark that means to use the probe the target started
+    waits for the file its probe writes."""
+    meta = Path(endpoint_dir) / f"{pid}.json"
+    deadline = time.monotonic() + timeout
+    while not meta.exists():
+        if time.monotonic() > deadline:
+            raise BenchError(f"process {pid} wrote no probe metadata ({meta}) within {timeout:.0f} s")
+        time.sleep(0.005)
+    return meta
 
 
 def stop_target(proc) -> None:

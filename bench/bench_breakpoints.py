@@ -1,7 +1,7 @@
 """What an armed breakpoint costs code that never reaches it (CPython 3.11+).
 
 A call-heavy pure-Python workload (recursive fib and list comprehensions)
-runs in a fresh interpreter under five arms, alternating, K rounds:
+runs in a fresh interpreter under these arms, alternating, K rounds:
 
 - ``none``: no probe at all (the baseline);
 - ``breakpoint``: the probe started and one breakpoint armed through the
@@ -13,14 +13,20 @@ runs in a fresh interpreter under five arms, alternating, K rounds:
 - ``running``: a breakpoint (whose condition is never true) set from
   another thread into the workload's loop while it runs; then, as
   ``running-after``, a new call of the workload with it still armed;
+- ``dap``: the probe started, then `rankscope dap --stdio --pid` with this
+  script as the editor (initialize, attach, one setBreakpoints in the same
+  never-called function, configurationDone) while the workload waits for a
+  go line; the session stays attached (the adapter long-polling the probe)
+  for the whole run, then disconnects;
 - ``debugpy``: the workload started by ``python -m debugpy --listen
   --wait-for-client`` with this script as the editor (a small DAP client
   over TCP) and one breakpoint set in the same never-called function, as a
   VS Code user would have it; skipped when the target has no debugpy.
 
-Targets (from the issue): breakpoint <= 1 % on 3.12+ and <= 2 % on 3.11;
-cleared back to idle; on 3.11 a running frame pays for tracing while it
-runs, and nothing after.
+Targets (from the issue): breakpoint <= 1 % on 3.12+ and <= 2 % on 3.11,
+and the same for a breakpoint set through `rankscope dap`; cleared back to
+idle; on 3.11 a running frame pays for tracing while it runs, and nothing
+after.
 
     .venv/bin/python bench/bench_breakpoints.py [--python .cache/venvs/py3.12/bin/python] [--rounds 9]
 """
@@ -30,14 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import select
 import subprocess
-import sys
 import tempfile
 import time
 
-from _common import BenchError, ROOT, base_env, machine, median, private_dir, run_main, stop_target
-from _dap import DapClient
+from _common import BenchError, ROOT, base_env, machine, median, private_dir, read_line, run_main, stop_target, tool, wait_for_probe
+from _dap import ATTACH, DapClient, disconnect, free_port, handshake
 
 WORKLOAD = r"""
 import json, os, sys, time
@@ -63,11 +68,16 @@ def work(reps, ready=None):
 arm = sys.argv[1]
 reps = int(sys.argv[2])
 ready = None
-if arm in ("breakpoint", "cleared", "running"):
+if arm in ("breakpoint", "cleared", "running", "dap"):
     import rankscope
     rankscope.start()
     from rankscope._probe import breakpoints
-    if arm == "running":
+    if arm == "dap":
+        # The breakpoint comes from outside, through `rankscope dap`, as
+        # an editor sets it; the go line says it is armed.
+        print("ready", flush=True)
+        sys.stdin.readline()
+    elif arm == "running":
         import threading
         line = work.__code__.co_firstlineno + 6
         def ready():
@@ -94,14 +104,18 @@ result = {"wall": work(reps, ready)}
 if arm == "running":
     # A new call, the breakpoint still armed: the running frame's trace (3.11) is gone.
     result["after"] = work(reps)
-print(json.dumps(result))
+print(json.dumps(result), flush=True)
+if arm == "dap":
+    # Alive until the session is over: a disconnect that races the
+    # process's exit would measure nothing and could fail either way.
+    sys.stdin.readline()
 """
 
-ARMS = ("none", "breakpoint", "settrace", "cleared", "running", "debugpy")
+ARMS = ("none", "breakpoint", "dap", "debugpy", "settrace", "cleared", "running")
 
-# debugpy's start-up and handshake must end within this, and then the
+# A debugger's start-up and handshake must end within this, and then the
 # workload's run within as much again (seconds at the default --reps).
-DEBUGPY_TIMEOUT = 60.0
+SESSION_TIMEOUT = 60.0
 
 
 def breakpoint_line() -> int:
@@ -113,12 +127,85 @@ def breakpoint_line() -> int:
     raise BenchError("never_called not found in the workload")
 
 
-def free_port() -> int:
-    # Racy (the port could be taken before debugpy binds it), but debugpy
-    # wants a number on its command line and a lost race fails loudly.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def set_breakpoint(dap: DapClient, script: str, line: int) -> None:
+    """The one breakpoint, in never_called; the adapter must arm it there."""
+    seq = dap.send("setBreakpoints", {"source": {"path": script}, "breakpoints": [{"line": line}]})
+    bps = dap.response(seq, "setBreakpoints").get("body", {}).get("breakpoints", [])
+    # debugpy moves a breakpoint off a line with no code to the next one
+    # with code and still calls it verified: a moved one would measure some
+    # other breakpoint.
+    if len(bps) != 1 or not bps[0].get("verified") or bps[0].get("line") != line:
+        raise BenchError(f"{dap.name} did not verify the breakpoint at {script}:{line}: {bps}")
+
+
+def check_not_stopped(msg: dict) -> None:
+    # A stop waits for an editor's `continue` that never comes.
+    if msg.get("type") == "event" and msg.get("event") == "stopped":
+        raise BenchError(f"the target stopped ({msg.get('body')}): the breakpoint is meant never to be hit")
+
+
+def run_dap(rankscope: str, python: str, script: str, reps: int, env: dict[str, str], line: int) -> float:
+    """One run of the workload with a breakpoint set through `rankscope dap`,
+    this process being the editor; returns the workload's wall."""
+    # Files, not pipes, for what is read only on failure: nobody drains them.
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as adapter_err:
+        proc = subprocess.Popen(
+            [python, script, "dap", str(reps)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+        adapter = dap = None
+
+        def stderr_tails() -> str:
+            err.seek(0)
+            adapter_err.seek(0)
+            return (
+                f"target stderr: {err.read().decode(errors='replace').strip()[-500:]}; "
+                f"adapter stderr: {adapter_err.read().decode(errors='replace').strip()[-500:]}"
+            )
+
+        try:
+            deadline = time.monotonic() + SESSION_TIMEOUT
+            if not read_line(proc.stdout, deadline, "the target's ready line").startswith("ready"):
+                raise BenchError("the target exited before it was ready")
+            wait_for_probe(env["RANKSCOPE_DIR"], proc.pid)
+            dap, adapter = DapClient.spawn(
+                [rankscope, "dap", "--stdio", "--pid", str(proc.pid)], deadline, env=env, stderr=adapter_err, name="rankscope dap"
+            )
+            handshake(dap, "rankscope", ATTACH, configure=lambda d: set_breakpoint(d, script, line))
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            # While the workload runs, the adapter's messages are read (so it
+            # never blocks writing to us) until the target's result comes.
+            dap.deadline = deadline = time.monotonic() + SESSION_TIMEOUT
+            result = None
+            while result is None:
+                for msg in dap.backlog:
+                    check_not_stopped(msg)
+                dap.backlog.clear()
+                readable = select.select([proc.stdout, dap.sock], [], [], max(0.0, deadline - time.monotonic()))[0]
+                if proc.stdout in readable:
+                    result = read_line(proc.stdout, deadline, "the workload's result")
+                    if not result:
+                        raise BenchError("the target exited before printing its result")
+                elif dap.sock in readable:
+                    msg = dap.read("the adapter's events")
+                    if msg is None:
+                        raise BenchError("rankscope dap ended the session while the workload ran")
+                    check_not_stopped(msg)
+                elif time.monotonic() > deadline:
+                    raise BenchError("the workload did not finish in time")
+            disconnect(dap, adapter, timeout=10.0)
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except (BenchError, subprocess.TimeoutExpired) as e:
+            raise BenchError(f"arm dap: {e}; {stderr_tails()}") from None
+        finally:
+            if dap is not None:
+                dap.close()
+            stop_target(adapter)
+            stop_target(proc)
+        if proc.returncode != 0:
+            raise BenchError(f"arm dap failed (rc={proc.returncode}): {stderr_tails()}")
+        return json.loads(result)["wall"]
 
 
 def run_debugpy(python: str, script: str, reps: int, env: dict[str, str], line: int) -> tuple[float, float]:
@@ -145,46 +232,19 @@ def run_debugpy(python: str, script: str, reps: int, env: dict[str, str], line: 
             err.seek(0)
             return err.read().decode(errors="replace").strip()[-500:]
 
-        deadline = t0 + DEBUGPY_TIMEOUT
+        deadline = t0 + SESSION_TIMEOUT
         try:
             dap = DapClient.connect("127.0.0.1", port, deadline, alive=lambda: proc.poll() is None, name="debugpy")
             try:
-                seq = dap.send(
-                    "initialize",
-                    {
-                        "clientID": "rankscope-bench",
-                        "adapterID": "debugpy",
-                        "pathFormat": "path",
-                        "linesStartAt1": True,
-                        "columnsStartAt1": True,
-                    },
-                )
-                dap.response(seq, "initialize")
-                # debugpy answers attach only after configurationDone, and
-                # sends `initialized` in between: configuration goes there.
-                attach = dap.send("attach", {"name": "rankscope bench", "type": "debugpy", "request": "attach", "justMyCode": True})
-                dap.event("initialized")
-                seq = dap.send("setBreakpoints", {"source": {"path": script}, "breakpoints": [{"line": line}]})
-                bps = dap.response(seq, "setBreakpoints").get("body", {}).get("breakpoints", [])
-                # debugpy moves a breakpoint off a line with no code to the
-                # next one with code and still calls it verified: a moved one
-                # would measure some other breakpoint.
-                if len(bps) != 1 or not bps[0].get("verified") or bps[0].get("line") != line:
-                    raise BenchError(f"debugpy did not verify the breakpoint at {script}:{line}: {bps}")
-                dap.response(dap.send("configurationDone"), "configurationDone")
-                started = time.monotonic() - t0
-                dap.deadline = time.monotonic() + DEBUGPY_TIMEOUT
-                dap.response(attach, "attach")
+                marks = handshake(dap, "debugpy", ATTACH, configure=lambda d: set_breakpoint(d, script, line))
+                started = marks["configurationDone"] - t0
+                dap.deadline = time.monotonic() + SESSION_TIMEOUT
                 # Keep reading while the workload runs, so debugpy never
                 # blocks on a full socket, until the session ends.
                 for msg in dap.drain():
-                    if msg.get("type") != "event":
-                        continue
-                    if msg.get("event") == "terminated":
+                    check_not_stopped(msg)
+                    if msg.get("type") == "event" and msg.get("event") == "terminated":
                         break
-                    # A stop waits for an editor's `continue` that never comes.
-                    if msg.get("event") == "stopped":
-                        raise BenchError(f"the target stopped ({msg.get('body')}): the breakpoint is meant never to be hit")
                 if not dap.closed:
                     try:
                         dap.send("disconnect")
@@ -220,6 +280,7 @@ def main() -> int:
     with open(script, "w") as f:
         f.write(WORKLOAD)
     env = base_env(RANKSCOPE_DIR=private_dir("rankscope-bench-bp-"))
+    rankscope = tool("rankscope")
     version = subprocess.run([args.python, "--version"], capture_output=True, text=True).stdout.strip()
     print(f"machine: {machine()}")
     print(f"target interpreter: {args.python} ({version})")
@@ -241,6 +302,9 @@ def main() -> int:
                 walls[arm].append(wall)
                 debugpy_startup.append(started)
                 continue
+            if arm == "dap":
+                walls[arm].append(run_dap(rankscope, args.python, script, args.reps, env, line))
+                continue
             out = subprocess.run([args.python, script, arm, str(args.reps)], env=env, capture_output=True, text=True)
             if out.returncode != 0:
                 raise BenchError(f"arm {arm} failed: {out.stderr.strip()[-500:]}")
@@ -259,19 +323,25 @@ def main() -> int:
         return 100 * (median([a / b for a, b in zip(walls[arm], walls["none"])]) - 1)
 
     also = f", debugpy {paired('debugpy'):+.1f}%" if "debugpy" in walls else ""
-    print(f"per-round median slowdown: breakpoint {paired('breakpoint'):+.2f}%, cleared {paired('cleared'):+.2f}%, settrace {paired('settrace'):+.1f}%{also}")
+    print(
+        f"per-round median slowdown: breakpoint {paired('breakpoint'):+.2f}%, dap {paired('dap'):+.2f}%, "
+        f"cleared {paired('cleared'):+.2f}%, settrace {paired('settrace'):+.1f}%{also}"
+    )
     noise = 100 * (max(walls["none"]) / min(walls["none"]) - 1)
     print(f"noise: the baseline runs alone span {noise:.1f}% (max/min)")
-    slowdown = paired("breakpoint")
     limit = 1 if "3.11" not in version else 2
-    print(f"target: one armed breakpoint elsewhere <= {limit} %: {slowdown:+.2f}%, {'met' if slowdown <= limit else 'NOT met'}")
+    for arm, what in (("breakpoint", "one armed breakpoint elsewhere"), ("dap", "the same breakpoint set through rankscope dap")):
+        slowdown = paired(arm)
+        print(f"target: {what} <= {limit} %: {slowdown:+.2f}%, {'met' if slowdown <= limit else 'NOT met'}")
     print(
         f"a breakpoint set into the running loop (never recording): {paired('running'):+.1f}% while that frame runs, "
         f"{paired('running-after'):+.1f}% for the next call (on 3.11 the running frame is traced, then the trace goes)"
     )
     print(f"ratio settrace / breakpoint: {median(walls['settrace']) / median(walls['breakpoint']):.2f}x")
+    print(f"ratio dap / breakpoint: {median(walls['dap']) / median(walls['breakpoint']):.2f}x")
     if "debugpy" in walls:
         print(f"ratio debugpy / breakpoint: {median(walls['debugpy']) / median(walls['breakpoint']):.2f}x")
+        print(f"ratio debugpy / dap: {median(walls['debugpy']) / median(walls['dap']):.2f}x")
         # Outside the workload's wall: what debugpy costs before user code runs.
         print(f"debugpy start-up, spawn to configurationDone: {median(debugpy_startup):.3f} s median")
     return 0
