@@ -182,7 +182,7 @@ fn listen(
                     eprintln!("rankscope dap: the process exited");
                     return Ok(0);
                 }
-                std::thread::sleep(Duration::from_millis(100));
+                wait_for_editor(&listener, 500);
                 continue;
             }
             Err(e) => {
@@ -191,6 +191,10 @@ fn listen(
                 continue;
             }
         };
+        // Small messages answered at once: with Nagle's algorithm on, a
+        // reply written as header then body waited for the editor's
+        // delayed ACK (about 100 ms an attach).
+        let _ = stream.set_nodelay(true);
         if let Err(e) = stream.set_nonblocking(false) {
             eprintln!("rankscope dap: {e}");
             continue;
@@ -439,6 +443,20 @@ fn job_ranks() -> Vec<ProcessMeta> {
         }
     }
     by_rank.into_values().collect()
+}
+
+/// Until an editor connects to `listener`, or `ms` pass: it is accepted the
+/// moment it connects (a sleep between tries cost it up to 100 ms), and
+/// the target's exit is still noticed.
+fn wait_for_editor(listener: &std::net::TcpListener, ms: i32) {
+    use std::os::fd::AsRawFd;
+    let mut fds = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, alive for the whole call.
+    unsafe { libc::poll(&mut fds, 1, ms) };
 }
 
 #[cfg(test)]
