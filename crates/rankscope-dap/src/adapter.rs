@@ -913,16 +913,7 @@ impl Session {
         replies: Vec<(usize, Result<Value, String>)>,
         requested_lines: Option<&[i64]>,
     ) -> Result<Vec<Value>, String> {
-        let failed: Vec<String> = replies
-            .iter()
-            .filter_map(|(_, r)| r.as_ref().err().cloned())
-            .collect();
-        if replies.is_empty() {
-            return Err("the process has exited".into());
-        }
-        if failed.len() == replies.len() {
-            return Err(failed.join("; "));
-        }
+        some_answered(&replies)?;
         let mut parts = vec![Vec::new(); count];
         let mut merged = vec![json!({"verified": false}); count];
         let mut messages: Vec<Vec<String>> = vec![Vec::new(); count];
@@ -1072,16 +1063,7 @@ impl Session {
             CALL_TIMEOUT,
         );
         // Exception filters have no ids: only whether each took.
-        let failed: Vec<String> = replies
-            .iter()
-            .filter_map(|(_, r)| r.as_ref().err().cloned())
-            .collect();
-        if replies.is_empty() {
-            return Err("the process has exited".into());
-        }
-        if failed.len() == replies.len() {
-            return Err(failed.join("; "));
-        }
+        some_answered(&replies)?;
         let mut merged = vec![json!({"verified": true}); filters.len()];
         for (t, reply) in &replies {
             let Ok(reply) = reply else { continue };
@@ -2153,4 +2135,20 @@ fn rank_set(text: &str) -> Option<RankSet> {
         .map(|i| integer(i))
         .collect::<Option<Vec<_>>>()
         .map(RankSet::List)
+}
+
+/// An error unless at least one target answered: the process has exited,
+/// or every rank's error, joined.
+fn some_answered(replies: &[(usize, Result<Value, String>)]) -> Result<(), String> {
+    if replies.is_empty() {
+        return Err("the process has exited".into());
+    }
+    let failed: Vec<&str> = replies
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().err().map(String::as_str))
+        .collect();
+    if failed.len() == replies.len() {
+        return Err(failed.join("; "));
+    }
+    Ok(())
 }
