@@ -249,3 +249,49 @@ def test_start_from_another_thread_then_stop_leaves_the_world_as_it_was(python, 
 
     _release_in(target, "checked", "start")
     _finish(target)
+
+
+VECTOR_TARGET = r"""
+import hashlib
+import os
+import sys
+
+# OpenSSL's SHA-256 keeps its state in vector registers for a whole
+# buffer, with no call in its loop: a thread borrowed in the middle of it
+# and given back with other vector registers computes another digest (and
+# CPython's eval loop, which copies pairs of stack values through xmm
+# registers, crashed).
+blob = bytes(range(256)) * 4096
+expected = hashlib.sha256(blob).digest()
+path = sys.argv[1]
+print("READY", flush=True)
+n = 0
+while True:
+    digest = hashlib.sha256(blob).digest()
+    if digest != expected:
+        print("CHANGED", digest.hex(), expected.hex(), flush=True)
+        sys.exit(3)
+    n += 1
+    if n % 20 == 0 and os.path.exists(path):
+        break
+print("SAME", n, flush=True)
+"""
+
+
+def test_inject_into_a_thread_busy_in_vector_code_keeps_its_numbers(python, bare_venvs, spawn, cli):
+    """GIVEN programs whose only thread is busy in vector code (so inject
+    borrows it in the middle of user code, not at a syscall),
+    WHEN each is injected, THEN each still computes the same digest, bit
+    for bit, and exits cleanly: the thread's vector registers come back as
+    they were, not only its general ones."""
+    bare = bare_venvs(python)
+    for attempt in range(6):
+        workdir = tempfile.mkdtemp(prefix="rs-vector-", dir="/tmp")
+        target = spawn(bare, VECTOR_TARGET, probe=False, args=[os.path.join(workdir, "stop")])
+        result = cli("inject", target.pid)
+        assert result.returncode == 0, f"attempt {attempt}: {result.stderr} (target exit {target.proc.poll()})"
+        open(os.path.join(workdir, "stop"), "w").close()
+        out, err = target.proc.communicate(timeout=30)
+        out = "".join(target.output) + out.decode()
+        assert target.proc.returncode == 0, f"attempt {attempt}: exit {target.proc.returncode}\n{out}\n{err.decode()}"
+        assert "SAME" in out, out

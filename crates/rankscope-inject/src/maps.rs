@@ -134,3 +134,21 @@ pub fn libdl(modules: &[Module]) -> Option<&Module> {
         .iter()
         .find(|m| m.file_name().starts_with("libdl.so") || m.file_name().starts_with("libdl-2."))
 }
+
+/// The file mapped at `address` in the target, if any.
+pub fn file_at(pid: u32, address: u64) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    text.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (start, end) = fields.next()?.split_once('-')?;
+        let (start, end) = (
+            u64::from_str_radix(start, 16).ok()?,
+            u64::from_str_radix(end, 16).ok()?,
+        );
+        if !(start..end).contains(&address) {
+            return None;
+        }
+        let path: String = fields.skip(4).collect::<Vec<_>>().join(" ");
+        path.starts_with('/').then(|| PathBuf::from(path))
+    })
+}

@@ -31,6 +31,8 @@ const ALLOCATOR_SYSCALLS: [i64; 6] = [
     libc::SYS_madvise,
 ];
 
+const DIRECTION_FLAG: u64 = 1 << 10;
+
 /// Stack bytes left alone below the saved stack pointer: the x86-64 red
 /// zone (128) with room to spare.
 const STACK_GAP: u64 = 1024;
@@ -39,6 +41,12 @@ pub struct Hijack {
     pid: u32,
     tid: Pid,
     saved: libc::user_regs_struct,
+    /// The thread's floating-point and vector registers (x87, MXCSR, SSE,
+    /// AVX and up). The calls we make clobber them, and a thread taken in
+    /// the middle of user code (not at a call or a syscall) may be using
+    /// them: CPython's eval loop keeps values in xmm registers, and giving
+    /// back only the general registers crashed it.
+    saved_vector: Option<VectorState>,
     mem: File,
     /// Where our scratch bytes start, and what was there before.
     scratch: u64,
@@ -114,6 +122,7 @@ impl Hijack {
                 what: "/dev/null".into(),
                 source: e,
             })?,
+            saved_vector: None,
             scratch: 0,
             original: Vec::new(),
             used: 0,
@@ -124,11 +133,32 @@ impl Hijack {
             let _ = ptrace::detach(h.tid, None);
             e
         };
-        if let Err(e) = hijack.stop(timeout) {
-            return Err(detach_on_error(&hijack, e));
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Err(e) = hijack.stop(deadline) {
+                return Err(detach_on_error(&hijack, e));
+            }
+            hijack.saved = match ptrace::getregs(thread) {
+                Ok(r) => r,
+                Err(e) => return Err(detach_on_error(&hijack, ptrace_error(pid, tid, e))),
+            };
+            if safe_to_borrow(pid, &hijack.saved) {
+                break;
+            }
+            // Inside the C library or the loader, the thread may hold a lock
+            // that dlopen takes (malloc's, the loader's, stdio's): let it run
+            // on a little and look again. A thread that never leaves gives
+            // a timeout and is left as it was, rather than a deadlock.
+            if Instant::now() >= deadline {
+                return Err(detach_on_error(&hijack, InjectError::Timeout(pid)));
+            }
+            if let Err(e) = ptrace::cont(thread, None) {
+                return Err(detach_on_error(&hijack, ptrace_error(pid, tid, e)));
+            }
+            std::thread::sleep(Duration::from_micros(500));
         }
-        hijack.saved = match ptrace::getregs(thread) {
-            Ok(r) => r,
+        hijack.saved_vector = match VectorState::read(thread) {
+            Ok(state) => Some(state),
             Err(e) => return Err(detach_on_error(&hijack, ptrace_error(pid, tid, e))),
         };
         hijack.released = false;
@@ -146,10 +176,9 @@ impl Hijack {
 
     /// Interrupts the seized thread and waits for it to stop. A signal that
     /// arrives first is delivered as it would have been.
-    fn stop(&mut self, timeout: Duration) -> Result<(), InjectError> {
+    fn stop(&mut self, deadline: Instant) -> Result<(), InjectError> {
         let (pid, tid) = (self.pid, self.tid.as_raw());
         ptrace::interrupt(self.tid).map_err(|e| ptrace_error(pid, tid, e))?;
-        let deadline = Instant::now() + timeout;
         loop {
             match self.wait(deadline)? {
                 WaitStatus::PtraceEvent(_, _, libc::PTRACE_EVENT_STOP) => return Ok(()),
@@ -241,6 +270,8 @@ impl Hijack {
         regs.rsp = return_slot;
         regs.rip = function;
         regs.rax = 0;
+        // The ABI wants the direction flag clear at every call.
+        regs.eflags &= !DIRECTION_FLAG;
         // Not in a syscall any more: keeps the kernel from "restarting" one
         // by moving rip back when the thread resumes.
         regs.orig_rax = u64::MAX;
@@ -311,9 +342,109 @@ impl Hijack {
             let start = self.scratch - self.used;
             let _ = self.mem.write_all_at(&self.original, start);
         }
+        let vector = match &self.saved_vector {
+            Some(state) => state.write(self.tid).map_err(|e| ptrace_error(pid, tid, e)),
+            None => Ok(()),
+        };
         let restored = ptrace::setregs(self.tid, self.saved).map_err(|e| ptrace_error(pid, tid, e));
+        let restored = vector.and(restored);
         let detached = ptrace::detach(self.tid, None).map_err(|e| ptrace_error(pid, tid, e));
         restored.and(detached)
+    }
+}
+
+/// Whether a thread stopped with these registers can run our calls: not in
+/// one of the allocator's syscalls, and, when stopped in user code, not
+/// inside the C library or the dynamic loader.
+fn safe_to_borrow(pid: u32, regs: &libc::user_regs_struct) -> bool {
+    let syscall = regs.orig_rax as i64;
+    if syscall >= 0 {
+        return !ALLOCATOR_SYSCALLS.contains(&syscall);
+    }
+    match crate::maps::file_at(pid, regs.rip) {
+        Some(path) => {
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            !LOCKING_LIBRARIES
+                .iter()
+                .any(|prefix| name.starts_with(prefix))
+        }
+        None => true,
+    }
+}
+
+/// Libraries whose code may run with a lock held that dlopen also takes.
+const LOCKING_LIBRARIES: [&str; 6] = [
+    "libc.so",
+    "libc-2.",
+    "ld-linux",
+    "ld-musl",
+    "libpthread",
+    "libdl",
+];
+
+/// The thread's extended register state, as the kernel hands it out: the
+/// whole XSAVE area where the kernel has it (AVX and later included), else
+/// the 512-byte FXSAVE area.
+struct VectorState {
+    note: libc::c_int,
+    bytes: Vec<u8>,
+}
+
+/// `NT_X86_XSTATE` from the kernel's elf.h; the libc crate lacks it.
+const NT_X86_XSTATE: libc::c_int = 0x202;
+/// Larger than any XSAVE area so far (AMX tiles take it near 11 KiB).
+const XSTATE_MAX: usize = 32 * 1024;
+
+impl VectorState {
+    fn read(tid: Pid) -> Result<VectorState, Errno> {
+        let mut last = Errno::EINVAL;
+        for (note, size) in [(NT_X86_XSTATE, XSTATE_MAX), (libc::NT_PRFPREG, 512)] {
+            let mut bytes = vec![0u8; size];
+            let mut iov = libc::iovec {
+                iov_base: bytes.as_mut_ptr().cast(),
+                iov_len: bytes.len(),
+            };
+            // SAFETY: the kernel writes at most iov_len bytes into `bytes`
+            // and stores the length it wrote back into iov_len.
+            let rc = unsafe {
+                libc::ptrace(
+                    libc::PTRACE_GETREGSET,
+                    tid.as_raw(),
+                    note as usize as *mut libc::c_void,
+                    &mut iov as *mut libc::iovec,
+                )
+            };
+            if rc == 0 {
+                bytes.truncate(iov.iov_len);
+                return Ok(VectorState { note, bytes });
+            }
+            last = Errno::last();
+            if last == Errno::ESRCH {
+                break;
+            }
+        }
+        Err(last)
+    }
+
+    fn write(&self, tid: Pid) -> Result<(), Errno> {
+        let mut bytes = self.bytes.clone();
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_mut_ptr().cast(),
+            iov_len: bytes.len(),
+        };
+        // SAFETY: the kernel reads iov_len bytes from `bytes`.
+        let rc = unsafe {
+            libc::ptrace(
+                libc::PTRACE_SETREGSET,
+                tid.as_raw(),
+                self.note as usize as *mut libc::c_void,
+                &mut iov as *mut libc::iovec,
+            )
+        };
+        Errno::result(rc).map(drop)
     }
 }
 
