@@ -403,27 +403,13 @@ impl VectorState {
         let mut last = Errno::EINVAL;
         for (note, size) in [(NT_X86_XSTATE, XSTATE_MAX), (libc::NT_PRFPREG, 512)] {
             let mut bytes = vec![0u8; size];
-            let mut iov = libc::iovec {
-                iov_base: bytes.as_mut_ptr().cast(),
-                iov_len: bytes.len(),
-            };
-            // SAFETY: the kernel writes at most iov_len bytes into `bytes`
-            // and stores the length it wrote back into iov_len.
-            let rc = unsafe {
-                libc::ptrace(
-                    libc::PTRACE_GETREGSET,
-                    tid.as_raw(),
-                    note as usize as *mut libc::c_void,
-                    &mut iov as *mut libc::iovec,
-                )
-            };
-            if rc == 0 {
-                bytes.truncate(iov.iov_len);
-                return Ok(VectorState { note, bytes });
-            }
-            last = Errno::last();
-            if last == Errno::ESRCH {
-                break;
+            match regset(libc::PTRACE_GETREGSET, tid, note, &mut bytes) {
+                Ok(len) => {
+                    bytes.truncate(len);
+                    return Ok(VectorState { note, bytes });
+                }
+                Err(Errno::ESRCH) => return Err(Errno::ESRCH),
+                Err(e) => last = e,
             }
         }
         Err(last)
@@ -431,21 +417,33 @@ impl VectorState {
 
     fn write(&self, tid: Pid) -> Result<(), Errno> {
         let mut bytes = self.bytes.clone();
-        let mut iov = libc::iovec {
-            iov_base: bytes.as_mut_ptr().cast(),
-            iov_len: bytes.len(),
-        };
-        // SAFETY: the kernel reads iov_len bytes from `bytes`.
-        let rc = unsafe {
-            libc::ptrace(
-                libc::PTRACE_SETREGSET,
-                tid.as_raw(),
-                self.note as usize as *mut libc::c_void,
-                &mut iov as *mut libc::iovec,
-            )
-        };
-        Errno::result(rc).map(drop)
+        regset(libc::PTRACE_SETREGSET, tid, self.note, &mut bytes).map(drop)
     }
+}
+
+/// `PTRACE_GETREGSET` / `PTRACE_SETREGSET` of one note; returns the length
+/// the kernel read or wrote.
+fn regset(
+    request: libc::c_uint,
+    tid: Pid,
+    note: libc::c_int,
+    bytes: &mut [u8],
+) -> Result<usize, Errno> {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_mut_ptr().cast(),
+        iov_len: bytes.len(),
+    };
+    // SAFETY: the kernel reads or writes at most iov_len bytes of `bytes`,
+    // and stores the length it used back into iov_len.
+    let rc = unsafe {
+        libc::ptrace(
+            request,
+            tid.as_raw(),
+            note as usize as *mut libc::c_void,
+            &mut iov as *mut libc::iovec,
+        )
+    };
+    Errno::result(rc).map(|_| iov.iov_len)
 }
 
 impl Drop for Hijack {
