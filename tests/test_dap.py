@@ -264,6 +264,30 @@ def test_a_whole_editor_session_on_a_running_loop(python, spawn, adapters, schem
     assert not client.invalid, client.invalid
 
 
+def test_a_slow_console_expression_does_not_hold_up_a_pause(python, spawn, adapters, schema):
+    """GIVEN an editor whose Debug Console runs an expression that takes
+    seconds, WHEN it pauses the running thread meanwhile, THEN the thread
+    stops and the pause is answered before the expression's result."""
+    target = spawn(python, LOOP)
+    client = adapters(target.pid, schema).client
+    attach(client)
+    client.request("configurationDone")
+    (main,) = [t["id"] for t in client.request("threads")["body"]["threads"] if t["name"] == "MainThread"]
+    slow = client.send("evaluate", {"expression": "__import__('time').sleep(3) or 'slept'", "context": "repl"})
+    mark = client.mark()
+    started = time.monotonic()
+    client.request("pause", {"threadId": main}, timeout=2.5)
+    client.stopped(mark, "pause", timeout=2.5)
+    assert time.monotonic() - started < 2.5
+    answer = client.response(slow, timeout=20)
+    assert answer["success"] and answer["body"]["result"] == "'slept'", answer
+    client.request("continue", {"threadId": main})
+    client.request("disconnect", {})
+    assert client.wait_eof()
+    ticks_after(target, 0)
+    assert not client.invalid, client.invalid
+
+
 def test_a_client_that_goes_away_leaves_no_thread_stopped(default_python, spawn, adapters, schema):
     target = spawn(default_python, LOOP)
     adapter = adapters(target.pid, schema)

@@ -158,6 +158,15 @@ where
     };
     let ending = session.run(rx);
     session.finish();
+    // An evaluate still running in the target answers no one: the session
+    // the editor knew is over.
+    session
+        .shared
+        .out
+        .inner
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .broken = true;
     ending
 }
 
@@ -406,6 +415,53 @@ impl Shared {
     }
 
     /// The file a remote path names on this machine, if it is there.
+    fn frame(&self, id: i64) -> Result<Handle, String> {
+        self.state()
+            .frames
+            .get(id)
+            .ok_or_else(|| format!("frame {id} is gone: its thread has run on since"))
+    }
+
+    fn evaluate(&self, args: &Value) -> Result<Value, String> {
+        let expression = text(args, "expression")?;
+        let context = args
+            .get("context")
+            .and_then(Value::as_str)
+            .unwrap_or("repl");
+        let (owner, frame) = match args.get("frameId").and_then(Value::as_i64) {
+            Some(id) => {
+                let f = self.frame(id)?;
+                (f, Value::from(f.probe))
+            }
+            None => {
+                let target = self.state().last_stop_target;
+                let owner = Handle {
+                    target,
+                    probe: 0,
+                    thread: None,
+                };
+                (owner, Value::Null)
+            }
+        };
+        let reply = self.call(
+            owner.target,
+            json!({"op": "evaluate", "expression": expression, "frame": frame, "context": context}),
+            EVALUATE_TIMEOUT,
+        )?;
+        if let Some(printed) = reply.get("output").and_then(Value::as_str) {
+            if !printed.is_empty() {
+                self.out.event(
+                    "output",
+                    Some(json!({"category": "stdout", "output": printed})),
+                );
+            }
+        }
+        let mut out = Map::new();
+        out.insert("result".into(), text_of(&reply, "result"));
+        Session::value_fields(&mut self.state(), &owner, &reply, &mut out);
+        Ok(Value::Object(out))
+    }
+
     fn on_disk(&self, target: usize, path: &str) -> Option<PathBuf> {
         if path.is_empty() {
             return None;
@@ -424,6 +480,12 @@ struct Request {
     seq: i64,
     command: String,
     args: Value,
+}
+
+fn text<'a>(args: &'a Value, key: &str) -> Result<&'a str, String> {
+    args.get(key)
+        .and_then(Value::as_str)
+        .ok_or_else(|| format!("the request has no `{key}`"))
 }
 
 fn int(args: &Value, key: &str) -> Result<i64, String> {
@@ -598,6 +660,16 @@ impl Session {
                     return Some(Ending::Refused(why));
                 }
             },
+            // An expression may run for seconds (a sleep, a slow property, a
+            // thread stopped in a native call): `pause`, `threads` and the
+            // rest are answered meanwhile, as debugpy does.
+            "evaluate" if self.attached => {
+                let shared = self.shared.clone();
+                std::thread::spawn(move || {
+                    let result = shared.evaluate(&request.args);
+                    shared.out.respond(&request, result);
+                });
+            }
             command if !self.attached => out.respond(
                 &request,
                 Err(format!(
@@ -634,7 +706,6 @@ impl Session {
             "stackTrace" => self.stack_trace(args),
             "scopes" => self.scopes(args),
             "variables" => self.variables(args),
-            "evaluate" => self.evaluate(args),
             "setVariable" => self.set_variable(args),
             "continue" => self
                 .resume(args, "continue")
@@ -834,11 +905,7 @@ impl Session {
     }
 
     fn frame(&self, id: i64) -> Result<Handle, String> {
-        self.shared
-            .state()
-            .frames
-            .get(id)
-            .ok_or_else(|| format!("frame {id} is gone: its thread has run on since"))
+        self.shared.frame(id)
     }
 
     fn reference(&self, args: &Value) -> Result<Handle, String> {
@@ -1445,59 +1512,10 @@ impl Session {
         Ok(json!({"variables": variables}))
     }
 
-    fn evaluate(&mut self, args: &Value) -> Result<Value, String> {
-        let expression = args
-            .get("expression")
-            .and_then(Value::as_str)
-            .ok_or("the request has no `expression`")?;
-        let context = args
-            .get("context")
-            .and_then(Value::as_str)
-            .unwrap_or("repl");
-        let (owner, frame) = match args.get("frameId").and_then(Value::as_i64) {
-            Some(id) => {
-                let f = self.frame(id)?;
-                (f, Value::from(f.probe))
-            }
-            None => {
-                let target = self.shared.state().last_stop_target;
-                let owner = Handle {
-                    target,
-                    probe: 0,
-                    thread: None,
-                };
-                (owner, Value::Null)
-            }
-        };
-        let reply = self.shared.call(
-            owner.target,
-            json!({"op": "evaluate", "expression": expression, "frame": frame, "context": context}),
-            EVALUATE_TIMEOUT,
-        )?;
-        if let Some(printed) = reply.get("output").and_then(Value::as_str) {
-            if !printed.is_empty() {
-                self.shared.out.event(
-                    "output",
-                    Some(json!({"category": "stdout", "output": printed})),
-                );
-            }
-        }
-        let mut out = Map::new();
-        out.insert("result".into(), text_of(&reply, "result"));
-        Self::value_fields(&mut self.shared.state(), &owner, &reply, &mut out);
-        Ok(Value::Object(out))
-    }
-
     fn set_variable(&mut self, args: &Value) -> Result<Value, String> {
         let handle = self.reference(args)?;
-        let name = args
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or("the request has no `name`")?;
-        let value = args
-            .get("value")
-            .and_then(Value::as_str)
-            .ok_or("the request has no `value`")?;
+        let name = text(args, "name")?;
+        let value = text(args, "value")?;
         let reply = self.shared.call(
             handle.target,
             json!({"op": "set_variable", "ref": handle.probe, "name": name, "value": value}),

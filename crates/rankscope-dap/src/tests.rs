@@ -113,6 +113,10 @@ impl Backend for Fake {
                     "NameError: name 'boom' is not defined".into(),
                 ))
             }
+            "evaluate" if request["expression"] == "slow()" => {
+                std::thread::sleep(Duration::from_millis(400));
+                json!({"result": "None", "type": "NoneType", "ref": 0})
+            }
             "evaluate" => json!({"result": "3", "type": "int", "ref": 6, "output": "hi\n"}),
             "set_variable" => json!({"value": "5", "type": "int", "ref": 0}),
             "set_breakpoints" => {
@@ -646,6 +650,33 @@ fn evaluate_sends_what_was_printed_before_its_answer() {
     );
     assert_eq!(failed["success"], false);
     assert_eq!(failed["message"], "NameError: name 'boom' is not defined");
+    c.end();
+}
+
+#[test]
+fn a_slow_evaluate_does_not_hold_up_pause_or_threads() {
+    let fake = Fake::new(1);
+    let mut c = Client::start(fake.clone(), one());
+    c.attach(json!({}));
+    let slow = c.send(
+        "evaluate",
+        json!({"expression": "slow()", "context": "repl"}),
+    );
+    c.ok("threads", json!({}));
+    c.ok("pause", json!({"threadId": 1}));
+    // Both answered while the expression still ran; its answer comes after.
+    assert!(!c
+        .log
+        .iter()
+        .any(|m| m["type"] == "response" && m["request_seq"] == slow));
+    loop {
+        let m = c.receive();
+        if m["type"] == "response" && m["request_seq"] == slow {
+            assert_eq!(m["success"], true, "{m}");
+            assert_eq!(m["body"]["result"], "None");
+            break;
+        }
+    }
     c.end();
 }
 
