@@ -150,7 +150,7 @@ pub fn run(args: DapArgs) -> Result<u8> {
             )
             .into());
         }
-        report(&ending);
+        report(&ending, targets.len() > 1);
         return Ok(0);
     };
     listen(listener, backend, options, &what)
@@ -179,7 +179,14 @@ fn listen(
             Ok((s, _)) => s,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if exited(&options) {
-                    eprintln!("rankscope dap: the process exited");
+                    eprintln!(
+                        "rankscope dap: {} exited",
+                        if options.targets.len() > 1 {
+                            "every process"
+                        } else {
+                            "the process"
+                        }
+                    );
                     return Ok(0);
                 }
                 wait_for_editor(&listener, 500);
@@ -215,7 +222,7 @@ fn listen(
         let ending = rankscope_dap::serve(backend.clone(), options.clone(), reader, writer);
         // Ends the reader thread the session leaves blocked on the socket.
         let _ = stream.shutdown(Shutdown::Both);
-        report(&ending);
+        report(&ending, options.targets.len() > 1);
         // Said once: the next editor finds the probe already there.
         options.notices.clear();
         // A session the probe ended leaves a live process to attach again.
@@ -225,11 +232,19 @@ fn listen(
     }
 }
 
-fn report(ending: &Ending) {
+fn report(ending: &Ending, job: bool) {
+    let runs_on = if job {
+        "the processes run on"
+    } else {
+        "the process runs on"
+    };
     let line = match ending {
-        Ending::Disconnected => "the editor disconnected; the process runs on".to_string(),
+        Ending::Disconnected => format!("the editor disconnected; {runs_on}"),
         Ending::ClientGone => {
-            "the editor went away without disconnecting; detached, the process runs on".into()
+            format!("the editor went away without disconnecting; detached, {runs_on}")
+        }
+        Ending::TargetGone if job => {
+            "the processes exited, or their probes ended the session".into()
         }
         Ending::TargetGone => "the process exited, or its probe ended the session".into(),
         Ending::Refused(why) => format!("refused an editor: {why}"),
