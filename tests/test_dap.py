@@ -352,9 +352,12 @@ while True:
     client.request("configurationDone")
     mark = client.mark()
     client.request("evaluate", {"expression": "go.set()", "context": "repl"})
+    assert caps["supportsExceptionInfoRequest"]
     if "raised" in wanted:
         stop = client.stopped(mark, "exception")
         assert "bad value 3" in stop["text"]
+        info = client.request("exceptionInfo", {"threadId": stop["threadId"]})["body"]
+        assert (info["exceptionId"], info["breakMode"], info["description"]) == ("ValueError", "always", "bad value 3")
         (top,) = client.top(stop["threadId"])
         assert (top["name"], top["line"]) == ("fail", line_of(source, "raise"))
         mark = client.mark()
@@ -366,6 +369,12 @@ while True:
         client.request("continue", {"threadId": stop["threadId"]})
         stop = client.stopped(mark, "exception")
     assert stop["description"].startswith("uncaught") and "bad value 6" in stop["text"]
+    # The editor's exception widget: the type, the message and the traceback.
+    info = client.request("exceptionInfo", {"threadId": stop["threadId"]})["body"]
+    assert (info["exceptionId"], info["breakMode"], info["description"]) == ("ValueError", "unhandled", "bad value 6")
+    assert info["details"]["typeName"] == "ValueError"
+    trace = info["details"]["stackTrace"]
+    assert trace.startswith("Traceback") and "fail(2)" in trace and trace.rstrip().endswith("ValueError: bad value 6"), trace
     frames = client.top(stop["threadId"], levels=5)
     assert frames[0]["name"] == "fail" and frames[0]["line"] == line_of(source, "raise")
     ref, value = local(client, frames[0]["id"], "value")

@@ -714,6 +714,7 @@ impl Session {
             "stepIn" => self.resume(args, "step_in").map(|()| Value::Null),
             "stepOut" => self.resume(args, "step_out").map(|()| Value::Null),
             "pause" => self.pause(args),
+            "exceptionInfo" => self.exception_info(args),
             "source" => self.source(args),
             other => Err(format!(
                 "rankscope dap does not support the `{other}` request"
@@ -785,6 +786,7 @@ impl Session {
             "supportsEvaluateForHovers": true,
             "supportsDelayedStackTraceLoading": true,
             "supportsDataBreakpoints": true,
+            "supportsExceptionInfoRequest": true,
             "exceptionBreakpointFilters": filters,
             "supportTerminateDebuggee": false,
             "supportsTerminateRequest": false,
@@ -1544,6 +1546,19 @@ impl Session {
             held.told = None;
         }
         Ok(())
+    }
+
+    /// The exception a thread stopped on, for the editor's exception widget;
+    /// the probe made the body when the thread stopped.
+    fn exception_info(&mut self, args: &Value) -> Result<Value, String> {
+        let (_, target, probe_thread) = self.thread(args)?;
+        let mut body = self.shared.call(
+            target,
+            json!({"op": "exception_info", "thread": probe_thread}),
+            CALL_TIMEOUT,
+        )?;
+        strip_nulls(&mut body);
+        Ok(body)
     }
 
     fn pause(&mut self, args: &Value) -> Result<Value, String> {

@@ -139,6 +139,10 @@ impl Backend for Fake {
                 json!({"breakpoints": bps})
             }
             "source" => json!({"content": "x = 1\n"}),
+            "exception_info" => {
+                json!({"exceptionId": "ValueError", "description": "bad", "breakMode": "unhandled",
+                "details": {"message": "bad", "typeName": "ValueError", "fullTypeName": "ValueError", "stackTrace": "Traceback ..."}})
+            }
             "continue" | "next" | "step_in" | "step_out" | "pause" => json!({}),
             other => return Err(BackendError::Failed(format!("unknown op {other}"))),
         })
@@ -677,6 +681,22 @@ fn a_slow_evaluate_does_not_hold_up_pause_or_threads() {
             break;
         }
     }
+    c.end();
+}
+
+#[test]
+fn exception_info_is_asked_of_the_threads_probe() {
+    let fake = Fake::new(1);
+    let mut c = Client::start(fake.clone(), one());
+    c.attach(json!({}));
+    let threads = c.ok("threads", json!({}));
+    let main = threads["threads"][0]["id"].clone();
+    let body = c.ok("exceptionInfo", json!({"threadId": main}));
+    assert_eq!(body["exceptionId"], "ValueError");
+    assert_eq!(body["breakMode"], "unhandled");
+    assert_eq!(fake.last("exception_info")["thread"], MAIN);
+    let unknown = c.request("exceptionInfo", json!({"threadId": 999}));
+    assert_eq!(unknown["success"], false);
     c.end();
 }
 

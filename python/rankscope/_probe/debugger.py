@@ -103,6 +103,8 @@ class _Stopped:
         self.frames = frames
         self.frame_ids = [next(session.ref_ids) for _ in frames]
         self.reason = reason
+        # The editor's exceptionInfo, for a stop on an exception.
+        self.exception: dict | None = None
         self.jobs: collections.deque[_Job] = collections.deque()
         self.resume: str | None = None
         self.wake = threading.Condition(_lock)
@@ -276,7 +278,7 @@ def _visible_stack(frame) -> list:
     return [(f, f.f_lineno) for f in stacks.visible(frame)]
 
 
-def stop(frame, reason: str, description: str = "", hit_ids=(), text: str | None = None, frames=None) -> None:
+def stop(frame, reason: str, description: str = "", hit_ids=(), text: str | None = None, frames=None, exception: dict | None = None) -> None:
     """Holds the calling thread for the editor until it continues or steps.
     Called on the program's thread, from a breakpoint, a step or a pause."""
     session = _session
@@ -297,6 +299,7 @@ def stop(frame, reason: str, description: str = "", hit_ids=(), text: str | None
         held = _Stopped(session, me, frames if frames is not None else _visible_stack(frame), reason)
         if not held.frames:
             return
+        held.exception = exception
         session.stopped[me] = held
         for fid, (f, _) in zip(held.frame_ids, held.frames):
             session.frames[fid] = (me, f)
@@ -708,6 +711,35 @@ def _describe_exception(exc) -> str:
     return f"{type_name(exc)}: {text[:300]}"
 
 
+# The traceback's text for the editor's exception widget: its last lines
+# (where it was raised) are kept when it is longer.
+MAX_TRACEBACK_CHARS = 20_000
+
+
+def _exception_info(exc, break_mode: str) -> dict:
+    """DAP's exceptionInfo body, made on the program's thread when it stops
+    (str() and the traceback's source lines are the program's to give)."""
+    cls = type(exc)
+    module = getattr(cls, "__module__", None) or ""
+    full = cls.__qualname__ if module in ("builtins", "") else f"{module}.{cls.__qualname__}"
+    try:
+        message = str(exc)[:1000]
+    except Exception:  # noqa: BLE001 - a broken __str__ is the program's
+        message = "<str() failed>"
+    try:
+        import traceback
+
+        trace = "".join(traceback.format_exception(exc))[-MAX_TRACEBACK_CHARS:]
+    except Exception:  # noqa: BLE001 - the stop matters more than its text
+        trace = ""
+    return {
+        "exceptionId": full,
+        "description": message,
+        "breakMode": break_mode,
+        "details": {"message": message, "typeName": cls.__name__, "fullTypeName": full, "stackTrace": trace},
+    }
+
+
 def _stop_uncaught(exc, tb) -> None:
     session = _session
     if session is None or session.closed or "uncaught" not in session.exception_filters or tb is None:
@@ -721,7 +753,7 @@ def _stop_uncaught(exc, tb) -> None:
         frames.reverse()
         if frames:
             text = _describe_exception(exc)
-            stop(frames[0][0], "exception", f"uncaught {text}", text=text, frames=frames)
+            stop(frames[0][0], "exception", f"uncaught {text}", text=text, frames=frames, exception=_exception_info(exc, "unhandled"))
     except Exception:  # noqa: BLE001 - the program's own excepthook still runs
         pass
 
@@ -740,7 +772,7 @@ def _on_raise(code, offset, exc):
         if session.just_my_code and _is_library(code.co_filename):
             return None
         text = _describe_exception(exc)
-        stop(frame, "exception", f"raised {text}", text=text)
+        stop(frame, "exception", f"raised {text}", text=text, exception=_exception_info(exc, "always"))
     except Exception:  # noqa: BLE001
         pass
     return None
@@ -1237,6 +1269,16 @@ def _resume(session: Session, ident: int, how: str) -> dict:
     return {}
 
 
+def _exception_info_of(session: Session, ident: int) -> dict:
+    with _lock:
+        held = session.stopped.get(ident)
+    if held is None:
+        raise DebugError("the thread is not stopped")
+    if held.exception is None:
+        raise DebugError("the thread did not stop on an exception")
+    return held.exception
+
+
 def _source(path: str) -> dict:
     import linecache
 
@@ -1316,6 +1358,8 @@ def _session_op(session: Session, op: str, request: dict):
         return _resume(session, int(thread), op)
     if op == "pause":
         return _pause(session, int(thread))
+    if op == "exception_info":
+        return _exception_info_of(session, int(thread))
     if op == "source":
         return _source(str(request["path"]))
     raise DebugError(f"unknown debug operation {op!r}")
