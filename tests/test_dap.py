@@ -175,6 +175,11 @@ def test_a_whole_editor_session_on_a_running_loop(python, spawn, adapters, schem
     client.request("evaluate", {"expression": "print('from the editor', step)", "frameId": top["id"], "context": "repl"})
     out = client.event("output", lambda b: "from the editor" in b["output"], after=mark)
     assert out["body"]["output"].strip() == f"from the editor {step['value']}"
+    # The Debug Console completes names in the frame, and attributes.
+    labels = [t["label"] for t in client.request("completions", {"text": "ste", "column": 4, "frameId": top["id"]})["body"]["targets"]]
+    assert "step" in labels and all(label.startswith("ste") for label in labels), labels
+    (sleep,) = [t for t in client.request("completions", {"text": "x = time.sle", "column": 13, "frameId": second["id"]})["body"]["targets"] if t["label"] == "sleep"]
+    assert (sleep["start"], sleep["length"]) == (10, 3)
     failed = client.request("evaluate", {"expression": "no_such_name", "frameId": top["id"], "context": "watch"}, ok=False)
     assert not failed["success"] and "NameError" in failed["message"]
 

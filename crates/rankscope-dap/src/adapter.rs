@@ -502,6 +502,22 @@ fn opt_str(args: &Value, key: &str) -> Value {
 }
 
 /// The probe's bodies may carry `null` for what is absent; DAP wants the key left out.
+/// The number of characters in the first `units` UTF-16 code units of `text`.
+fn utf16_to_chars(text: &str, units: usize) -> usize {
+    let mut seen = 0;
+    text.chars()
+        .take_while(|c| {
+            seen += c.len_utf16();
+            seen <= units
+        })
+        .count()
+}
+
+/// The number of UTF-16 code units in the first `chars` characters of `text`.
+fn chars_to_utf16(text: &str, chars: usize) -> usize {
+    text.chars().take(chars).map(char::len_utf16).sum()
+}
+
 fn strip_nulls(value: &mut Value) {
     if let Value::Object(map) = value {
         map.retain(|_, v| !v.is_null());
@@ -715,6 +731,7 @@ impl Session {
             "stepOut" => self.resume(args, "step_out").map(|()| Value::Null),
             "pause" => self.pause(args),
             "exceptionInfo" => self.exception_info(args),
+            "completions" => self.completions(args),
             "source" => self.source(args),
             other => Err(format!(
                 "rankscope dap does not support the `{other}` request"
@@ -787,6 +804,8 @@ impl Session {
             "supportsDelayedStackTraceLoading": true,
             "supportsDataBreakpoints": true,
             "supportsExceptionInfoRequest": true,
+            "supportsCompletionsRequest": true,
+            "completionTriggerCharacters": ["."],
             "exceptionBreakpointFilters": filters,
             "supportTerminateDebuggee": false,
             "supportsTerminateRequest": false,
@@ -1546,6 +1565,51 @@ impl Session {
             held.told = None;
         }
         Ok(())
+    }
+
+    /// The Debug Console's completions at the cursor. DAP counts `column`
+    /// and each target's `start` from the client's column base; the probe
+    /// from 0. A multi-line text completes on its `line`.
+    fn completions(&mut self, args: &Value) -> Result<Value, String> {
+        let text = text(args, "text")?;
+        let base = self.shared.state().column;
+        let column = int(args, "column")? - base;
+        let line_base = 1 - self.shared.state().line_offset;
+        let line = args
+            .get("line")
+            .and_then(Value::as_i64)
+            .map_or(0, |l| (l - line_base).max(0) as usize);
+        let text = text.split('\n').nth(line).unwrap_or_default();
+        let (target, frame) = match args.get("frameId").and_then(Value::as_i64) {
+            Some(id) => {
+                let f = self.frame(id)?;
+                (f.target, Value::from(f.probe))
+            }
+            None => (self.shared.state().last_stop_target, Value::Null),
+        };
+        // The probe counts characters; DAP counts UTF-16 code units.
+        let offset = utf16_to_chars(text, column.max(0) as usize);
+        let reply = self.shared.call(
+            target,
+            json!({"op": "completions", "text": text, "offset": offset, "frame": frame}),
+            EVALUATE_TIMEOUT,
+        )?;
+        let targets: Vec<Value> = reply
+            .get("targets")
+            .and_then(Value::as_array)
+            .map(|targets| {
+                targets
+                    .iter()
+                    .map(|t| {
+                        let mut t = t.clone();
+                        let start = t["start"].as_u64().unwrap_or(0) as usize;
+                        t["start"] = (chars_to_utf16(text, start) as i64 + base).into();
+                        t
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(json!({ "targets": targets }))
     }
 
     /// The exception a thread stopped on, for the editor's exception widget;

@@ -139,6 +139,10 @@ impl Backend for Fake {
                 json!({"breakpoints": bps})
             }
             "source" => json!({"content": "x = 1\n"}),
+            "completions" => {
+                let start = request["offset"].as_i64().unwrap() - 2;
+                json!({"targets": [{"label": "step", "type": "variable", "start": start, "length": 2}]})
+            }
             "exception_info" => {
                 json!({"exceptionId": "ValueError", "description": "bad", "breakMode": "unhandled",
                 "details": {"message": "bad", "typeName": "ValueError", "fullTypeName": "ValueError", "stackTrace": "Traceback ..."}})
@@ -681,6 +685,25 @@ fn a_slow_evaluate_does_not_hold_up_pause_or_threads() {
             break;
         }
     }
+    c.end();
+}
+
+#[test]
+fn completions_count_columns_in_utf16_from_the_clients_base() {
+    let fake = Fake::new(1);
+    let mut c = Client::start(fake.clone(), one());
+    c.attach(json!({}));
+    // "é" is one UTF-16 unit, "😀" two; the cursor is after "st" (1-based 7).
+    let body = c.ok(
+        "completions",
+        json!({"text": "x = 1\né😀 st", "column": 7, "line": 2}),
+    );
+    let asked = fake.last("completions");
+    assert_eq!(asked["text"], "é😀 st");
+    assert_eq!(asked["offset"], 5);
+    assert_eq!(asked["frame"], Value::Null);
+    assert_eq!(body["targets"][0]["label"], "step");
+    assert_eq!(body["targets"][0]["start"], 5);
     c.end();
 }
 

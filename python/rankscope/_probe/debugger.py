@@ -1200,6 +1200,79 @@ def _evaluate(session: Session, expression: str, fid, context: str) -> dict:
     return _value_reply(session, ident, has_value, value, printed, expression)
 
 
+# What the Debug Console completes: a dotted name ending at the cursor.
+MAX_COMPLETIONS = 500
+
+
+def _completions(session: Session, text: str, offset: int, fid) -> dict:
+    """Names for the Debug Console: after `a.b.` the attributes of `a.b`,
+    else the frame's locals, globals, builtins and keywords. Only names are
+    looked up and attributes read (as a hover does): what runs of the
+    program's is a property or `__dir__` on that path, never a call typed."""
+    import builtins
+    import keyword
+    import re
+
+    before = text[: max(0, min(offset, len(text)))]
+    match = re.search(r"((?:[A-Za-z_][A-Za-z0-9_]*\.)*)([A-Za-z_][A-Za-z0-9_]*)?$", before)
+    chain = match.group(1).rstrip(".").split(".") if match and match.group(1) else []
+    prefix = (match.group(2) or "") if match else ""
+
+    def names(namespace_globals: dict, namespace_locals) -> list[tuple[str, str]]:
+        if chain:
+            for scope in (namespace_locals or {}, namespace_globals, vars(builtins)):
+                if chain[0] in scope:
+                    obj = scope[chain[0]]
+                    break
+            else:
+                return []
+            for attribute in chain[1:]:
+                obj = getattr(obj, attribute)
+            return [(name, "property") for name in dir(obj)]
+        found: dict[str, str] = {}
+        for scope in (vars(builtins), namespace_globals, namespace_locals or {}):
+            for name, value in list(scope.items()):
+                found[name] = _completion_type(value)
+        for word in keyword.kwlist:
+            found.setdefault(word, "keyword")
+        return list(found.items())
+
+    try:
+        if fid is None:
+            main = sys.modules.get("__main__")
+            candidates = names(main.__dict__ if main is not None else {}, None)
+        else:
+            ident, frame = _frame(session, fid)
+            held = session.stopped.get(ident)
+            if held is None:
+                raise DebugError("the thread has run on since")
+            # Attribute lookups are the program's code (properties, __getattr__):
+            # they run on its thread, as an evaluate does.
+            candidates = held.call(lambda: names(frame.f_globals, frame.f_locals), EVALUATE_TIMEOUT_S + 5)
+    except DebugError:
+        raise
+    except Exception:  # noqa: BLE001 - a name that is not there, or an attribute that raises: nothing to offer
+        candidates = []
+    private = prefix.startswith("_")
+    targets = sorted(
+        {(name, kind) for name, kind in candidates if name.startswith(prefix) and (private or not name.startswith("_"))},
+        key=lambda item: item[0].lower(),
+    )[:MAX_COMPLETIONS]
+    start = len(before) - len(prefix)
+    return {"targets": [{"label": name, "type": kind, "start": start, "length": len(prefix)} for name, kind in targets]}
+
+
+def _completion_type(value) -> str:
+    # type(), not isinstance: isinstance may read a `__class__` the program defines.
+    if issubclass(type(value), type):
+        return "class"
+    if type(value).__name__ == "module":
+        return "module"
+    if callable(value):
+        return "function"
+    return "variable"
+
+
 def _value_reply(session: Session, ident, has_value: bool, value, printed: str, expression: str) -> dict:
     reply = {"result": "", "type": "", "ref": 0}
     if has_value:
@@ -1358,6 +1431,9 @@ def _session_op(session: Session, op: str, request: dict):
         return _resume(session, int(thread), op)
     if op == "pause":
         return _pause(session, int(thread))
+    if op == "completions":
+        fid = request.get("frame")
+        return _completions(session, str(request["text"]), int(request["offset"]), None if fid is None else int(fid))
     if op == "exception_info":
         return _exception_info_of(session, int(thread))
     if op == "source":
