@@ -125,3 +125,32 @@ def test_evals_that_end_while_the_program_prints_leave_it_running(python, spawn,
     lines = [line.decode(errors="replace")[:-1] for line in printed if line.endswith(b"\n")]
     assert len(lines) > 10, lines
     assert all(line.startswith("tick ") for line in lines), [x for x in lines if not x.startswith("tick ")][:5]
+
+
+BUSY = """
+import os
+print("READY", flush=True)
+n = 0
+while True:
+    n += 1
+    if n % 500 == 0:
+        os.path.exists("/nonexistent")  # lets the GIL go for a moment, then takes it back
+"""
+
+
+def test_an_eval_that_sleeps_does_not_make_the_busy_program_step_aside(python, spawn, cli):
+    """GIVEN a program whose main thread keeps taking the GIL back (the case
+    the probe's nudger exists for), WHEN an eval sleeps for a second,
+    THEN the main thread is not parked for it: the eval is not waiting for
+    the GIL, so stepping aside would only cost the program. (It was parked
+    about seven times, at each step of the nudger's back-off.)"""
+    target = spawn(python, BUSY)
+    parks = "__import__('rankscope._native', fromlist=['_']).gil_parks()"
+    before = cli(target.pid, "eval", parks)
+    assert before.returncode == 0, before.stderr
+    slept = cli(target.pid, "eval", "__import__('time').sleep(1.0)")
+    assert slept.returncode == 0, slept.stderr
+    after = cli(target.pid, "eval", parks)
+    assert after.returncode == 0, after.stderr
+    # Getting the GIL for each eval may take a park or two; a sleep, none.
+    assert int(after.stdout) - int(before.stdout) <= 3, (before.stdout, after.stdout)

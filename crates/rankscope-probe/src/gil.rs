@@ -11,16 +11,18 @@
 //! The request starves not only before its first bytecode: its own code lets
 //! the GIL go too (every file read of an import does) and must win it back
 //! each time. So the sign of starving is a request in flight whose thread
-//! gets little CPU. The nudger samples the in-flight threads' CPU clocks;
-//! when they ran less than half of a [`NUDGE_AFTER`] window, it asks the
+//! gets little CPU and waits in `futex`, where a wait for the GIL is. The
+//! nudger samples the in-flight threads' CPU clocks; when they ran less
+//! than half of a [`NUDGE_AFTER`] window and one waits in `futex`, it asks the
 //! main thread, through a pending call (run between two of its bytecodes,
 //! where signal handlers run), to step aside. The main thread then releases
 //! the GIL and waits while the requests use the time (a tenth of it at
 //! least), at most [`PARK_AT_MOST`]; then the nudger lets it run at least as
 //! long before it asks again, so a long eval shares the GIL about evenly.
 //!
-//! A request blocked on something other than the GIL (an eval that sleeps)
-//! shows no CPU in the first [`PROBE_WINDOW`] of a step aside: the main
+//! A request asleep or reading is never nudged for. One blocked in `futex`
+//! on something other than the GIL (a lock of the program's) shows no
+//! CPU in the first [`PROBE_WINDOW`] of a step aside: the main
 //! thread goes on at once, and the nudger waits twice as long before it asks
 //! again, up to [`BACKOFF_AT_MOST`]. A request that gets half the time
 //! anyway is never nudged. The program only loses time; nothing else about
@@ -44,6 +46,8 @@ const BACKOFF_AT_MOST: Duration = Duration::from_secs(1);
 
 /// A request between asking for the GIL and being done with it.
 struct InFlight {
+    /// Its thread's kernel id, to see what it is blocked in.
+    tid: libc::pid_t,
     /// Its thread's CPU clock.
     clock: libc::clockid_t,
     /// That clock when the nudger last looked.
@@ -102,6 +106,29 @@ fn ran_since_last_look(st: &mut State) -> Duration {
     })
 }
 
+/// Whether the thread is blocked in `futex`, where a wait for the GIL (or
+/// any lock) is; a thread that cannot be read counts as waiting, as
+/// before this check.
+fn waits_on_a_lock(tid: libc::pid_t) -> bool {
+    match std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall")) {
+        Ok(text) => match text.split_whitespace().next().map(str::parse::<i64>) {
+            Some(Ok(nr)) => nr == libc::SYS_futex,
+            // "running": it has the CPU, so not the GIL's wait.
+            _ => false,
+        },
+        Err(_) => true,
+    }
+}
+
+/// Times the main thread stepped aside for a request (for tests and `status`).
+static PARKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times the main thread has stepped aside for the probe.
+#[pyfunction]
+pub fn gil_parks() -> u64 {
+    PARKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// `Python::try_attach` for a request: the same, but a main thread that
 /// keeps the GIL to itself is asked to step aside.
 pub fn attach<R>(f: impl for<'py> FnOnce(Python<'py>) -> R) -> Option<R> {
@@ -113,6 +140,8 @@ pub fn attach<R>(f: impl for<'py> FnOnce(Python<'py>) -> R) -> Option<R> {
             st.in_flight.insert(
                 id,
                 InFlight {
+                    // SAFETY: gettid has no preconditions.
+                    tid: unsafe { libc::syscall(libc::SYS_gettid) } as libc::pid_t,
                     clock,
                     seen: cpu_time(clock),
                 },
@@ -159,6 +188,12 @@ fn nudger() {
             // Running at least half the time, or a nudge already on its way.
             continue;
         }
+        if !st.in_flight.values().any(|r| waits_on_a_lock(r.tid)) {
+            // Asleep or reading (an eval's `time.sleep`, a socket): the GIL
+            // is not what holds it up, and parking the program would only
+            // cost the program. A thread waiting for the GIL waits in futex.
+            continue;
+        }
         st.scheduled = true;
         st.last_park = None;
         drop(st);
@@ -193,6 +228,7 @@ extern "C" fn step_aside(_: *mut c_void) -> c_int {
     // SAFETY: called by the interpreter with the GIL held on this thread;
     // the thread state is restored below before returning to it.
     let saved = unsafe { pyo3::ffi::PyEval_SaveThread() };
+    PARKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     {
         let (_, wake) = state();
         let mut st = lock();

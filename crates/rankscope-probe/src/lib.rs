@@ -273,5 +273,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
     m.add_function(wrap_pyfunction!(store::snapshot_rows, m)?)?;
     m.add_function(wrap_pyfunction!(debug_wait::debug_posted, m)?)?;
+    m.add_function(wrap_pyfunction!(gil::gil_parks, m)?)?;
     Ok(())
 }
