@@ -88,17 +88,19 @@ def test_repl_keeps_state_and_accepts_multiline_blocks(python, spawn, cli):
     assert "256\n" in result.stdout
 
 
-PRINTER = """
+# A main thread that keeps taking the GIL back: it lets it go for a moment
+# (as file I/O does) and takes it again before a waiter runs.
+BUSY_LOOP = """
 import os
 print("READY", flush=True)
 n = 0
 while True:
     n += 1
     if n % 500 == 0:
-        os.path.exists("/nonexistent")  # lets the GIL go, as file I/O does
-    if n % 5000 == 0:
-        print("tick", n, flush=True)
-"""
+        os.path.exists("/nonexistent")
+{extra}"""
+PRINTER = BUSY_LOOP.format(extra='    if n % 5000 == 0:\n        print("tick", n, flush=True)\n')
+BUSY = BUSY_LOOP.format(extra="")
 
 
 def test_evals_that_end_while_the_program_prints_leave_it_running(python, spawn, cli):
@@ -125,17 +127,6 @@ def test_evals_that_end_while_the_program_prints_leave_it_running(python, spawn,
     lines = [line.decode(errors="replace")[:-1] for line in printed if line.endswith(b"\n")]
     assert len(lines) > 10, lines
     assert all(line.startswith("tick ") for line in lines), [x for x in lines if not x.startswith("tick ")][:5]
-
-
-BUSY = """
-import os
-print("READY", flush=True)
-n = 0
-while True:
-    n += 1
-    if n % 500 == 0:
-        os.path.exists("/nonexistent")  # lets the GIL go for a moment, then takes it back
-"""
 
 
 def test_an_eval_that_sleeps_does_not_make_the_busy_program_step_aside(python, spawn, cli):
