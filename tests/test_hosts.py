@@ -117,6 +117,24 @@ def test_one_job_across_two_hosts_from_one_cli(two_hosts, default_python, spawn,
     wrong = cli_on("host-a", "cluster", "--job", address, "bt", env={"RANKSCOPE_TOKEN": "nope"})
     assert wrong.returncode == 1 and "401" in wrong.stderr
 
+    # A profile of the whole job from host-a: rank 0 read from outside here,
+    # rank 1 sampled by its own probe on host-b, which answers with its fold.
+    out = tmp_path / "job.folded"
+    prof = cli_on("host-a", "cluster", "profile", "--run", run, "--duration", "1", "--rate", "50", "-o", out)
+    assert prof.returncode == 0, prof.stderr
+    assert "ranks 1 (on host-b) are sampled by their own probes" in prof.stderr, prof.stderr
+    assert "of 2 ranks" in prof.stdout, prof.stdout
+    lines = out.read_text().splitlines()
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"rank {rank};")]
+        assert any("wait_for_peers" in line for line in mine), (rank, lines)
+        # About a second at 50 a second, of the main thread (idle in a sleep).
+        assert 20 <= sum(int(line.rsplit(" ", 1)[1]) for line in mine) <= 80, (rank, mine)
+    # Each kept in the shared run store: rank 1 by its own probe on host-b.
+    kept = cli_on("host-a", "query", "--run", run, "SELECT rank, sum(samples) AS n FROM python.profile GROUP BY rank ORDER BY rank", "--format", "json")
+    assert kept.returncode == 0, kept.stderr
+    assert [r["rank"] for r in json.loads(kept.stdout)] == [0, 1], kept.stdout
+
     # A rank whose host cannot be reached is named, and the others still answer.
     targets[1].kill()
     _ip("netns", "del", two_hosts["host-b"][0])

@@ -148,6 +148,29 @@ def test_the_profile_is_a_table_live_and_after_the_process_is_gone(python, spawn
     assert [(r["pid"], r["func"]) for r in json.loads(after.stdout)] == [(target.pid, "burn")], after.stdout
 
 
+def test_the_probe_samples_its_own_process_when_asked(python, spawn, cli, tmp_path):
+    """GIVEN a probed process (as one where reading its memory from outside
+    is refused, or a rank on another machine, would be), WHEN it is profiled
+    --inside, THEN its probe samples it without stopping it and hands back
+    the fold: the hot function dominates, the probe's own threads and
+    frames are left out, and the probe keeps the profile in its run store."""
+    run = tmp_path / "run"
+    target = spawn(python, WORKLOAD, env={"RANKSCOPE_RUN_DIR": str(run)})
+    out = tmp_path / "inside.folded"
+    done = profile(cli, target.pid, "--inside", "-o", out)
+    assert "through its probe" in done.stderr and "kept by the probe" in done.stderr, done.stderr
+    counts = folded_counts(out)
+    main = {s: c for s, c in counts.items() if s.startswith(f"pid {target.pid};MainThread ({target.pid});")}
+    hot = sum(c for s, c in main.items() if "burn (" in s.rsplit(";", 1)[-1])
+    assert sum(main.values()) >= 20 and hot / sum(main.values()) > 0.8, main
+    assert any(";napper (" in s for s in counts), counts
+    assert not any("rankscope-" in s or "/_probe/" in s for s in counts), "the probe's own threads and frames are left out"
+    kept = cli("query", "--run", run, "SELECT pid, func, sum(samples) AS n FROM python.profile WHERE NOT idle GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 1", "--format", "json")
+    assert kept.returncode == 0, kept.stderr
+    assert [(r["pid"], r["func"]) for r in json.loads(kept.stdout)] == [(target.pid, "burn")], kept.stdout
+    assert target.alive()
+
+
 TORCH_LOOP = """
 import time
 import torch
@@ -208,6 +231,7 @@ def test_a_process_without_a_probe_is_profiled(python, spawn, cli, tmp_path):
         (["--rate", "0"], "--rate must be between 1 and 10000"),
         (["-o", "p.png"], "cannot tell the format of p.png"),
         (["--idle", "--no-idle"], "--idle and --no-idle contradict each other"),
+        (["--native", "--inside"], "--native and --inside do not go together"),
     ],
 )
 def test_bad_arguments_get_one_line_and_a_hint(python, spawn, cli, args, message):

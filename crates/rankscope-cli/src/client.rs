@@ -348,6 +348,17 @@ impl Probe {
         )
     }
 
+    /// `POST /v1/profile`: the probe samples its own process for
+    /// `duration_s` and answers with the fold (a rank on another machine).
+    pub fn profile(&self, duration_s: f64, rate_hz: f64) -> Result<serde_json::Value> {
+        self.helper(
+            "/v1/profile",
+            &serde_json::json!({"duration_s": duration_s, "rate_hz": rate_hz}),
+            Duration::from_secs_f64(duration_s + 30.0),
+            "`rankscope cluster profile` on the rank's own machine samples it from outside",
+        )
+    }
+
     /// `POST /v1/debug`: one op of a debug session (`rankscope dap`).
     pub fn debug(
         &self,

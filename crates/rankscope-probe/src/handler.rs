@@ -104,6 +104,7 @@ impl Handler for ProbeHandler {
                 Ok(body) => call_helper("rankscope._probe.memory", "handle", (body.to_string(),)),
                 Err(_) => Response::error(400, "a memory request is JSON text"),
             },
+            ("POST", "/v1/profile") => crate::profile_self::handle(&request.body, self.meta()),
             ("GET", "/v1/table") => match request.query_param("name").map(percent_decode) {
                 Some(name) => {
                     let columns = request.query_param("columns").map(percent_decode);
@@ -128,7 +129,7 @@ impl Handler for ProbeHandler {
                 _,
                 "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt"
                 | "/v1/breakpoints" | "/v1/debug" | "/v1/job" | "/v1/torch" | "/v1/memory"
-                | "/v1/table",
+                | "/v1/table" | "/v1/profile",
             ) => Response::error(
                 405,
                 &format!("{} is not allowed on {}", request.method, request.path),

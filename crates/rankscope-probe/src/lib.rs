@@ -13,6 +13,7 @@ mod handler;
 mod injected;
 mod memory;
 mod meta;
+mod profile_self;
 mod pyjson;
 mod quiet_edit;
 mod registry;

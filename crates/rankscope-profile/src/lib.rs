@@ -17,6 +17,7 @@ mod sampler;
 pub mod table;
 
 pub use job::JobProfile;
+pub use profile::wire;
 pub use profile::{FrameKey, FrameRef, Profile, Slice, StackKey, ThreadInfo};
 pub use sampler::{is_probe_thread, sample, SampleOptions};
 
@@ -35,4 +36,6 @@ pub enum ProfileError {
     FlameGraph(String),
     #[error("{0}")]
     Diff(String),
+    #[error("{0}")]
+    Wire(String),
 }

@@ -1,5 +1,7 @@
 //! The fold: stacks interned once, counted per thread.
 
+pub mod wire;
+
 use std::hash::{Hash, Hasher};
 
 use rustc_hash::{FxHashMap, FxHasher};

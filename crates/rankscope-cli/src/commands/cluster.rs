@@ -417,10 +417,13 @@ fn probe_of(entry: &RankEntry) -> Result<Probe> {
 }
 
 /// The ranks of the job this machine can read from outside (running, on
-/// this host): (rank, pid); and the others, each with why not.
+/// this host): (rank, pid); those on other machines whose probes listen
+/// on TCP (with the token), to be asked through them; and the others, each
+/// with why not.
 pub struct LocalRanks {
     pub job_id: String,
     pub here: Vec<(i64, u32)>,
+    pub remote: Vec<(i64, String, Probe)>,
     pub not_here: Vec<(i64, String)>,
 }
 
@@ -434,6 +437,7 @@ pub fn local_ranks(
     let mut out = LocalRanks {
         job_id: job.id.clone(),
         here: Vec::new(),
+        remote: Vec::new(),
         not_here: Vec::new(),
     };
     for entry in job.selected(ranks)? {
@@ -441,6 +445,10 @@ pub fn local_ranks(
         match liveness(entry, &host) {
             Liveness::Running | Liveness::OtherVersion if entry.meta.host == host => {
                 out.here.push((rank, entry.meta.pid))
+            }
+            Liveness::Running if entry.reachable_remotely(&host) => {
+                out.remote
+                    .push((rank, entry.meta.host.clone(), probe_of(entry)?))
             }
             Liveness::Running | Liveness::OtherVersion | Liveness::Remote => out.not_here.push((
                 rank,

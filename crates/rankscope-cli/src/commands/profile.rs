@@ -1,7 +1,8 @@
 //! `rankscope PID profile`: samples a process for a while and writes a flame
 //! graph, a speedscope or Chrome trace file, folded stacks, or a top table.
-//! `rankscope cluster profile` does the same for every rank of a job on
-//! this machine at once. The work is `rankscope-profile`'s; these are the
+//! `rankscope cluster profile` does the same for every rank of a job at
+//! once: from outside for the ranks on this machine, through their probes
+//! (`POST /v1/profile`) for those on others. The work is `rankscope-profile`'s; these are the
 //! commands around it.
 
 use std::io::{IsTerminal, Write};
@@ -51,6 +52,10 @@ pub struct ProfileArgs {
     /// Rows of the top table
     #[arg(long, default_value_t = 20)]
     pub top: usize,
+    /// Have the process's probe sample it (where reading its memory from
+    /// outside is not allowed); taken on its own when that read is refused
+    #[arg(long)]
+    pub inside: bool,
 }
 
 impl ProfileArgs {
@@ -95,6 +100,13 @@ impl ProfileArgs {
                 )
             })?;
         }
+        if self.native && self.inside {
+            return Err(Hinted::new(
+                "--native and --inside do not go together",
+                "the probe samples its own process without native frames; leave one out",
+            )
+            .into());
+        }
         if self.native {
             outside::require_native()?;
         }
@@ -134,8 +146,7 @@ impl ProfileArgs {
 
 /// A sampling error in words a user can act on.
 fn explain(pid: u32, e: rankscope_profile::ProfileError) -> anyhow::Error {
-    let text = e.to_string();
-    if text.contains("Permission denied") || text.contains("Operation not permitted") {
+    if refused(&e) {
         Hinted::new(
             format!("not allowed to read the memory of PID {pid}"),
             outside::permission_hint(),
@@ -143,7 +154,7 @@ fn explain(pid: u32, e: rankscope_profile::ProfileError) -> anyhow::Error {
         .into()
     } else {
         Hinted::new(
-            text,
+            e.to_string(),
             "is it a running CPython 3.11-3.13 process? `rankscope list` shows the probed ones",
         )
         .into()
@@ -193,6 +204,9 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
             "note: --native pauses each thread briefly at every sample, to unwind its native stack"
         );
     }
+    if args.inside {
+        return inside(pid, rank, &args, path);
+    }
     let tty = std::io::stderr().is_terminal();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
     let catcher = SigintCatcher::install();
@@ -209,7 +223,14 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     if tty {
         eprintln!();
     }
-    let mut profile = result.map_err(|e| explain(pid, e))?;
+    let mut profile = match result {
+        Ok(profile) => profile,
+        Err(e) if refused(&e) && meta.is_some() => {
+            eprintln!("note: reading PID {pid} from outside is not allowed here: its probe samples it instead");
+            return inside(pid, rank, &args, path);
+        }
+        Err(e) => return Err(explain(pid, e)),
+    };
     profile.rank = rank;
     args.filter(&mut profile);
     match keep(&profile) {
@@ -219,6 +240,31 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
         ),
         Err(e) => eprintln!("note: {e}"),
     }
+    output(profile, &args, path)
+}
+
+fn refused(e: &rankscope_profile::ProfileError) -> bool {
+    let text = e.to_string();
+    text.contains("Permission denied") || text.contains("Operation not permitted")
+}
+
+/// The process's probe samples it (`POST /v1/profile`) and answers with the
+/// fold; it keeps the profile in its run store itself.
+fn inside(pid: u32, rank: Option<i64>, args: &ProfileArgs, path: Option<String>) -> Result<u8> {
+    let probe = Probe::locate(pid)?;
+    eprintln!(
+        "sampling PID {pid} through its probe for {:.1} s (Ctrl-C does not end it early)",
+        args.duration
+    );
+    let answer = probe.profile(args.duration, args.rate)?;
+    let mut profile = rankscope_profile::wire::from_json(&answer)?;
+    profile.rank = rank;
+    args.filter(&mut profile);
+    eprintln!("python.profile: kept by the probe in its run store");
+    output(profile, args, path)
+}
+
+fn output(profile: Profile, args: &ProfileArgs, path: Option<String>) -> Result<u8> {
     let write = args.write_options();
     match path {
         Some(path) => {
@@ -250,7 +296,7 @@ pub fn cluster(
     for (rank, why) in &found.not_here {
         eprintln!("note: rank {rank} is not profiled ({why})");
     }
-    if found.here.is_empty() {
+    if found.here.is_empty() && found.remote.is_empty() {
         return Err(Hinted::new(
             format!(
                 "no rank of job {} runs on this machine",
@@ -260,23 +306,28 @@ pub fn cluster(
         )
         .into());
     }
+    let profiled: Vec<i64> = found
+        .here
+        .iter()
+        .map(|(r, _)| *r)
+        .chain(found.remote.iter().map(|(r, _, _)| *r))
+        .collect();
     if let Some(rank) = diff {
-        if !found.here.iter().any(|(r, _)| *r == rank) {
+        if !profiled.contains(&rank) {
             return Err(Hinted::new(
                 format!("--diff {rank}: that rank is not among those profiled here"),
                 format!(
                     "ranks profiled here: {}",
-                    found
-                        .here
+                    profiled
                         .iter()
-                        .map(|(r, _)| r.to_string())
+                        .map(|r| r.to_string())
                         .collect::<Vec<_>>()
                         .join(",")
                 ),
             )
             .into());
         }
-        if found.here.len() < 2 {
+        if profiled.len() < 2 {
             return Err(Hinted::new(
                 "--diff needs at least two ranks",
                 "leave --ranks out, or name more ranks",
@@ -289,12 +340,40 @@ pub fn cluster(
             "note: --native pauses each thread briefly at every sample, to unwind its native stack"
         );
     }
+    if !found.remote.is_empty() {
+        let hosts: std::collections::BTreeSet<&str> =
+            found.remote.iter().map(|(_, h, _)| h.as_str()).collect();
+        eprintln!(
+            "note: ranks {} (on {}) are sampled by their own probes, for the whole duration{}",
+            rankscope_core::ranks::compress(found.remote.iter().map(|(r, _, _)| *r)),
+            hosts.into_iter().collect::<Vec<_>>().join(", "),
+            if args.native {
+                ", without native frames"
+            } else {
+                ""
+            }
+        );
+    }
     let tty = std::io::stderr().is_terminal();
     let options = args.sample_options();
     let ticks: Vec<AtomicU64> = found.here.iter().map(|_| AtomicU64::new(0)).collect();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
     let catcher = SigintCatcher::install();
-    let results: Vec<Result<Profile, anyhow::Error>> = std::thread::scope(|scope| {
+    let (results, remote_results) = std::thread::scope(|scope| {
+        // Each remote rank's probe samples itself and answers with its fold.
+        let remote: Vec<_> = found
+            .remote
+            .iter()
+            .map(|(rank, _, probe)| {
+                let duration = options.duration.as_secs_f64();
+                scope.spawn(move || -> Result<Profile> {
+                    let answer = probe.profile(duration, options.rate_hz)?;
+                    let mut profile = rankscope_profile::wire::from_json(&answer)?;
+                    profile.rank = Some(*rank);
+                    Ok(profile)
+                })
+            })
+            .collect();
         let handles: Vec<_> = found
             .here
             .iter()
@@ -325,10 +404,15 @@ pub fn cluster(
                 })
             })
             .collect();
-        handles
+        let local: Vec<Result<Profile>> = handles
             .into_iter()
             .map(|h| h.join().expect("a rank's sampler panicked"))
-            .collect()
+            .collect();
+        let remote: Vec<Result<Profile>> = remote
+            .into_iter()
+            .map(|h| h.join().expect("a rank's request panicked"))
+            .collect();
+        (local, remote)
     });
     drop(catcher);
     if tty {
@@ -347,6 +431,17 @@ pub fn cluster(
             Err(e) => eprintln!("note: rank {rank} is not profiled: {e:#}"),
         }
     }
+    // Kept in the run store by the probe that sampled them.
+    for ((rank, host, _), result) in found.remote.iter().zip(remote_results) {
+        match result {
+            Ok(mut profile) => {
+                args.filter(&mut profile);
+                job.profiles.push(profile);
+            }
+            Err(e) => eprintln!("note: rank {rank} (on {host}) is not profiled: {e:#}"),
+        }
+    }
+    job.profiles.sort_by_key(|p| p.rank);
     if job.profiles.is_empty() {
         return Err(Hinted::new(
             "no rank could be sampled",

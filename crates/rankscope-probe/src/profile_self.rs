@@ -1,0 +1,84 @@
+//! `POST /v1/profile`: the probe samples its own process and answers with
+//! the fold. The CLI samples a process from outside where it runs on the
+//! same machine; a rank on another machine is reached only through its
+//! probe's TCP endpoint, so there the probe does the sampling, with the
+//! same sampler (py-spy's reader, non-blocking: no thread of the program
+//! stops, and the GIL is never taken). It runs on the connection's own
+//! thread, which the sampler leaves out as one of rankscope's.
+
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use rankscope_core::http::Response;
+use rankscope_profile::{sample, wire, SampleOptions};
+use serde_json::{json, Value};
+
+/// Longer samplings are a mistake more often than a wish, and hold a
+/// connection (and a thread) of the probe for as long.
+const MAX_DURATION_S: f64 = 600.0;
+
+fn answer(value: Value) -> Response {
+    Response::json(200, value.to_string())
+}
+
+fn refuse(message: String, hint: &str) -> Response {
+    answer(json!({"error": message, "hint": hint}))
+}
+
+pub fn handle(body: &[u8], meta: Option<String>) -> Response {
+    let Ok(request) = serde_json::from_slice::<Value>(body) else {
+        return Response::error(
+            400,
+            "a profile request is JSON: {\"duration_s\": 10, \"rate_hz\": 100}",
+        );
+    };
+    let duration = request["duration_s"].as_f64().unwrap_or(f64::NAN);
+    let rate = request["rate_hz"].as_f64().unwrap_or(f64::NAN);
+    if !(duration > 0.0 && duration <= MAX_DURATION_S) {
+        return refuse(
+            format!("duration_s must be between 0 and {MAX_DURATION_S} seconds"),
+            "e.g. --duration 10",
+        );
+    }
+    if !(rate > 0.0 && rate <= 10_000.0) {
+        return refuse(
+            "rate_hz must be between 1 and 10000 samples a second".into(),
+            "e.g. --rate 100",
+        );
+    }
+    // The torch step, where the probe keeps one, and the rank: its own
+    // metadata says.
+    let meta = meta.and_then(|m| serde_json::from_str::<Value>(&m).ok());
+    let step_address = meta.as_ref().and_then(|m| m["step_address"].as_u64());
+    let rank = meta
+        .as_ref()
+        .filter(|m| !m["job_id"].is_null())
+        .and_then(|m| m["rank"].as_i64());
+    let options = SampleOptions {
+        rate_hz: rate,
+        duration: Duration::from_secs_f64(duration),
+        native: false,
+        all_frames: false,
+        step_address,
+    };
+    // Ends with its duration: a CLI that gives up only stops waiting.
+    static NEVER: AtomicBool = AtomicBool::new(false);
+    match sample(std::process::id(), &options, &NEVER, |_, _| {}) {
+        Ok(mut profile) => {
+            profile.rank = rank;
+            // Kept where this process's own tables go, as the CLI keeps
+            // the profiles it takes itself; a failure costs only that.
+            let run_dir = rankscope_core::crash::run_dir_of(|name| std::env::var(name).ok());
+            let _ = rankscope_profile::table::keep(
+                &profile,
+                &run_dir,
+                &rankscope_core::host::hostname(),
+            );
+            answer(json!({"ok": wire::to_json(&profile)}))
+        }
+        Err(e) => refuse(
+            format!("the probe could not sample its own process: {e}"),
+            "sample it from its own machine with `rankscope PID profile`",
+        ),
+    }
+}
