@@ -180,6 +180,14 @@ def test_a_whole_editor_session_on_a_running_loop(python, spawn, adapters, schem
     assert "step" in labels and all(label.startswith("ste") for label in labels), labels
     (sleep,) = [t for t in client.request("completions", {"text": "x = time.sle", "column": 13, "frameId": second["id"]})["body"]["targets"] if t["label"] == "sleep"]
     assert (sleep["start"], sleep["length"]) == (10, 3)
+    # The Modules and Loaded Scripts views: the program's script is the user's, the library's is not; no rankscope.
+    modules = client.request("modules", {})["body"]
+    by_name = {m["name"]: m for m in modules["modules"]}
+    assert modules["totalModules"] == len(modules["modules"]) and not any(n.startswith("rankscope") for n in by_name)
+    assert by_name["__main__"]["path"] == path and by_name["__main__"]["isUserCode"] is True, by_name["__main__"]
+    assert by_name["os"]["isUserCode"] is False
+    sources = [s["path"] for s in client.request("loadedSources")["body"]["sources"]]
+    assert path in sources and len(sources) == len(set(sources))
     failed = client.request("evaluate", {"expression": "no_such_name", "frameId": top["id"], "context": "watch"}, ok=False)
     assert not failed["success"] and "NameError" in failed["message"]
 

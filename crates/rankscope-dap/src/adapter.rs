@@ -732,6 +732,8 @@ impl Session {
             "pause" => self.pause(args),
             "exceptionInfo" => self.exception_info(args),
             "completions" => self.completions(args),
+            "modules" => self.modules(args),
+            "loadedSources" => self.loaded_sources(),
             "source" => self.source(args),
             other => Err(format!(
                 "rankscope dap does not support the `{other}` request"
@@ -805,6 +807,8 @@ impl Session {
             "supportsDataBreakpoints": true,
             "supportsExceptionInfoRequest": true,
             "supportsCompletionsRequest": true,
+            "supportsModulesRequest": true,
+            "supportsLoadedSourcesRequest": true,
             "completionTriggerCharacters": ["."],
             "exceptionBreakpointFilters": filters,
             "supportTerminateDebuggee": false,
@@ -1565,6 +1569,81 @@ impl Session {
             held.told = None;
         }
         Ok(())
+    }
+
+    /// Every target's modules (name, path, version, whether the user wrote
+    /// it), sorted by name: a job's are named per rank.
+    fn all_modules(&self) -> Result<Vec<(usize, Value)>, String> {
+        let replies = self
+            .shared
+            .each_target(|_| json!({"op": "modules"}), CALL_TIMEOUT);
+        some_answered(&replies)?;
+        let mut out = Vec::new();
+        for (target, reply) in replies {
+            let Ok(reply) = reply else { continue };
+            if let Some(modules) = reply.get("modules").and_then(Value::as_array) {
+                out.extend(modules.iter().map(|m| (target, m.clone())));
+            }
+        }
+        Ok(out)
+    }
+
+    fn modules(&mut self, args: &Value) -> Result<Value, String> {
+        let all = self.all_modules()?;
+        let start = args.get("startModule").and_then(Value::as_u64).unwrap_or(0) as usize;
+        let count = match args.get("moduleCount").and_then(Value::as_u64) {
+            Some(n) if n > 0 => n as usize,
+            _ => usize::MAX,
+        };
+        let state = self.shared.state();
+        let modules: Vec<Value> = all
+            .iter()
+            .skip(start)
+            .take(count)
+            .map(|(target, m)| {
+                let name = m.get("name").and_then(Value::as_str).unwrap_or("?");
+                let id = if self.shared.is_job() {
+                    format!("{}/{name}", self.shared.label(*target))
+                } else {
+                    name.to_string()
+                };
+                let mut module = json!({"id": id, "name": name});
+                if let Some(path) = m.get("path").and_then(Value::as_str) {
+                    module["path"] = state.paths[*target].to_local(path).into();
+                }
+                if let Some(user) = m.get("user").and_then(Value::as_bool) {
+                    module["isUserCode"] = user.into();
+                }
+                if let Some(version) = m.get("version").and_then(Value::as_str) {
+                    module["version"] = version.into();
+                }
+                module
+            })
+            .collect();
+        Ok(json!({"modules": modules, "totalModules": all.len()}))
+    }
+
+    /// The source files of the loaded modules, each once.
+    fn loaded_sources(&mut self) -> Result<Value, String> {
+        let all = self.all_modules()?;
+        let state = self.shared.state();
+        let mut seen = std::collections::BTreeMap::new();
+        for (target, m) in &all {
+            let Some(path) = m.get("path").and_then(Value::as_str) else {
+                continue;
+            };
+            if !path.ends_with(".py") {
+                continue;
+            }
+            let local = state.paths[*target].to_local(path);
+            let name = Path::new(&local)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| local.clone());
+            seen.entry(local.clone())
+                .or_insert_with(|| json!({"name": name, "path": local}));
+        }
+        Ok(json!({"sources": seen.into_values().collect::<Vec<_>>()}))
     }
 
     /// The Debug Console's completions at the cursor. DAP counts `column`

@@ -139,6 +139,11 @@ impl Backend for Fake {
                 json!({"breakpoints": bps})
             }
             "source" => json!({"content": "x = 1\n"}),
+            "modules" => json!({"modules": [
+                {"name": "__main__", "path": here(), "user": true},
+                {"name": "json", "path": "/usr/lib/python3.11/json/__init__.py", "user": false, "version": "2.0.9"},
+                {"name": "sys", "path": null, "user": false},
+            ]}),
             "completions" => {
                 let start = request["offset"].as_i64().unwrap() - 2;
                 json!({"targets": [{"label": "step", "type": "variable", "start": start, "length": 2}]})
@@ -704,6 +709,32 @@ fn completions_count_columns_in_utf16_from_the_clients_base() {
     assert_eq!(asked["frame"], Value::Null);
     assert_eq!(body["targets"][0]["label"], "step");
     assert_eq!(body["targets"][0]["start"], 5);
+    c.end();
+}
+
+#[test]
+fn modules_are_paged_and_loaded_sources_are_their_python_files() {
+    let fake = Fake::new(1);
+    let mut c = Client::start(fake.clone(), one());
+    c.attach(json!({}));
+    let all = c.ok("modules", json!({}));
+    assert_eq!(all["totalModules"], 3);
+    assert_eq!(all["modules"][0]["id"], "__main__");
+    assert_eq!(all["modules"][0]["isUserCode"], true);
+    assert_eq!(all["modules"][1]["version"], "2.0.9");
+    assert!(all["modules"][2].get("path").is_none());
+    let page = c.ok("modules", json!({"startModule": 1, "moduleCount": 1}));
+    assert_eq!(page["modules"].as_array().unwrap().len(), 1);
+    assert_eq!(page["modules"][0]["name"], "json");
+    let sources = c.ok("loadedSources", json!({}));
+    let paths: Vec<&str> = sources["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(paths.len(), 1, "{paths:?}");
+    assert!(paths.contains(&"/usr/lib/python3.11/json/__init__.py"));
     c.end();
 }
 

@@ -1342,6 +1342,28 @@ def _resume(session: Session, ident: int, how: str) -> dict:
     return {}
 
 
+def _modules() -> dict:
+    """The program's modules, for the editor's Modules and Loaded Scripts
+    views. Read from each module's own dict: `getattr` could run a
+    module-level `__getattr__` of the program's."""
+    module_type = type(sys)
+    rows = []
+    for name, module in list(sys.modules.items()):
+        # rankscope's own are left out, as its frames are.
+        if not issubclass(type(module), module_type) or name == "rankscope" or name.startswith("rankscope."):
+            continue
+        names = module.__dict__
+        path = names.get("__file__")
+        path = path if type(path) is str else None
+        version = names.get("__version__")
+        row = {"name": name, "path": path, "user": path is not None and not _is_library(path)}
+        if type(version) is str:
+            row["version"] = version[:100]
+        rows.append(row)
+    rows.sort(key=lambda r: r["name"])
+    return {"modules": rows}
+
+
 def _exception_info_of(session: Session, ident: int) -> dict:
     with _lock:
         held = session.stopped.get(ident)
@@ -1431,6 +1453,8 @@ def _session_op(session: Session, op: str, request: dict):
         return _resume(session, int(thread), op)
     if op == "pause":
         return _pause(session, int(thread))
+    if op == "modules":
+        return _modules()
     if op == "completions":
         fid = request.get("frame")
         return _completions(session, str(request["text"]), int(request["offset"]), None if fid is None else int(fid))
