@@ -191,6 +191,13 @@ def test_a_whole_editor_session_on_a_running_loop(python, spawn, adapters, schem
     failed = client.request("evaluate", {"expression": "no_such_name", "frameId": top["id"], "context": "watch"}, ok=False)
     assert not failed["success"] and "NameError" in failed["message"]
 
+    # A Watch entry edited: setExpression assigns and answers with the new value.
+    edited = client.request("setExpression", {"expression": "step", "value": "step + 2000", "frameId": top["id"]})["body"]
+    assert edited["value"] == str(int(step["value"]) + 2000)
+    assert client.request("evaluate", {"expression": "step", "frameId": top["id"], "context": "watch"})["body"]["result"] == edited["value"]
+    refused = client.request("setExpression", {"expression": "len(x)", "value": "1", "frameId": top["id"]}, ok=False)
+    assert not refused["success"] and "name, an attribute or a subscript" in refused["message"]
+
     # setVariable writes into the running functions (fast locals on 3.11 and
     # 3.12 too): work's own `step`, and the loop's in the frame below.
     changed = client.request("setVariable", {"variablesReference": ref, "name": "step", "value": "1000"})

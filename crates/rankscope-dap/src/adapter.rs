@@ -428,6 +428,28 @@ impl Shared {
             .get("context")
             .and_then(Value::as_str)
             .unwrap_or("repl");
+        self.in_frame(
+            args,
+            json!({"op": "evaluate", "expression": expression, "context": context}),
+            "result",
+        )
+    }
+
+    /// A Watch entry's value edited in the editor.
+    fn set_expression(&self, args: &Value) -> Result<Value, String> {
+        let expression = text(args, "expression")?;
+        let value = text(args, "value")?;
+        self.in_frame(
+            args,
+            json!({"op": "set_expression", "expression": expression, "value": value}),
+            "value",
+        )
+    }
+
+    /// `request` run in the frame `frameId` names, or in `__main__` of the
+    /// target that stopped last; what it printed goes to the Debug Console,
+    /// and its value is the answer's `key`.
+    fn in_frame(&self, args: &Value, mut request: Value, key: &str) -> Result<Value, String> {
         let (owner, frame) = match args.get("frameId").and_then(Value::as_i64) {
             Some(id) => {
                 let f = self.frame(id)?;
@@ -443,11 +465,8 @@ impl Shared {
                 (owner, Value::Null)
             }
         };
-        let reply = self.call(
-            owner.target,
-            json!({"op": "evaluate", "expression": expression, "frame": frame, "context": context}),
-            EVALUATE_TIMEOUT,
-        )?;
+        request["frame"] = frame;
+        let reply = self.call(owner.target, request, EVALUATE_TIMEOUT)?;
         if let Some(printed) = reply.get("output").and_then(Value::as_str) {
             if !printed.is_empty() {
                 self.out.event(
@@ -457,7 +476,7 @@ impl Shared {
             }
         }
         let mut out = Map::new();
-        out.insert("result".into(), text_of(&reply, "result"));
+        out.insert(key.into(), text_of(&reply, "result"));
         Session::value_fields(&mut self.state(), &owner, &reply, &mut out);
         Ok(Value::Object(out))
     }
@@ -723,6 +742,7 @@ impl Session {
             "scopes" => self.scopes(args),
             "variables" => self.variables(args),
             "setVariable" => self.set_variable(args),
+            "setExpression" => self.shared.set_expression(args),
             "continue" => self
                 .resume(args, "continue")
                 .map(|()| json!({"allThreadsContinued": false})),
@@ -808,6 +828,7 @@ impl Session {
             "supportsExceptionInfoRequest": true,
             "supportsCompletionsRequest": true,
             "supportsModulesRequest": true,
+            "supportsSetExpression": true,
             "supportsLoadedSourcesRequest": true,
             "completionTriggerCharacters": ["."],
             "exceptionBreakpointFilters": filters,

@@ -118,6 +118,7 @@ impl Backend for Fake {
                 json!({"result": "None", "type": "NoneType", "ref": 0})
             }
             "evaluate" => json!({"result": "3", "type": "int", "ref": 6, "output": "hi\n"}),
+            "set_expression" => json!({"result": "7", "type": "int", "ref": 0}),
             "set_variable" => json!({"value": "5", "type": "int", "ref": 0}),
             "set_breakpoints" => {
                 // The breakpoint is hit before the probe's answer is back.
@@ -735,6 +736,22 @@ fn modules_are_paged_and_loaded_sources_are_their_python_files() {
         .collect();
     assert_eq!(paths.len(), 1, "{paths:?}");
     assert!(paths.contains(&"/usr/lib/python3.11/json/__init__.py"));
+    c.end();
+}
+
+#[test]
+fn set_expression_answers_with_the_new_value() {
+    let fake = Fake::new(1);
+    let mut c = Client::start(fake.clone(), one());
+    c.attach(json!({}));
+    let body = c.ok("setExpression", json!({"expression": "lr", "value": "7"}));
+    assert_eq!(body["value"], "7");
+    assert_eq!(body["variablesReference"], 0);
+    let asked = fake.last("set_expression");
+    assert_eq!(
+        (&asked["expression"], &asked["value"]),
+        (&json!("lr"), &json!("7"))
+    );
     c.end();
 }
 

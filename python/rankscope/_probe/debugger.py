@@ -1174,29 +1174,55 @@ def _run_code(expression: str, context: str, namespace: dict, local_names):
     return has_value, value, out.getvalue() + err.getvalue()
 
 
-def _evaluate(session: Session, expression: str, fid, context: str) -> dict:
-    if context == "hover" and not _hover_safe(expression):
-        raise DebugError("hovers show names, attributes and subscripts; type calls in the Debug Console")
+def _in_frame(session: Session, fid, work) -> tuple:
+    """Runs `work(globals, locals)` in a stopped frame, on its own thread,
+    with what it wrote to the frame's locals written back; in `__main__`
+    when there is no frame. Returns (thread ident or 0, what work returned)."""
     if fid is None:
         main = sys.modules.get("__main__")
         namespace = main.__dict__ if main is not None else {}
         # Values of the previous console line are let go (refs hold objects alive).
         session.forget(0)
-        has_value, value, printed = _run_code(expression, context, namespace, None)
-        return _value_reply(session, 0, has_value, value, printed, expression)
+        return 0, work(namespace, None)
     ident, frame = _frame(session, fid)
     held = session.stopped.get(ident)
     if held is None:
         raise DebugError("the thread has run on since")
 
     def on_thread():
-        local_names = frame.f_locals
-        result = _run_code(expression, context, frame.f_globals, local_names)
+        result = work(frame.f_globals, frame.f_locals)
         if frame.f_code.co_flags & 0x0001:  # CO_OPTIMIZED: fast locals
             _write_back(frame)
         return result
 
-    has_value, value, printed = held.call(on_thread, EVALUATE_TIMEOUT_S + 5)
+    return ident, held.call(on_thread, EVALUATE_TIMEOUT_S + 5)
+
+
+def _evaluate(session: Session, expression: str, fid, context: str) -> dict:
+    if context == "hover" and not _hover_safe(expression):
+        raise DebugError("hovers show names, attributes and subscripts; type calls in the Debug Console")
+    ident, (has_value, value, printed) = _in_frame(session, fid, lambda g, l: _run_code(expression, context, g, l))
+    return _value_reply(session, ident, has_value, value, printed, expression)
+
+
+def _set_expression(session: Session, expression: str, text: str, fid) -> dict:
+    """A Watch entry edited in the editor: `expression = text`, where the
+    expression is a name, an attribute or a subscript; answers with its new value."""
+    import ast
+
+    try:
+        target = ast.parse(expression.strip(), mode="eval").body
+        ast.parse(text, mode="eval")
+    except SyntaxError as err:
+        raise DebugError(f"not an expression: {err.msg}") from None
+    if not isinstance(target, (ast.Name, ast.Attribute, ast.Subscript)):
+        raise DebugError("only a name, an attribute or a subscript can be set")
+
+    def work(namespace, local_names):
+        _run_code(f"{expression.strip()} = ({text})", "repl", namespace, local_names)
+        return _run_code(expression, "watch", namespace, local_names)
+
+    ident, (has_value, value, printed) = _in_frame(session, fid, work)
     return _value_reply(session, ident, has_value, value, printed, expression)
 
 
@@ -1447,6 +1473,9 @@ def _session_op(session: Session, op: str, request: dict):
     if op == "evaluate":
         fid = request.get("frame")
         return _evaluate(session, str(request["expression"]), None if fid is None else int(fid), str(request.get("context", "repl")))
+    if op == "set_expression":
+        fid = request.get("frame")
+        return _set_expression(session, str(request["expression"]), str(request["value"]), None if fid is None else int(fid))
     if op == "set_variable":
         return _set_variable(session, int(request["ref"]), str(request["name"]), str(request["value"]))
     if op in ("continue", "next", "step_in", "step_out"):
