@@ -319,7 +319,16 @@ def test_quit_and_a_closed_session_resume_the_thread(python, spawn, cli, ranksco
     # The next pass pauses again; this time the client is interrupted (Ctrl-C).
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
     env["RANKSCOPE_DIR"] = endpoint_dir
-    attach = subprocess.Popen([rankscope_bin, str(target.pid), "attach"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # SIGINT as a terminal gives it: a harness started in the background
+    # (`cmd &` in a script) hands its children SIGINT ignored.
+    attach = subprocess.Popen(
+        [rankscope_bin, str(target.pid), "attach"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert b"paused at" in attach.stdout.readline() + attach.stdout.readline()
         attach.send_signal(signal.SIGINT)
