@@ -361,6 +361,28 @@ def test_module_glob_and_a_bad_glob(torch_python, spawn, cli):
     assert steps and all(r["forward_ms"] > 0 for r in steps)
 
 
+def test_steps_between_samples_each_get_their_row(torch_python, spawn, cli):
+    # --every 4: steps 1, 2, 5, 6 end by the short way (nothing on but
+    # the step clock), 3 and 7 attach the stand-ins, 4 and 8 are sampled.
+    target = spawn(torch_python, TRAIN)
+    assert cli(target.pid, "torch", "trace", "on", "--every", "4").returncode == 0
+    run_steps(cli, target, 9, 9)
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1)"
+    per_step = query_json(cli, target.pid, "SELECT step, sampled, duration_ms, optimizer_ms, forward_ms FROM python.torch_steps ORDER BY step")
+    assert [r["step"] for r in per_step] == list(range(1, 9)), per_step
+    for r in per_step:
+        assert r["duration_ms"] > 0 and r["optimizer_ms"] > 0, r
+        assert r["sampled"] == (r["step"] % 4 == 0), r
+        assert (r["forward_ms"] is not None) == r["sampled"], r
+    traced = query_json(cli, target.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
+    assert [r["step"] for r in traced] == [4, 8]
+    # Off from the short way: no hook is left, and no more rows come.
+    assert cli(target.pid, "torch", "trace", "off").returncode == 0
+    run_steps(cli, target, 2, 11)
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    assert query_json(cli, target.pid, "SELECT max(step) AS s FROM python.torch_steps") == [{"s": 8}]
+
+
 def test_rankscope_step_marks_steps_without_an_optimizer(torch_python, spawn, cli):
     target = spawn(torch_python, TRAIN, args=["--manual"])
     status = torch_json(cli, target.pid)

@@ -48,14 +48,21 @@ COLUMNS = {
 # or raises LookupError while it is not ready.
 waiting: collections.deque = collections.deque(maxlen=10_000)
 _flush_at_exit = False
-# Rows waiting to be handed over, by table; `_since`: when the first came
-# (perf_counter_ns), None while there are none.
+# Rows waiting to be handed over, by table; `due`: when they are (a
+# perf_counter_ns), far off while there are none.
 OUTBOX_TABLES = frozenset(("torch_steps", "torch_trace", "grad_stats", "activation_stats"))
 outbox: dict = {}
-_since = None
+# The step clock's one row a step, apart: appended without a lock (a deque's
+# append and popleft are atomic), since it is the only cost of a step that is
+# not sampled.
+steps: collections.deque = collections.deque()
+NEVER = 1 << 62
+due = NEVER
 # A reader's hand-over runs on a probe thread while the training thread may post.
 _outbox_lock = _thread.allocate_lock()
-HAND_OVER_NS = 50_000_000
+# Half the store's own spill interval (1 s): a batch of a few hundred rows
+# costs the training thread about what a batch of 30 did.
+HAND_OVER_NS = 250_000_000
 
 
 def append(table: str, row: list, pending=()) -> None:
@@ -77,18 +84,36 @@ def extend(table: str, rows: list) -> None:
 def post(table: str, rows: list) -> None:
     """Rows for the outbox (the step clock's): handed over with the next
     batch."""
-    global _since
     if not rows:
+        return
+    if table == "torch_steps":
+        for row in rows:
+            post_step(row)
         return
     with _outbox_lock:
         box = outbox.get(table)
         if box is None:
             box = outbox[table] = []
         box += rows
-        if _since is None:
-            _flush_at_exit_once()
-            _since = time.perf_counter_ns()
-            _native.table_rows_waiting(True)
+        _waiting()
+
+
+def post_step(row) -> None:
+    """A ``torch_steps`` row (a list or tuple)."""
+    steps.append(row)
+    if due == NEVER:
+        with _outbox_lock:
+            if steps:
+                _waiting()
+
+
+def _waiting() -> None:
+    # Under _outbox_lock: the first row of a batch sets when it goes.
+    global due
+    if due == NEVER:
+        _flush_at_exit_once()
+        due = time.perf_counter_ns() + HAND_OVER_NS
+        _native.table_rows_waiting(True)
 
 
 def post_trace(plan: int, counters: tuple) -> None:
@@ -98,20 +123,23 @@ def post_trace(plan: int, counters: tuple) -> None:
 
 
 def hand_over_if_due(now_ns: int) -> None:
-    if _since is not None and now_ns - _since >= HAND_OVER_NS:
+    if now_ns >= due:
         flush()
 
 
 def flush() -> None:
     """Hands the outbox over now (a reader asks, or the program exits)."""
-    global _since
-    if _since is None:
+    global due
+    if due == NEVER and not steps:
         return
     with _outbox_lock:
         # Handed over under the lock: batches reach the store in order.
-        _since = None
+        due = NEVER
         tables = list(outbox.items())
         outbox.clear()
+        if steps:
+            take = steps.popleft
+            tables.append(("torch_steps", [take() for _ in range(len(steps))]))
         failed = None
         for table, rows in tables:
             try:
@@ -124,6 +152,9 @@ def flush() -> None:
             except Exception as exc:  # noqa: BLE001 - the other tables' rows still go
                 failed = exc
         _native.table_rows_waiting(False)
+        if steps:
+            # Posted while the batch was taken: the next batch's first.
+            _waiting()
         if failed is not None:
             raise failed
 

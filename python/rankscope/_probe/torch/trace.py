@@ -199,6 +199,10 @@ class Tracer:
         self.losses: list = []  # weakrefs to loss modules
         self.known_optimizers: weakref.WeakSet = weakref.WeakSet()
         self.plan: list = []  # (module weakref, name, type, depth, rows, is_root, cuda)
+        self.prepared = None  # (plan, what _attach puts on for it): see _prepare
+        # The short way through a step boundary (set by the long way, under
+        # the lock, and cleared by every change made from outside).
+        self.quiet = False
         self.primary = None  # weakref to the optimizer whose step ends a step
         self.marker = None
         self.step = None  # the step in progress
@@ -207,6 +211,7 @@ class Tracer:
         self.sampling = False
         self.sampled_steps = 0
         self.slots: list = []
+        self.hooked = 0  # slots with a stand-in on now
         self.full: list = []  # the slots with more than a time to reset each step
         # Each slot's calls' ns and count in the sampled step, side by side.
         self.acc: list = []
@@ -232,6 +237,7 @@ class Tracer:
         if every < 1:
             raise UserError(f"--every must be 1 or more, not {every}")
         with self.lock:
+            self.quiet = False
             found, optimizers, losses = models.discover()
             self._adopt(found, optimizers, losses)
             self.every, self.glob, self.backward = every, glob, backward
@@ -250,6 +256,7 @@ class Tracer:
 
     def _start_clock(self, wait_s) -> bool:
         with self.lock:
+            self.quiet = False
             if not self.on:
                 self.partial = True
             self.on = True
@@ -263,6 +270,7 @@ class Tracer:
         """Starts the clock for `listener` (once); True when the optimizer
         hooks are in."""
         with self.lock:
+            self.quiet = False
             if not self.models:
                 found, optimizers, losses = models.discover()
                 self._adopt(found, optimizers, losses)
@@ -273,6 +281,7 @@ class Tracer:
 
     def remove_listener(self, listener, wait_s: float = EDIT_WAIT_S) -> None:
         with self.lock:
+            self.quiet = False
             if listener in self.listeners:
                 self.listeners.remove(listener)
             idle = not self.tracing and not self.listeners
@@ -300,6 +309,7 @@ class Tracer:
 
     def turn_off(self, reason: str | None = None, wait_s: float = EDIT_WAIT_S) -> dict:
         with self.lock:
+            self.quiet = False
             was_on = self.tracing
             self.tracing = False
             if reason is not None:
@@ -320,6 +330,7 @@ class Tracer:
         except Exception:  # noqa: BLE001 - the rows stay for the next hand-over
             pass
         with self.lock:
+            self.quiet = False
             self.on = False
             import rankscope
 
@@ -334,7 +345,7 @@ class Tracer:
             self.errors += 1
             self.turn_off(f"{where} failed: {type(exc).__name__}: {exc}", wait_s=0)
         except Exception:  # noqa: BLE001 - nothing may reach the program
-            self.on = False
+            self.quiet = self.on = False
 
     def _edit_optimizer_hooks(self, sets, dels, wait_s) -> bool:
         from rankscope import _native
@@ -491,7 +502,23 @@ class Tracer:
             self._fail("rankscope.step()", exc)
 
     def _boundary(self, now, optimizer, unknown_optimizer):
+        step = self.step
+        if self.quiet and not unknown_optimizer and (step + 1) % self.every:
+            # An unsampled step after an unsampled one: its row, and nothing
+            # else (see `quiet`).
+            opt_ms = self.opt_ns / 1e6 if self.opt_calls else None
+            self.opt_ns = self.opt_calls = 0
+            tables.post_step((time.time(), step, False, (now - self.last_end) / 1e6, None, None, None, opt_ms, None, None, None))
+            self.step = step + 1
+            self.last_end = now
+            if now - self.step_told >= STEP_TOLD_NS:
+                _native.set_step(step + 1)
+                self.step_told = now
+            if now >= tables.due:
+                tables.flush()
+            return
         with self.lock:
+            self.quiet = False
             if not self.on:
                 return
             if unknown_optimizer:
@@ -526,6 +553,20 @@ class Tracer:
                 self.sampling = bool(self.handles)
             elif self.handles or self.sampling:
                 self._detach()
+            # Whether the next boundary may take the short way: nothing but
+            # the trace on, settled, no stand-in on, no row waiting for a GPU.
+            # Anything that changes one of these from a probe thread clears it.
+            self.quiet = (
+                self.on
+                and self.tracing
+                and not self.partial
+                and not self.handles
+                and not self.listeners
+                and bool(self.models)
+                and self.step is not None
+                and self.last_end is not None
+                and not tables.waiting
+            )
         if self.listeners:
             self._tell("boundary", self.step)
         tables.hand_over_if_due(now)
@@ -603,41 +644,54 @@ class Tracer:
 
     def _attach(self):
         self._detach()
-        slots, handles, full = [], [], []
-        acc: list = []
-        fixed: list = []  # per pair in acc: the row's fixed cells, for the store's plan
+        prepared = self.prepared
+        if prepared is None or prepared[0] is not self.plan:
+            prepared = self.prepared = (self.plan, *self._prepare())
+        _, entries, slots, full, acc, zeros, fixed = prepared
+        handles, hooked = [], 0
         try:
-            for ref, name, type_name, depth, rows, is_root, cuda in self.plan:
-                module = ref()
-                if module is None:
-                    continue
-                slot = _Slot(name, type_name, depth, rows, cuda and torch.cuda.is_available(), len(acc))
-                acc += (0, 0)
-                fixed.append((name, type_name, depth, "forward") if rows and not slot.cuda else None)
-                entry = timed.put_on(module, self._stand_in(slot, is_root, acc))
-                if entry is None:
-                    continue
-                handles.append(entry)
-                slots.append(slot)
-                if slot.cuda or self.backward:
-                    full.append(slot)
-            for ref in self.losses:
+            acc[:] = zeros
+            for slot in full:
+                slot.reset()
+            for ref, stand_in_of, traced in entries:
                 module = ref()
                 if module is not None:
-                    at = len(acc)  # its own counters: the loss module is not traced
-                    acc += (0, 0)
-                    fixed.append(None)
-                    entry = timed.put_on(module, lambda inner, at=at: timed.Tap(inner, acc, at, None, self._loss_out))
+                    entry = timed.put_on(module, stand_in_of)
                     if entry is not None:
                         handles.append(entry)
+                        hooked += traced
         finally:
+            self.hooked = hooked
             self.slots, self.handles, self.full = slots, handles, full
-            self.acc, self.zeros = acc, [0] * len(acc)
+            self.acc, self.zeros = acc, zeros
             if fixed != self.plan_fixed:
                 # The same modules as at the last sampled step keep their
                 # plan (the store keeps a few; rows wait for it in the outbox).
                 self.plan_fixed = fixed
                 self.plan_id = _native.trace_plan(fixed) if any(fixed) else None
+
+    def _prepare(self):
+        """What each sampled step of this plan puts on: made once per plan,
+        since making it at every sampled step cost more than the step's own
+        timing. The stand-ins themselves are made anew at each attach, so
+        that nothing here holds a module (the plan's references are weak)."""
+        entries, slots, full = [], [], []
+        acc: list = []
+        fixed: list = []  # per pair in acc: the row's fixed cells, for the store's plan
+        for ref, name, type_name, depth, rows, is_root, cuda in self.plan:
+            slot = _Slot(name, type_name, depth, rows, cuda and torch.cuda.is_available(), len(acc))
+            acc += (0, 0)
+            fixed.append((name, type_name, depth, "forward") if rows and not slot.cuda else None)
+            entries.append((ref, self._stand_in(slot, is_root, acc), 1))
+            slots.append(slot)
+            if slot.cuda or self.backward:
+                full.append(slot)
+        for ref in self.losses:
+            at = len(acc)  # its own counters: the loss module is not traced
+            acc += (0, 0)
+            fixed.append(None)
+            entries.append((ref, lambda inner, at=at: timed.Tap(inner, acc, at, None, self._loss_out), 0))
+        return entries, slots, full, acc, [0] * len(acc), fixed
 
     def _detach(self):
         handles, self.handles = self.handles, []
@@ -762,7 +816,7 @@ class Tracer:
             "every": self.every,
             "modules": self.glob,
             "backward": self.backward,
-            "hooked_modules": len(self.slots) if self.handles else 0,
+            "hooked_modules": self.hooked if self.handles else 0,
             "stand_ins": len(self.handles),
             "optimizer_hooks": 0 if self.opt_hooks is None else sum(1 for entry in self.opt_hooks if entry is not None),
             "sampling_now": self.sampling,
