@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
+from pathlib import Path
 
 from conftest import kill_tree, launch_torchrun, line_of, query_json, require_torch
 from test_torch import run_steps, torch_python  # noqa: F401 - a fixture
@@ -143,6 +145,50 @@ def test_model_optimizer_and_a_local_are_named_as_holders(torch_python, spawn, c
     assert "since the last look" not in text.stdout
     again = cli(target.pid, "memory").stdout
     assert "since the last look" in again, again
+
+
+MANY = """
+import time
+import torch
+
+many = [torch.full((4,), float(i)) for i in range(6000)]
+big = torch.zeros(1000)
+tail = big[990:]
+del big
+print("READY", flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+def test_a_reply_of_many_rows_is_streamed_and_a_client_that_hangs_up_costs_nothing(torch_python, spawn, cli, endpoint_dir):
+    """6000 rows are a reply of about 1 MB, which the probe writes as it
+    makes it (no Content-Length); a client that reads its head and hangs up
+    leaves the target running and answering."""
+    target = spawn(torch_python, MANY)
+    counted = query_json(cli, target.pid, "SELECT count(*) AS n, count(DISTINCT holder) AS named FROM python.tensors WHERE holder LIKE 'many[%'")
+    assert counted == [{"n": 6000, "named": 6000}], counted
+    # A slice alone holds its whole storage: the row says the storage's size.
+    # Its base lives on too (the slice's `_base`): a second view, unnamed.
+    some = query_json(cli, target.pid, "SELECT holder, shape, bytes, views FROM python.tensors WHERE holder IN ('many[5999]', 'tail') ORDER BY bytes")
+    assert some == [{"holder": "many[5999]", "shape": "4", "bytes": 16, "views": 1}, {"holder": "tail", "shape": "10", "bytes": 4000, "views": 2}], some
+
+    body = json.dumps({"action": "tensors"}).encode()
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(Path(endpoint_dir, f"{target.pid}.sock")))
+        raw.sendall(b"POST /v1/memory HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        head = b""
+        while len(head.partition(b"\r\n\r\n")[2]) < 20:
+            chunk = raw.recv(4096)
+            assert chunk, head
+            head += chunk
+    status, _, rest = head.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200") and b"content-length" not in status.lower(), status
+    assert rest.startswith(b'{"ok":{"columns":'), rest[:80]
+    assert target.proc.poll() is None
+    assert cli(target.pid, "eval", "len(many)").stdout.strip() == "6000"
+    again = query_json(cli, target.pid, "SELECT count(*) AS n FROM python.tensors")
+    assert again == [{"n": 6001}], again
 
 
 def test_the_timeline_is_sampled_without_torch_and_objects_show_growth(python, spawn, cli):

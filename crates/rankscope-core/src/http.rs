@@ -2,7 +2,9 @@
 //!
 //! The probe speaks HTTP so that `curl --unix-socket` works for anyone poking
 //! at it by hand, but it only ever needs `Content-Length` bodies and
-//! `Connection: close`. `httparse` does the parsing; this module adds the size
+//! `Connection: close`, and, for a reply too big to hold whole in the target
+//! (`python.tensors`), a response body that the closing of the connection
+//! ends. `httparse` does the parsing; this module adds the size
 //! limits that keep a misbehaving client from costing the target memory.
 
 use std::io::{self, Read, Write};
@@ -178,6 +180,25 @@ fn read_body(
     Ok(already)
 }
 
+/// A body without a length: what comes until the peer closes.
+fn read_body_to_end(
+    stream: &mut impl Read,
+    mut body: Vec<u8>,
+    limit: usize,
+) -> Result<Vec<u8>, HttpError> {
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        if body.len() > limit {
+            return Err(HttpError::BodyTooLarge(body.len(), limit));
+        }
+        let n = read_some(stream, &mut chunk)?;
+        if n == 0 {
+            return Ok(body);
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+}
+
 fn content_length(headers: &[(String, String)]) -> Result<usize, HttpError> {
     match header_value(headers, "content-length") {
         None => Ok(0),
@@ -224,7 +245,7 @@ pub fn read_request(stream: &mut impl Read, body_limit: usize) -> Result<Request
     })
 }
 
-pub fn write_response(stream: &mut impl Write, response: &Response) -> io::Result<()> {
+pub fn write_response(stream: &mut (impl Write + ?Sized), response: &Response) -> io::Result<()> {
     let head = format!(
         "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         response.status,
@@ -235,6 +256,17 @@ pub fn write_response(stream: &mut impl Write, response: &Response) -> io::Resul
     stream.write_all(head.as_bytes())?;
     stream.write_all(&response.body)?;
     stream.flush()
+}
+
+/// The head of a 200 response whose body is written as it is made, and
+/// ended by closing the connection.
+pub fn write_streamed_head(
+    stream: &mut (impl Write + ?Sized),
+    content_type: &str,
+) -> io::Result<()> {
+    let head =
+        format!("HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nConnection: close\r\n\r\n");
+    stream.write_all(head.as_bytes())
 }
 
 /// Writes a request; `extra_headers` carries e.g. the TCP token.
@@ -271,8 +303,12 @@ pub fn read_response(stream: &mut impl Read, body_limit: usize) -> Result<Respon
     }
     let status = parsed.code.unwrap_or(500);
     let headers = collect_headers(parsed.headers);
-    let length = content_length(&headers)?;
-    let body = read_body(stream, buf[head_len..].to_vec(), length, body_limit)?;
+    let body = if header_value(&headers, "content-length").is_none() {
+        read_body_to_end(stream, buf[head_len..].to_vec(), body_limit)?
+    } else {
+        let length = content_length(&headers)?;
+        read_body(stream, buf[head_len..].to_vec(), length, body_limit)?
+    };
     Ok(Response {
         status,
         content_type: "application/json",
@@ -380,5 +416,18 @@ mod tests {
         let resp = read_response(&mut wire.as_slice(), 1024).unwrap();
         assert_eq!(resp.status, 404);
         assert_eq!(resp.body, br#"{"error":"nope"}"#);
+    }
+
+    #[test]
+    fn streamed_response_ends_with_the_connection() {
+        let mut wire = Vec::new();
+        write_streamed_head(&mut wire, "application/json").unwrap();
+        wire.extend_from_slice(b"[1,2,");
+        wire.extend_from_slice(b"3]");
+        let resp = read_response(&mut wire.as_slice(), 1024).unwrap();
+        assert_eq!(resp.status, 200);
+        assert_eq!(resp.body, b"[1,2,3]");
+        let err = read_response(&mut wire.as_slice(), 4).unwrap_err();
+        assert!(matches!(err, HttpError::BodyTooLarge(..)));
     }
 }

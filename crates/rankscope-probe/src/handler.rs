@@ -2,11 +2,15 @@
 //! without touching Python; stacks and eval attach to the interpreter only
 //! for as long as the Python helper (`rankscope._probe`) runs.
 
+use std::io::{self, Write};
+
 use pyo3::prelude::*;
-use rankscope_core::http::{Request, Response};
+use rankscope_core::http::{self, Request, Response};
 use rankscope_core::protocol::{EnvReply, EnvVar, EvalInterrupt, EvalInterruptReply, EvalRequest};
 use rankscope_core::secrets;
 use rankscope_server::Handler;
+
+use crate::pyjson::Sink;
 
 /// Its metadata is set right after the server binds (the TCP port is known
 /// only then); requests that arrive before that get a 503. It changes once
@@ -30,6 +34,24 @@ impl ProbeHandler {
 }
 
 impl Handler for ProbeHandler {
+    /// `/v1/memory` answers with `python.tensors`' rows, 100 k of them in a
+    /// big program: streamed (see `stream_helper`).
+    fn respond(&self, request: &Request, out: &mut (dyn Write + Send)) -> io::Result<()> {
+        match (
+            request.method.as_str(),
+            request.path.as_str(),
+            std::str::from_utf8(&request.body),
+        ) {
+            ("POST", "/v1/memory", Ok(body)) if self.meta().is_some() => stream_helper(
+                "rankscope._probe.memory",
+                "handle",
+                (body.to_string(),),
+                out,
+            ),
+            _ => http::write_response(out, &self.handle(request)),
+        }
+    }
+
     fn handle(&self, request: &Request) -> Response {
         let route = (request.method.as_str(), request.path.as_str());
         match route {
@@ -231,15 +253,62 @@ fn call_helper<A>(module: &str, function: &str, args: A) -> Response
 where
     A: for<'py> pyo3::call::PyCallArgs<'py>,
 {
-    let outcome = crate::gil::attach(|py| -> PyResult<String> {
+    let mut sink = Sink::new(None);
+    match run_helper(module, function, args, &mut sink) {
+        None => Response::error(503, "the interpreter is shutting down"),
+        Some(Ok(())) => Response::json(200, sink.into_text()),
+        Some(Err(err)) => helper_failed(&err),
+    }
+}
+
+/// `call_helper` for a reply that may be too big to hold whole in the
+/// target: once its text outgrows the sink's limit it goes out as it is
+/// written, and the connection's end ends it. A helper that fails after
+/// that leaves the client a reply cut short.
+fn stream_helper<A>(
+    module: &str,
+    function: &str,
+    args: A,
+    out: &mut (dyn Write + Send),
+) -> io::Result<()>
+where
+    A: for<'py> pyo3::call::PyCallArgs<'py>,
+{
+    let mut sink = Sink::new(Some(&mut *out));
+    let outcome = run_helper(module, function, args, &mut sink);
+    let started = sink.started();
+    let rest = sink.into_text();
+    match (outcome, started) {
+        (Some(Ok(())), true) => {
+            out.write_all(&rest)?;
+            out.flush()
+        }
+        (_, true) => Err(io::Error::other("the helper failed after its reply began")),
+        (None, false) => http::write_response(
+            out,
+            &Response::error(503, "the interpreter is shutting down"),
+        ),
+        (Some(Ok(())), false) => http::write_response(out, &Response::json(200, rest)),
+        (Some(Err(err)), false) => http::write_response(out, &helper_failed(&err)),
+    }
+}
+
+fn run_helper<A>(module: &str, function: &str, args: A, sink: &mut Sink<'_>) -> Option<PyResult<()>>
+where
+    A: for<'py> pyo3::call::PyCallArgs<'py>,
+{
+    crate::gil::attach(|py| -> PyResult<()> {
         let had_threading = threading_imported(py);
         let result = py.import(module).and_then(|m| {
             let reply = m.call_method1(function, args)?;
             match reply.extract::<String>() {
-                Ok(text) => Ok(text),
+                Ok(text) => {
+                    sink.set_text(text);
+                    Ok(())
+                }
                 // Plain dicts and lists: turned into JSON here, so the
                 // helper needs no `json` import in the program.
-                Err(_) => crate::pyjson::to_json_string(&reply),
+                Err(_) => crate::pyjson::write_json(&reply, sink),
             }
         });
         if !had_threading && threading_imported(py) {
@@ -249,16 +318,13 @@ where
                 .call_method0("repair")?;
         }
         result
-    });
-    match outcome {
-        None => Response::error(503, "the interpreter is shutting down"),
-        Some(Ok(json)) => Response::json(200, json),
-        Some(Err(err)) => {
-            let message = Python::try_attach(|py| err.to_string() + &traceback_of(py, &err))
-                .unwrap_or_default();
-            Response::error(500, &format!("probe helper failed: {message}"))
-        }
-    }
+    })
+}
+
+fn helper_failed(err: &PyErr) -> Response {
+    let message =
+        Python::try_attach(|py| err.to_string() + &traceback_of(py, err)).unwrap_or_default();
+    Response::error(500, &format!("probe helper failed: {message}"))
 }
 
 fn threading_imported(py: Python<'_>) -> bool {

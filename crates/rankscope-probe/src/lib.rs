@@ -8,6 +8,7 @@ mod crash_hook;
 mod deadline;
 mod debug_wait;
 mod frame_trace;
+mod gc_walk;
 mod gil;
 mod handler;
 mod injected;
@@ -18,6 +19,7 @@ mod pyjson;
 mod quiet_edit;
 mod registry;
 mod store;
+mod tensor_scan;
 
 use std::sync::{Arc, Mutex};
 
@@ -26,7 +28,8 @@ use std::sync::{Arc, Mutex};
 /// from glibc's heap they changed how it hands memory back and forth with
 /// torch's per-step tensors: one row a step cost the loop about 50 page
 /// faults and tens of microseconds (bench/bench_torch_trace.py). mimalloc
-/// keeps them in its own mapped segments.
+/// keeps them in its own mapped segments, in small pages (`no_thp`: see
+/// Cargo.toml).
 #[global_allocator]
 static PROBE_HEAP: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -275,5 +278,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::snapshot_rows, m)?)?;
     m.add_function(wrap_pyfunction!(debug_wait::debug_posted, m)?)?;
     m.add_function(wrap_pyfunction!(gil::gil_parks, m)?)?;
+    m.add_function(wrap_pyfunction!(gc_walk::gc_instances, m)?)?;
+    m.add_class::<tensor_scan::TensorScan>()?;
     Ok(())
 }

@@ -4,29 +4,108 @@
 //! runs bytecode took seconds on 3.11, each file read handing the GIL back
 //! and waiting a switch interval to get it again.
 
-use pyo3::exceptions::PyTypeError;
+use std::io::Write;
+use std::ops::{Deref, DerefMut};
+
+use pyo3::exceptions::{PyOSError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyIterator, PyList, PyString, PyTuple};
 use serde_json::Number;
 
 /// Nesting past this is a bug in a helper, not data.
 const MAX_DEPTH: usize = 64;
+/// A reply that grows past this goes to the client as it is written.
+const SPILL_BYTES: usize = 128 * 1024;
+
+/// Where a reply's JSON text goes: memory, and, for a sink with a
+/// connection, the connection once the text outgrows `SPILL_BYTES`, each
+/// piece written with the GIL let go (a slow client costs the program
+/// nothing) and then dropped. So the 100 k rows of a `python.tensors` reply
+/// never sit in the target whole.
+pub struct Sink<'a> {
+    buf: Vec<u8>,
+    out: Option<&'a mut (dyn Write + Send)>,
+    /// The response's head went out: the rest can only follow it.
+    started: bool,
+}
+
+impl<'a> Sink<'a> {
+    pub fn new(out: Option<&'a mut (dyn Write + Send)>) -> Self {
+        // A sink that spills gets its whole buffer at once: grown by
+        // doubling instead, the buffer's earlier copies stayed in the
+        // probe's heap (mimalloc), 6 MB of the target's memory for a
+        // 256 KB buffer.
+        let capacity = if out.is_some() {
+            SPILL_BYTES + SPILL_BYTES / 2
+        } else {
+            4096
+        };
+        Sink {
+            buf: Vec::with_capacity(capacity),
+            out,
+            started: false,
+        }
+    }
+
+    pub fn started(&self) -> bool {
+        self.started
+    }
+
+    /// What was written and not yet sent.
+    pub fn into_text(self) -> Vec<u8> {
+        self.buf
+    }
+
+    pub fn set_text(&mut self, text: String) {
+        self.buf = text.into_bytes();
+    }
+
+    fn spill(&mut self, py: Python<'_>) -> PyResult<()> {
+        if self.buf.len() < SPILL_BYTES {
+            return Ok(());
+        }
+        let Some(out) = self.out.as_mut() else {
+            return Ok(());
+        };
+        let (started, buf) = (self.started, &self.buf);
+        let sent = py.detach(|| {
+            if !started {
+                rankscope_core::http::write_streamed_head(&mut **out, "application/json")?;
+            }
+            out.write_all(buf)
+        });
+        self.started = true;
+        self.buf.clear();
+        sent.map_err(|e| PyOSError::new_err(format!("the client stopped reading the reply: {e}")))
+    }
+}
+
+impl Deref for Sink<'_> {
+    type Target = Vec<u8>;
+    fn deref(&self) -> &Vec<u8> {
+        &self.buf
+    }
+}
+
+impl DerefMut for Sink<'_> {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.buf
+    }
+}
 
 /// The JSON text of a helper's reply, written as the values are walked:
 /// no tree of `serde_json::Value`s in between, which for a reply of 100 k
-/// rows (`python.tensors`) cost several times the text's own size.
-pub fn to_json_string(value: &Bound<'_, PyAny>) -> PyResult<String> {
-    let mut out = Vec::with_capacity(4096);
-    write(value, 0, &mut out)?;
-    // Only UTF-8 goes in: serde_json's own writer for every string and number.
-    Ok(String::from_utf8(out).unwrap_or_default())
+/// rows (`python.tensors`) cost several times the text's own size. Only
+/// UTF-8 goes in: serde_json's own writer for every string and number.
+pub fn write_json(value: &Bound<'_, PyAny>, out: &mut Sink<'_>) -> PyResult<()> {
+    write(value, 0, out)
 }
 
 fn scalar(out: &mut Vec<u8>, value: &impl serde::Serialize) -> PyResult<()> {
     serde_json::to_writer(out, value).map_err(|e| PyTypeError::new_err(e.to_string()))
 }
 
-fn write(value: &Bound<'_, PyAny>, depth: usize, out: &mut Vec<u8>) -> PyResult<()> {
+fn write(value: &Bound<'_, PyAny>, depth: usize, out: &mut Sink<'_>) -> PyResult<()> {
     if depth > MAX_DEPTH {
         return Err(PyTypeError::new_err("a helper's reply nests too deep"));
     }
@@ -105,6 +184,7 @@ fn write(value: &Bound<'_, PyAny>, depth: usize, out: &mut Vec<u8>) -> PyResult<
             out.push(b',');
         }
         write(&item, depth + 1, out)?;
+        out.spill(value.py())?;
     }
     out.push(b']');
     failed.map_or(Ok(()), Err)

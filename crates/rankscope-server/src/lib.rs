@@ -34,6 +34,12 @@ const DRAIN_LIMIT: usize = 4 * 1024 * 1024;
 
 pub trait Handler: Send + Sync + 'static {
     fn handle(&self, request: &Request) -> Response;
+
+    /// Answers `request` on `out`. A handler whose answer can be too big to
+    /// hold whole writes it as it is made; the others answer with `handle`.
+    fn respond(&self, request: &Request, out: &mut (dyn Write + Send)) -> io::Result<()> {
+        http::write_response(out, &self.handle(request))
+    }
 }
 
 #[derive(Debug, Error)]
@@ -411,7 +417,8 @@ fn serve(mut conn: Connection, shared: &Shared) {
                     "missing or wrong token (send Authorization: Bearer <token>)",
                 )
             } else {
-                shared.handler.handle(&request)
+                let _ = shared.handler.respond(&request, &mut conn);
+                return;
             }
         }
     };

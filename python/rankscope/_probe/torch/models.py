@@ -1,7 +1,7 @@
 """Finding the program's models and optimizers, and describing them.
 
 Imported only once the program has imported torch (see ``__init__``).
-Optimizers are found with ``gc`` (instances of ``torch.optim.Optimizer``),
+Optimizers are found in the collector's lists (instances of ``torch.optim.Optimizer``),
 and the models through their parameter groups: a model is a root module
 (one that is no other module's child) holding a parameter an optimizer
 updates. Without an optimizer, every root module with parameters counts.
@@ -11,10 +11,11 @@ their outputs are the step's loss.
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
+
+from rankscope import _native
 
 # A row of `rankscope PID torch` lists this many top-level children.
 MAX_CHILDREN_SHOWN = 20
@@ -29,10 +30,12 @@ def _roots(modules: list) -> list:
 
 def discover(objects: list | None = None) -> tuple[list, list, list]:
     """(models, optimizers, loss modules) of the program as it is now
-    (`objects`: what ``gc.get_objects()`` gave the caller already)."""
+    (`objects`: what ``gc.get_objects()`` gave the caller already, else the
+    collector's lists are walked natively)."""
     module_type, optimizer_type = torch.nn.Module, torch.optim.Optimizer
     if objects is None:
-        objects = gc.get_objects()
+        # The collector's lists walked in place: no list of every object.
+        objects = _native.gc_instances((module_type, optimizer_type))
     # type(), not isinstance(): isinstance falls back to an object's
     # __class__, which some objects answer with a warning (torch's own
     # deprecated `reduce_op`) or with code of their own. Each type is

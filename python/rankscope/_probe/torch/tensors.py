@@ -25,10 +25,9 @@ import time
 
 import torch
 
+from rankscope import _native
 from rankscope._probe.torch import models
 
-# Container items looked into, per container, for holder names.
-MAX_ITEMS = 1_000_000
 # Unnamed tensors whose referrer's type is looked up (largest first).
 MAX_REFERRER_LOOKUPS = 20
 
@@ -41,13 +40,13 @@ def _label_in_main(obj) -> str | None:
     return None
 
 
-def _names(objects: list, containers: list) -> dict:
-    """id(tensor) -> (holder path, kind), best names first; for a
-    container's items an int instead, the container's place in
-    ``containers`` and the item's index packed together (see ``_holder``):
-    a list of 100 k tensors costs an int each, not a string and a tuple."""
+def _names(containers: list) -> dict:
+    """id(tensor) -> (holder path, kind), best names first. The lists,
+    tuples and dicts among the locals and globals go into ``containers`` as
+    (path, kind, container): their items are named by the native scan, one
+    row at a time, so a list of 100 k tensors costs no entry here."""
     names: dict = {}
-    found, optimizers, _ = models.discover(objects)
+    found, optimizers, _ = models.discover()
     param_names = {}
     for model in found:
         root = _label_in_main(model) or models.root_name(model)
@@ -91,48 +90,23 @@ def _is_tensor(value) -> bool:
 def _name_value(names: dict, containers: list, path: str, value, kind: str) -> None:
     if _is_tensor(value):
         names.setdefault(id(value), (path, kind))
-        return
-    if type(value) in (list, tuple):
-        items, keys = value[:MAX_ITEMS], None
-    elif type(value) is dict:
-        keys = list(value)[:MAX_ITEMS]
-        items = [value.get(key) for key in keys]
-    else:
-        return
-    slot = len(containers) << 32
-    tensor_type = torch.Tensor
-    named = False
-    for i, item in enumerate(items):
-        if issubclass(type(item), tensor_type):
-            names.setdefault(id(item), slot | i)
-            named = True
-    if named:
-        containers.append((path, kind, keys))
+    elif type(value) in (list, tuple, dict) and value:
+        containers.append((path, kind, value))
 
 
-def _storage_key(tensor):
-    """The storage's identity, and its size. A CPU storage is its address
-    alone (an int: a scan keys 100 k of them), another device's is the
-    address with the device."""
+def _nbytes(tensor) -> int:
+    """The bytes the tensor keeps alive: its storage's size where that can
+    differ from its own (a view, an offset, a strided layout), else its own
+    size. ``untyped_storage()`` gives the storage a Python object that lives
+    as long as the storage does (64 bytes each: 6 MB over 100 k tensors),
+    so only the tensors that need it pay for it; a tensor resized smaller
+    in place reports its own size."""
     try:
-        storage = tensor.untyped_storage()
-        if tensor.is_cpu:
-            return storage.data_ptr(), storage.nbytes()
-        return (storage.data_ptr(), str(tensor.device)), storage.nbytes()
-    except Exception:  # noqa: BLE001 - a tensor without a storage (sparse, a subclass): on its own
-        return ("id", id(tensor)), tensor.numel() * tensor.element_size()
-
-
-def _holder(named, containers: list):
-    """(path, kind) from what ``_names`` keeps; a container's item is
-    spelled only here, one row at a time."""
-    if named is None:
-        return None, "tensor"
-    if type(named) is int:
-        path, kind, keys = containers[named >> 32]
-        index = named & 0xFFFFFFFF
-        return f"{path}[{index if keys is None else keys[index]!r}]", kind
-    return named
+        if tensor._is_view() or tensor.storage_offset() or not tensor.is_contiguous():
+            return tensor.untyped_storage().nbytes()
+        return tensor.nbytes
+    except Exception:  # noqa: BLE001 - a tensor without a storage (sparse, a subclass)
+        return tensor.numel() * tensor.element_size()
 
 
 def scan(budget_s: float = 2.0) -> dict:
@@ -144,56 +118,29 @@ def scan(budget_s: float = 2.0) -> dict:
 
 def scan_rows(budget_s: float = 2.0):
     """The rows of ``scan``, made one at a time (a generator): the probe
-    writes each into the reply and drops it before the next is made, so the
-    100 k rows of a big scan never all live at once."""
+    writes each into the reply and drops it before the next is made. The
+    scan's tables are native (``rankscope._native.TensorScan``): 16 bytes a
+    tensor, no Python object per tensor but the row being written."""
     deadline = time.monotonic() + budget_s
-    objects = gc.get_objects()
+    # Found (and held) before the names: an id named below is then a
+    # tensor the scan holds, never a new object at a freed one's address.
+    found = _native.TensorScan(torch.Tensor)
     containers: list = []
-    names = _names(objects, containers)
-    tensor_type = torch.Tensor
-    kinds = {kind for kind in set(map(type, objects)) if issubclass(kind, tensor_type)}
-    found = [obj for obj in objects if type(obj) in kinds]
-    del objects
-    # One tensor per storage; a storage seen through several views gets
-    # [views, the view shown] in `shared` (the view with a name, else the
-    # largest). Most storages have one view, and cost a dict entry only.
-    first: dict = {}
-    shared: dict = {}
-    complete = True
-    for index, obj in enumerate(found):
-        if index % 4096 == 0 and time.monotonic() > deadline:
-            complete = False
-            break
-        key, _ = _storage_key(obj)
-        shown = first.setdefault(key, obj)
-        if shown is obj:
-            continue
-        group = shared.get(key)
-        if group is None:
-            group = shared[key] = [1, shown]
-        group[0] += 1
-        current = group[1]
-        named, current_named = id(obj) in names, id(current) in names
-        if named and not current_named or named == current_named and obj.numel() > current.numel():
-            group[1] = obj
-    del found
-    for key, (_, shown) in shared.items():
-        first[key] = shown
+    names = _names(containers)
+    complete = found.key(max(0.0, deadline - time.monotonic()), getattr(torch._C, "_storage_address", None))
+    found.group(names, [container for _, _, container in containers])
     # The largest unnamed tensors get the type of an object that refers to them.
     referred: dict = {}
     if time.monotonic() < deadline:
-        unnamed = sorted(((_storage_key(t)[1], id(t)) for t in first.values() if id(t) not in names), reverse=True)[:MAX_REFERRER_LOOKUPS]
-        if unnamed:
-            wanted = {i for _, i in unnamed}
-            targets = [t for t in first.values() if id(t) in wanted]
-            # The scan's own tables refer to every tensor: not an answer.
-            own = {id(first), id(shared), id(targets), *map(id, shared.values())}
-            referred = _referrers(targets, own)
-            del targets
-    return _rows(first, shared, names, containers, referred, complete)
+        targets = found.largest_unnamed(MAX_REFERRER_LOOKUPS, _nbytes)
+        if targets:
+            # The scan's own list refers to each: not an answer.
+            referred = _referrers(targets, {id(targets)})
+        del targets
+    return _rows(found, names, containers, referred, complete)
 
 
-def _rows(first: dict, shared: dict, names: dict, containers: list, referred: dict, complete: bool):
+def _rows(found, names: dict, containers: list, referred: dict, complete: bool):
     now = time.time()
     # Many tensors share a shape, a dtype and a device: each is spelled once.
     spelled: dict = {}
@@ -206,12 +153,13 @@ def _rows(first: dict, shared: dict, names: dict, containers: list, referred: di
 
     shape_text = lambda shape: "x".join(map(str, shape)) or "scalar"  # noqa: E731
     dtype_text = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
-    while first:
-        # Taken out as it is written: the scan's hold on each tensor goes with its row.
-        key, tensor = first.popitem()
-        group = shared.pop(key, None)
-        _, nbytes = _storage_key(tensor)
-        holder, kind = _holder(names.get(id(tensor)), containers)
+    for tensor, views, place in found:
+        nbytes = _nbytes(tensor)
+        if place is None:
+            holder, kind = names.get(id(tensor), (None, "tensor"))
+        else:
+            path, kind, _ = containers[place[0]]
+            holder = f"{path}[{place[1]!r}]"
         if holder is None:
             holder = referred.get(id(tensor))
         yield [
@@ -224,10 +172,11 @@ def _rows(first: dict, shared: dict, names: dict, containers: list, referred: di
             tensor.requires_grad,
             kind,
             holder,
-            1 if group is None else group[0],
+            views,
             complete,
         ]
-        del tensor, group
+        # The scan let the tensor go as it handed it out: the row's hold goes here.
+        del tensor
 
 
 def _referrers(targets: list, own: set) -> dict:
