@@ -191,6 +191,70 @@ def test_a_reply_of_many_rows_is_streamed_and_a_client_that_hangs_up_costs_nothi
     assert again == [{"n": 6001}], again
 
 
+FAKE_CUDA = LEAK.replace(
+    "torch.manual_seed(0)\n",
+    """torch.manual_seed(0)
+# torch has no CUDA on this machine: these three stand in for its caching
+# allocator's counters, so that what rankscope does with them (rows at
+# steps and on the interval, and the watcher's thread) can be checked. The
+# real counters are checked in test_torch_cuda.py, on a GPU.
+_allocator = {"allocated_bytes.all.current": 3 << 20, "reserved_bytes.all.current": 8 << 20, "allocated_bytes.all.peak": 5 << 20, "num_alloc_retries": 2, "num_ooms": 0}
+torch.cuda.is_initialized = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.memory_stats = lambda device=None: dict(_allocator)
+""",
+).replace("    kept.append(torch.randn(256))  # @leak\n", "    time.sleep(0.02)\n")
+
+
+def _threads(pid: int) -> list[str]:
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:
+            pass
+    return names
+
+
+def _rows_until(cli, pid, sql: str, enough, timeout: float = 20.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = query_json(cli, pid, sql)
+        if enough(rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def test_cuda_figures_join_the_timeline_at_steps_and_on_the_interval(torch_python, spawn, cli):
+    target = spawn(torch_python, FAKE_CUDA, env={"RANKSCOPE_MEMORY_INTERVAL_S": "0.2"})
+    # Nothing has asked torch about CUDA yet, and no driver is loaded: no watcher.
+    assert not any(name.startswith("rankscope-cuda") for name in _threads(target.pid))
+    assert cli(target.pid, "torch", "trace", "on").returncode == 0
+    run_steps(cli, target, 40, 40)
+    columns = "step, source, cuda_allocated_mb, cuda_reserved_mb, cuda_peak_mb, cuda_alloc_retries, cuda_ooms"
+    steps = query_json(cli, target.pid, f"SELECT CAST(ts AS BIGINT) AS t, {columns} FROM python.memory WHERE source = 'step' ORDER BY ts")
+    # 40 steps of 20 ms or more, a row at most every 100 ms.
+    assert 3 <= len(steps) < 40, steps
+    gaps = [(b["t"] - a["t"]) / 1e6 for a, b in zip(steps, steps[1:])]
+    # (Taken when each row was written, a little after its step was told.)
+    assert min(gaps) >= 0.08, gaps
+    assert all(r["cuda_allocated_mb"] == 3.0 and r["cuda_reserved_mb"] == 8.0 and r["cuda_peak_mb"] == 5.0 for r in steps), steps
+    assert all(r["cuda_alloc_retries"] == 2 and r["cuda_ooms"] == 0 for r in steps), steps
+    numbers = [r["step"] for r in steps]
+    assert numbers == sorted(numbers) and numbers[0] >= 1 and numbers[-1] <= 40, numbers
+    assert any(name.startswith("rankscope-cuda") for name in _threads(target.pid))
+
+    # No steps now: the watcher writes them on the sampler's interval.
+    assert cli(target.pid, "torch", "trace", "off").returncode == 0
+    sql = f"SELECT {columns} FROM python.memory WHERE source = 'interval' AND cuda_allocated_mb IS NOT NULL"
+    interval = _rows_until(cli, target.pid, sql, lambda rows: len(rows) >= 2)
+    assert len(interval) >= 2 and all(r["cuda_reserved_mb"] == 8.0 for r in interval), interval
+    # The plain interval rows (no GIL) go on beside them.
+    plain = query_json(cli, target.pid, "SELECT count(*) AS n FROM python.memory WHERE source = 'interval' AND cuda_allocated_mb IS NULL")
+    assert plain[0]["n"] >= 2, plain
+    assert target.proc.poll() is None
+
+
 def test_the_timeline_is_sampled_without_torch_and_objects_show_growth(python, spawn, cli):
     source = """
 import time

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import subprocess
+import time
 
 import pytest
 
@@ -122,3 +123,20 @@ hog = torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
     assert cuda and cuda[0]["device"] == "cuda:0" and cuda[0]["ooms"] >= 1 and cuda[0]["allocated_mb"] >= 3.9, cuda
     largest = record["memory"]["largest_tensors"]
     assert largest and largest[0]["device"] == "cuda:0", largest
+
+
+def test_the_timeline_has_cuda_figures_without_a_look(cuda_python, spawn, cli):
+    """The native sampler finds the CUDA driver loaded and its watcher adds
+    CUDA's figures on the interval; with the trace on, the step clock adds
+    them at steps too."""
+    target = spawn(cuda_python, CUDA_TRAIN, env={"RANKSCOPE_MEMORY_INTERVAL_S": "0.2"})
+    run_steps(cli, target, 5, 5)
+    sql = "SELECT count(*) AS n, max(cuda_allocated_mb) AS mb FROM python.memory WHERE source = 'interval' AND cuda_allocated_mb IS NOT NULL"
+    deadline = time.monotonic() + 20
+    while (rows := query_json(cli, target.pid, sql))[0]["n"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rows[0]["n"] >= 2 and rows[0]["mb"] > 0, rows
+    assert cli(target.pid, "torch", "trace", "on").returncode == 0
+    run_steps(cli, target, 200, 205)
+    steps = query_json(cli, target.pid, "SELECT step, cuda_allocated_mb, cuda_peak_mb FROM python.memory WHERE source = 'step'")
+    assert steps and all(r["step"] is not None and r["cuda_peak_mb"] >= r["cuda_allocated_mb"] > 0 for r in steps), steps

@@ -38,6 +38,13 @@ def snapshot_rows(head: list, locals: list, spill_within: float) -> None:
     """A breakpoint hit's `python.snapshots` row (`head`: ts, id, bp_id, hit,
     thread, func, file, lineno, log) and its locals' `[name, repr, type]`."""
     ...
+def gc_tracked() -> int:
+    """How many objects the collector tracks (`len(gc.get_objects())`)."""
+    ...
+def memory_watch_cuda() -> None:
+    """CUDA is in use: its figures join the memory timeline on the
+    sampler's interval (a thread that takes the GIL for them)."""
+    ...
 def gc_instances(types: type | tuple[type, ...]) -> list:
     """The objects the collector tracks whose type is one of `types` (or a
     subclass), found without `gc.get_objects()`'s list of every object."""

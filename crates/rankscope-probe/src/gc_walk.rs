@@ -160,6 +160,15 @@ pub fn visit_any(py: Python<'_>, visitor: &mut dyn FnMut(*mut ffi::PyObject)) ->
     Ok(())
 }
 
+/// `gc_tracked()`: how many objects the collector tracks, as
+/// `len(gc.get_objects())` without the list.
+#[pyfunction]
+pub fn gc_tracked(py: Python<'_>) -> PyResult<usize> {
+    let mut count = 0usize;
+    visit_any(py, &mut |_| count += 1)?;
+    Ok(count)
+}
+
 /// `gc_instances(types)`: the tracked objects of these types (or their
 /// subclasses), as `gc.get_objects()` filtered by type, without the list
 /// of every object in between.

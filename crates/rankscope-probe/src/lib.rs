@@ -279,6 +279,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(debug_wait::debug_posted, m)?)?;
     m.add_function(wrap_pyfunction!(gil::gil_parks, m)?)?;
     m.add_function(wrap_pyfunction!(gc_walk::gc_instances, m)?)?;
+    m.add_function(wrap_pyfunction!(gc_walk::gc_tracked, m)?)?;
+    m.add_function(wrap_pyfunction!(memory::memory_watch_cuda, m)?)?;
     m.add_class::<tensor_scan::TensorScan>()?;
     Ok(())
 }

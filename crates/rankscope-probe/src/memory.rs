@@ -6,8 +6,8 @@
 //! Python adds rows of its own (`memory_row`) where it knows more: at each
 //! `memory` look, and at torch steps where CUDA's allocator is in use.
 
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -21,9 +21,20 @@ const NO_STEP: i64 = i64::MIN;
 const USS_EVERY: u64 = 10;
 static STEP: AtomicI64 = AtomicI64::new(NO_STEP);
 /// The sampler's thread, and whether it should end (`stop_sampler`).
-static SAMPLER: Mutex<Option<(u32, JoinHandle<()>)>> = Mutex::new(None);
+static SAMPLER: ThreadSlot = Mutex::new(None);
 static STOPPING: Mutex<bool> = Mutex::new(false);
 static WAKE: Condvar = Condvar::new();
+/// The CUDA watcher's thread (see `memory_watch_cuda`), per process.
+static WATCHER: ThreadSlot = Mutex::new(None);
+static WATCHING: AtomicBool = AtomicBool::new(false);
+/// Moves on at each stop: a watcher told to end that has not woken yet
+/// must not carry on after a quick restart.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+/// When the last row with CUDA's figures was written (ms since the epoch).
+static LAST_CUDA_ROW_MS: AtomicU64 = AtomicU64::new(0);
+/// A watcher that found no CUDA in use through torch asks again after this
+/// many intervals.
+const CUDA_BACKOFF: u32 = 10;
 
 fn mb(bytes: u64) -> Cell {
     Cell::Float(bytes as f64 / (1 << 20) as f64)
@@ -57,35 +68,77 @@ fn now() -> f64 {
     rankscope_core::host::now_seconds()
 }
 
-/// Starts the sampler (once; again after `stop_sampler`). A child after
-/// fork has no thread: it starts one with a probe of its own.
-pub fn start_sampler() {
+fn interval() -> Option<Duration> {
     let seconds = std::env::var("RANKSCOPE_MEMORY_INTERVAL_S")
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .unwrap_or(1.0);
-    if !(seconds.is_finite() && seconds > 0.0) {
-        return;
+    (seconds.is_finite() && seconds > 0.0).then(|| Duration::from_secs_f64(seconds.max(0.01)))
+}
+
+/// Waits one interval; false when the probe stops.
+fn wait_interval(interval: Duration) -> bool {
+    let stopping = STOPPING.lock().unwrap_or_else(|e| e.into_inner());
+    let (stopping, _) = WAKE
+        .wait_timeout_while(stopping, interval, |stop| !*stop)
+        .unwrap_or_else(|e| e.into_inner());
+    !*stopping
+}
+
+/// Whether the CUDA driver is loaded in this process (no GIL, no file
+/// read: the loader's own list, under its lock).
+fn cuda_driver_loaded() -> bool {
+    let handle = unsafe {
+        libc::dlopen(
+            c"libcuda.so.1".as_ptr(),
+            libc::RTLD_LAZY | libc::RTLD_NOLOAD,
+        )
+    };
+    if handle.is_null() {
+        return false;
     }
+    unsafe { libc::dlclose(handle) };
+    true
+}
+
+/// A probe thread of this module, with the process that started it.
+type Owned = Option<(u32, JoinHandle<()>)>;
+type ThreadSlot = Mutex<Owned>;
+
+/// The interval, and `slot` locked, when the sampler is on and this process
+/// has no thread in the slot yet (a child after fork has none).
+fn vacant(slot: &'static ThreadSlot) -> Option<(Duration, MutexGuard<'static, Owned>)> {
+    let interval = interval()?;
+    let guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+    if guard
+        .as_ref()
+        .is_some_and(|(owner, _)| *owner == std::process::id())
+    {
+        return None;
+    }
+    Some((interval, guard))
+}
+
+/// Starts the sampler (once; again after `stop_sampler`). A child after
+/// fork has no thread: it starts one with a probe of its own.
+pub fn start_sampler() {
+    let Some((interval, mut sampler)) = vacant(&SAMPLER) else {
+        return;
+    };
     let pid = std::process::id();
-    let mut sampler = SAMPLER.lock().unwrap_or_else(|e| e.into_inner());
-    if sampler.as_ref().is_some_and(|(owner, _)| *owner == pid) {
-        return;
-    }
     *STOPPING.lock().unwrap_or_else(|e| e.into_inner()) = false;
-    let interval = Duration::from_secs_f64(seconds.max(0.01));
     let spawned = std::thread::Builder::new()
         .name("rankscope-memory".into())
         .spawn(move || {
             for sample in 0u64.. {
-                let stopping = STOPPING.lock().unwrap_or_else(|e| e.into_inner());
-                let (stopping, _) = WAKE
-                    .wait_timeout_while(stopping, interval, |stop| !*stop)
-                    .unwrap_or_else(|e| e.into_inner());
-                if *stopping {
+                if !wait_interval(interval) {
                     return;
                 }
-                drop(stopping);
+                // A program on CUDA gets CUDA's figures in its timeline
+                // without asking (the watcher takes the GIL for them).
+                if !WATCHING.load(Ordering::Relaxed) && cuda_driver_loaded() {
+                    start_watcher();
+                }
                 // RSS every time (/proc/PID/status, ~20 µs); USS and PSS one
                 // sample in ten: smaps_rollup walks every mapping under the
                 // process's mmap lock, milliseconds for a process with torch.
@@ -113,12 +166,74 @@ pub fn start_sampler() {
     }
 }
 
-/// Ends the sampler's thread and waits for it (the probe stops).
+/// The CUDA watcher: on each interval in which no row with CUDA's figures
+/// was written (the step clock writes them while it runs), it takes the
+/// GIL and has `rankscope._probe.memory.interval_row` write one. Its own
+/// thread, so that a GIL held for long stalls it and not the sampler, whose
+/// rows need no GIL. Once per process.
+fn start_watcher() {
+    let Some((interval, mut watcher)) = vacant(&WATCHER) else {
+        return;
+    };
+    let pid = std::process::id();
+    WATCHING.store(true, Ordering::Relaxed);
+    let generation = GENERATION.load(Ordering::Relaxed);
+    let spawned = std::thread::Builder::new()
+        .name("rankscope-cuda-memory".into())
+        .spawn(move || {
+            let mut skip = 0u32;
+            while wait_interval(interval) && GENERATION.load(Ordering::Relaxed) == generation {
+                let since = ((now() * 1000.0) as u64)
+                    .saturating_sub(LAST_CUDA_ROW_MS.load(Ordering::Relaxed));
+                if skip > 0 || since < interval.as_millis() as u64 {
+                    skip = skip.saturating_sub(1);
+                    continue;
+                }
+                let in_use = Python::try_attach(|py| {
+                    py.import("rankscope._probe.memory")
+                        .and_then(|m| m.call_method0("interval_row"))
+                        .and_then(|r| r.extract::<bool>())
+                        .unwrap_or(false)
+                });
+                match in_use {
+                    None => return,
+                    Some(false) => skip = CUDA_BACKOFF,
+                    Some(true) => {}
+                }
+            }
+        });
+    if let Ok(handle) = spawned {
+        *watcher = Some((pid, handle));
+    }
+}
+
+/// `memory_watch_cuda()`: Python found CUDA in use (a look, a step): the
+/// watcher starts, if the sampler runs.
+#[pyfunction]
+pub fn memory_watch_cuda() {
+    if SAMPLER
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .is_some_and(|(owner, _)| *owner == std::process::id())
+    {
+        start_watcher();
+    }
+}
+
+/// Ends the sampler's thread and waits for it (the probe stops). The
+/// watcher is told to end but not waited for: it may be waiting for the
+/// GIL, which the caller may hold.
 pub fn stop_sampler() {
     let taken = SAMPLER.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let Some((pid, handle)) = taken {
+    let watcher = WATCHER.lock().unwrap_or_else(|e| e.into_inner()).take();
+    WATCHING.store(false, Ordering::Relaxed);
+    GENERATION.fetch_add(1, Ordering::Relaxed);
+    if taken.is_some() || watcher.is_some() {
         *STOPPING.lock().unwrap_or_else(|e| e.into_inner()) = true;
         WAKE.notify_all();
+    }
+    if let Some((pid, handle)) = taken {
         if pid == std::process::id() {
             let _ = handle.join();
         }
@@ -179,9 +294,21 @@ pub fn memory_row(
         int(cuda_alloc_retries),
         int(cuda_ooms),
     ];
+    if cuda_allocated_mb.is_some() {
+        LAST_CUDA_ROW_MS.store((now() * 1000.0) as u64, Ordering::Relaxed);
+    }
     let source = source.to_string();
     py.detach(move || {
-        let proc = rankscope_memory::read_process(std::process::id()).map_err(|e| e.to_string())?;
+        // A look reads USS and PSS too; the rows of the timeline, written on
+        // the training thread at steps, only what /proc/PID/status has
+        // (smaps_rollup costs milliseconds in a process with torch).
+        let pid = std::process::id();
+        let proc = if source == "look" {
+            rankscope_memory::read_process(pid)
+        } else {
+            rankscope_memory::read_status(pid)
+        }
+        .map_err(|e| e.to_string())?;
         crate::store::append_row("memory", now(), cells(&source, &proc, python))
     })
     .map_err(pyo3::exceptions::PyOSError::new_err)

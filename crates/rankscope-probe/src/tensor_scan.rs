@@ -36,6 +36,9 @@ const FLAGS: usize = NAMED | IN_CONTAINER | DONE;
 const OWN_DEVICE: u64 = 0xFFFF;
 const PTR_BITS: u32 = 48;
 const CHECK_EVERY: usize = 1024;
+/// Items of one container looked at for names (a list of ten million
+/// samples is not a list of tensors).
+const MAX_ITEMS: isize = 1_000_000;
 
 #[derive(Clone, Copy)]
 struct Entry {
@@ -244,7 +247,9 @@ fn for_each_item_from(
     if let Ok(dict) = container.cast::<PyDict>() {
         let mut key = std::ptr::null_mut();
         let mut value = std::ptr::null_mut();
-        while unsafe { ffi::PyDict_Next(dict.as_ptr(), place, &mut key, &mut value) } != 0 {
+        while *place < MAX_ITEMS
+            && unsafe { ffi::PyDict_Next(dict.as_ptr(), place, &mut key, &mut value) } != 0
+        {
             // Borrowed from the dict; owned from here for the call.
             let (key, value) = unsafe {
                 (
@@ -259,7 +264,9 @@ fn for_each_item_from(
         return;
     }
     let item_at = |i: isize| -> Option<Bound<'_, PyAny>> {
-        if let Ok(list) = container.cast::<PyList>() {
+        if i >= MAX_ITEMS {
+            None
+        } else if let Ok(list) = container.cast::<PyList>() {
             list.get_item(i as usize).ok()
         } else {
             container.cast::<PyTuple>().ok()?.get_item(i as usize).ok()

@@ -10,6 +10,7 @@ figures are asked for only once the program has imported torch.
 """
 
 import gc
+import heapq
 import sys
 import time
 
@@ -38,34 +39,107 @@ def _torch():
     return sys.modules["torch"] if torch_ready() else None
 
 
+def _device_stats(torch, device: int) -> dict:
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "device": f"cuda:{device}",
+        "allocated_mb": stats.get("allocated_bytes.all.current", 0) / MB,
+        "reserved_mb": stats.get("reserved_bytes.all.current", 0) / MB,
+        "peak_mb": stats.get("allocated_bytes.all.peak", 0) / MB,
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "ooms": stats.get("num_ooms", 0),
+    }
+
+
 def _cuda(torch) -> list:
     """Per device: CUDA's caching allocator as torch counts it (host-side
     counters: no device sync)."""
     if torch is None or not torch.cuda.is_initialized():
         return []
-    out = []
-    for device in range(torch.cuda.device_count()):
-        stats = torch.cuda.memory_stats(device)
-        out.append(
-            {
-                "device": f"cuda:{device}",
-                "allocated_mb": stats.get("allocated_bytes.all.current", 0) / MB,
-                "reserved_mb": stats.get("reserved_bytes.all.current", 0) / MB,
-                "peak_mb": stats.get("allocated_bytes.all.peak", 0) / MB,
-                "alloc_retries": stats.get("num_alloc_retries", 0),
-                "ooms": stats.get("num_ooms", 0),
-            }
-        )
-    return out
+    return [_device_stats(torch, device) for device in range(torch.cuda.device_count())]
+
+
+class _Cuda:
+    """CUDA in the timeline. Once CUDA is in use, ``python.memory`` gets a
+    row with its figures at the steps the step clock tells (at most every
+    CUDA_STEP_NS) and, on the sampler's interval while no step has, from
+    the probe's CUDA watcher thread (``interval_row``; started by
+    ``_native.memory_watch_cuda``, which also starts when the native
+    sampler finds ``libcuda`` loaded)."""
+
+    seen = False
+    checked_ns = 0
+    told_ns = 0
+    # The device the row describes: the one whose allocator holds the most
+    # (a rank uses one GPU; the current device is per thread, and the
+    # watcher's is not the training thread's), chosen again every
+    # DEVICE_EVERY_NS.
+    device = None
+    chosen_ns = 0
+
+
+CUDA = _Cuda()
+CUDA_STEP_NS = 100_000_000
+CUDA_CHECK_NS = 1_000_000_000
+DEVICE_EVERY_NS = 10_000_000_000
+
+
+def _cuda_in_use(torch) -> bool:
+    if not CUDA.seen and torch is not None and torch.cuda.is_initialized():
+        from rankscope import _native
+
+        CUDA.seen = True
+        _native.memory_watch_cuda()
+    return CUDA.seen
+
+
+def _row_device(torch) -> dict:
+    now = time.monotonic_ns()
+    if CUDA.device is None or now - CUDA.chosen_ns >= DEVICE_EVERY_NS:
+        devices = _cuda(torch)
+        if not devices:
+            return {}
+        best = max(range(len(devices)), key=lambda i: devices[i]["reserved_mb"])
+        CUDA.device, CUDA.chosen_ns = best, now
+        return devices[best]
+    return _device_stats(torch, CUDA.device)
+
+
+def step_row(now_ns: int) -> None:
+    """The step clock's call as it tells the step (the training thread):
+    a row with CUDA's figures, at most every CUDA_STEP_NS, once CUDA is in
+    use (asked of torch at most every CUDA_CHECK_NS until it is)."""
+    try:
+        if not CUDA.seen:
+            if now_ns - CUDA.checked_ns < CUDA_CHECK_NS:
+                return
+            CUDA.checked_ns = now_ns
+            if not _cuda_in_use(sys.modules.get("torch")):
+                return
+        if now_ns - CUDA.told_ns >= CUDA_STEP_NS:
+            CUDA.told_ns = now_ns
+            cuda_row("step")
+    except Exception:  # noqa: BLE001 - the timeline goes on without this row
+        pass
+
+
+def interval_row() -> bool:
+    """The CUDA watcher's row, on an interval in which no step wrote one;
+    False while this process does not use CUDA through torch."""
+    torch = _torch()
+    if not _cuda_in_use(torch):
+        return False
+    cuda_row("interval")
+    return True
 
 
 def cuda_row(source: str) -> None:
-    """A ``python.memory`` row with CUDA's figures (device 0) and tracemalloc's."""
+    """A ``python.memory`` row with CUDA's figures (the device this process
+    uses most) and tracemalloc's."""
     from rankscope import _native
 
     torch = sys.modules.get("torch")
-    devices = _cuda(torch) if torch is not None else []
-    first = devices[0] if devices else {}
+    first = _row_device(torch) if torch is not None and _cuda_in_use(torch) else {}
     traced = None
     if TRACKING.python:
         tracemalloc = sys.modules.get("tracemalloc")
@@ -131,7 +205,7 @@ def summary(top: int, light: bool = False) -> dict:
         "pss_mb": now["pss"] / MB,
         "swap_mb": now["swap"] / MB,
         "python_blocks": sys.getallocatedblocks(),
-        "gc_objects": None if light else len(gc.get_objects()),
+        "gc_objects": None if light else _native.gc_tracked(),
         "torch": torch is not None,
         "cuda": _cuda(torch),
         "tracking": describe_tracking(),
@@ -143,12 +217,21 @@ def summary(top: int, light: bool = False) -> dict:
     if torch is not None and not light:
         from rankscope._probe.torch import tensors as tensor_scan
 
-        scan = tensor_scan.scan(budget_s=1.0)
+        # The rows as they come: a count, a sum and the largest few, never
+        # all of them at once.
+        count, total, complete, largest = 0, 0.0, True, []
+        for row in tensor_scan.scan_rows(budget_s=1.0):
+            count, total, complete = count + 1, total + row[4], row[-1]
+            entry = (row[5], count, row)
+            if len(largest) < top:
+                heapq.heappush(largest, entry)
+            elif entry > largest[0]:
+                heapq.heapreplace(largest, entry)
         out["tensors"] = {
-            "count": len(scan["rows"]),
-            "mb": sum(r[4] for r in scan["rows"]),
-            "complete": scan["complete"],
-            "largest": [dict(zip(TENSOR_COLUMNS, r[1:])) for r in sorted(scan["rows"], key=lambda r: -r[5])[:top]],
+            "count": count,
+            "mb": total,
+            "complete": complete,
+            "largest": [dict(zip(TENSOR_COLUMNS, row[1:])) for _, _, row in sorted(largest, key=lambda e: -e[0])],
         }
     then = dict(_last)
     growth = {}

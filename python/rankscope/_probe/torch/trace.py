@@ -40,6 +40,7 @@ import weakref
 import torch
 
 from rankscope import _native
+from rankscope._probe import memory as _timeline
 from rankscope._probe.torch import models, tables, timed
 
 _perf = time.perf_counter_ns
@@ -50,6 +51,8 @@ EDIT_WAIT_S = 2.0
 MAX_REDISCOVERY_INTERVAL = 1024
 # The memory timeline's rows carry the step (``_native.set_step``), told at
 # most this often: a call into the probe per step is a cost of its own.
+# Where CUDA is in use, telling the step also gives the timeline a row with
+# CUDA's figures (``memory.step_row``, itself at most every 100 ms).
 STEP_TOLD_NS = 20_000_000
 # What the step is told as once the clock stops: no step (the native side's
 # i64::MIN), so that later memory rows and profile samples carry none.
@@ -514,6 +517,7 @@ class Tracer:
             if now - self.step_told >= STEP_TOLD_NS:
                 _native.set_step(step + 1)
                 self.step_told = now
+                _timeline.step_row(now)
             if now >= tables.due:
                 tables.flush()
             return
@@ -541,6 +545,7 @@ class Tracer:
             if now - self.step_told >= STEP_TOLD_NS:
                 _native.set_step(completed)
                 self.step_told = now
+                _timeline.step_row(now)
             self.last_end = now
             self._reset_step()
             if self.tracing and self.step % self.every == 0:
