@@ -69,3 +69,11 @@ class TensorScan:
     def __next__(self) -> tuple:
         """(tensor, views, None or (container index, item index or key))."""
         ...
+
+class FiniteCheck:
+    """`FiniteCheck((float32, float64, float16, bfloat16))`; `check(tensors)`
+    reads contiguous CPU tensors in place: whether every element is finite,
+    or None where a tensor is not one it reads."""
+
+    def __init__(self, dtypes: tuple) -> None: ...
+    def check(self, tensors) -> bool | None: ...

@@ -7,6 +7,7 @@
 mod crash_hook;
 mod deadline;
 mod debug_wait;
+mod finite;
 mod frame_trace;
 mod gc_walk;
 mod gil;
@@ -282,5 +283,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gc_walk::gc_tracked, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_watch_cuda, m)?)?;
     m.add_class::<tensor_scan::TensorScan>()?;
+    m.add_class::<finite::FiniteCheck>()?;
     Ok(())
 }

@@ -4,9 +4,11 @@ appeared, into ``python.nan_events`` and a crash-style record.
 Armed, a step costs a stand-in for the ``forward`` of each model's root
 (``timed.py``: cheaper than forward hooks; it keeps a reference to the step's input, the RNG state at its start,
 and the loss, and put a tensor hook on the output for the gradient that
-reaches it) and, at the optimizer's pre-hook, the gradients' norms in one
-fused kernel (``torch._foreach_norm``) and one finiteness check. On a CPU
-that check is read at once. On a GPU it is copied out with a CUDA event and
+reaches it) and, at the optimizer's pre-hook, a finiteness check of the
+loss and the gradients. On a CPU the values themselves are read in place
+(``_native.FiniteCheck``, crates/rankscope-probe/src/finite.rs), at once.
+On a GPU their norms are taken in one fused kernel (``torch._foreach_norm``),
+and the check is copied out with a CUDA event and
 read at the next step boundary, never with a device sync; the step it
 names is the one it was computed in, but by then the optimizer has applied
 those gradients, so the search below runs on weights that may already be
@@ -45,6 +47,7 @@ import weakref
 
 import torch
 
+from rankscope import _native
 from rankscope._probe.torch import models, tables, timed
 from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors
 
@@ -268,6 +271,15 @@ class NanWatch:
         """`params`: the step's parameters with gradients, or a function
         that lists them (called only on a trip)."""
         loss = self.step.loss
+        if grads or loss is not None:
+            # On a CPU the values themselves, read in place (see finite.rs):
+            # a NaN or an Inf element, not a norm that overflowed.
+            finite = _finite_check().check([*grads, loss] if loss is not None else grads)
+            if finite is not None:
+                self.checked_steps += 1
+                if not finite and self.tripped_at is None:
+                    self._trip(step_number, self.step, params, late=False)
+                return
         values = list(torch._foreach_norm(grads)) if grads else []
         if loss is not None:
             values.append(loss)
@@ -432,6 +444,15 @@ class NanWatch:
             "events": self.events,
             "disabled": self.disabled,
         }
+
+
+_FINITE = []
+
+
+def _finite_check():
+    if not _FINITE:
+        _FINITE.append(_native.FiniteCheck((torch.float32, torch.float64, torch.float16, torch.bfloat16)))
+    return _FINITE[0]
 
 
 def _loss_name() -> str:
