@@ -225,6 +225,40 @@ def _rows_until(cli, pid, sql: str, enough, timeout: float = 20.0) -> list[dict]
         time.sleep(0.1)
 
 
+ODD_TENSORS = """
+import time
+import torch
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+sparse = torch.eye(4).to_sparse()
+on_meta = torch.empty(1000, 1000, device="meta")
+tagged = torch.ones(3).as_subclass(Tagged)
+nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8)
+transposed = torch.ones(10, 10).t()
+print("READY", flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+def test_odd_tensors_get_rows_and_the_scan_goes_on(torch_python, spawn, cli):
+    """Sparse, meta, nested, quantized and subclassed tensors: each gets a
+    row (a nested tensor has no single shape), and none ends the scan."""
+    target = spawn(torch_python, ODD_TENSORS)
+    rows = query_json(cli, target.pid, "SELECT holder, shape, dtype, device, bytes FROM python.tensors WHERE holder IS NOT NULL ORDER BY holder")
+    by = {r["holder"]: r for r in rows}
+    assert by["nested"]["shape"] == "nested", rows
+    assert by["on_meta"] == {"holder": "on_meta", "shape": "1000x1000", "dtype": "float32", "device": "meta", "bytes": 0}, rows
+    assert by["sparse"]["shape"] == "4x4" and by["quantized"]["dtype"] == "quint8", rows
+    assert by["tagged"]["shape"] == "3" and by["transposed"]["bytes"] == 400, rows
+    assert target.proc.poll() is None
+
+
 def test_cuda_figures_join_the_timeline_at_steps_and_on_the_interval(torch_python, spawn, cli):
     target = spawn(torch_python, FAKE_CUDA, env={"RANKSCOPE_MEMORY_INTERVAL_S": "0.2"})
     # Nothing has asked torch about CUDA yet, and no driver is loaded: no watcher.

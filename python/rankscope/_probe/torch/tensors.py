@@ -102,11 +102,16 @@ def _nbytes(tensor) -> int:
     so only the tensors that need it pay for it; a tensor resized smaller
     in place reports its own size."""
     try:
+        if tensor.is_meta:
+            return 0  # shapes only, no memory
         if tensor._is_view() or tensor.storage_offset() or not tensor.is_contiguous():
             return tensor.untyped_storage().nbytes()
         return tensor.nbytes
     except Exception:  # noqa: BLE001 - a tensor without a storage (sparse, a subclass)
-        return tensor.numel() * tensor.element_size()
+        try:
+            return tensor.numel() * tensor.element_size()
+        except Exception:  # noqa: BLE001 - nor an element count
+            return 0
 
 
 def scan(budget_s: float = 2.0) -> dict:
@@ -162,9 +167,13 @@ def _rows(found, names: dict, containers: list, referred: dict, complete: bool):
             holder = f"{path}[{place[1]!r}]"
         if holder is None:
             holder = referred.get(id(tensor))
+        try:
+            shape = spell(tensor.shape, shape_text)
+        except Exception:  # noqa: BLE001 - a nested tensor has no single shape
+            shape = "nested" if getattr(tensor, "is_nested", False) else "?"
         yield [
             now,
-            spell(tensor.shape, shape_text),
+            shape,
             spell(tensor.dtype, dtype_text),
             spell(tensor.device, str),
             nbytes / float(1 << 20),
