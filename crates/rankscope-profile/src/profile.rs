@@ -65,20 +65,6 @@ impl FrameRef<'_> {
     }
 }
 
-/// A stack's signature is folded frame by frame, outermost first, so that
-/// a prefix's is where the rest of the stack's starts from.
-const SIG_START: u64 = 0x243f_6a88_85a3_08d3;
-
-#[inline]
-fn sig_step(sig: u64, frame: &FrameRef<'_>) -> u64 {
-    sig.rotate_left(5) ^ frame.sig()
-}
-
-#[inline]
-fn sig_end(sig: u64, frames: usize) -> u64 {
-    sig.rotate_left(5) ^ frames as u64
-}
-
 /// The last 8 bytes of `s` (all of it if shorter) as one number; between
 /// strings of one length under 8 bytes, equal numbers are equal strings.
 #[inline]
@@ -126,176 +112,131 @@ fn same_bytes(a: &[u8], b: &[u8]) -> bool {
     }
 }
 
-/// The interned frames again, as the fold compares them: each one's line
-/// and lengths side by side in `heads`, and its names one after the other
-/// in `text`, so that a frame is read from two places close to others
-/// where a `FrameKey` and its two strings were three places on the heap.
-#[derive(Debug, Clone, Default)]
-struct FrameTexts {
-    heads: Vec<FrameHead>,
-    text: Vec<u8>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct FrameHead {
-    line: i64,
-    func: usize,
-    file: usize,
-    /// Where its function's name starts in `text`, the file's after it.
-    at: usize,
-}
-
-impl FrameTexts {
-    fn push(&mut self, key: &FrameKey) {
-        self.heads.push(FrameHead {
-            line: key.line,
-            func: key.func.len(),
-            file: key.file.len(),
-            at: self.text.len(),
-        });
-        self.text.extend_from_slice(key.func.as_bytes());
-        self.text.extend_from_slice(key.file.as_bytes());
-    }
-
-    /// Whether `frame` is frame `id` of `keys`.
-    #[inline(always)]
-    fn is(&self, id: usize, frame: &FrameRef<'_>, keys: &[FrameKey]) -> bool {
-        // A frame put in `Profile::frames` other than by `Profile::frame`
-        // has no text here.
-        let Some(head) = self.heads.get(id) else {
-            return frame.is(&keys[id]);
-        };
-        let (func, file) = (frame.func.as_bytes(), frame.file.as_bytes());
-        if head.line != frame.line || head.func != func.len() || head.file != file.len() {
-            return false;
-        }
-        let (func_at, file_at) =
-            self.text[head.at..head.at + head.func + head.file].split_at(head.func);
-        same_bytes(func, func_at) && same_bytes(file, file_at)
-    }
-}
-
 /// The end of a chain of `frame_same_sig`.
 const NONE: usize = usize::MAX;
 
-/// The stacks seen through `add_sample`, by signature. Finding a stack
-/// among many costs cache misses as much as instructions: samples come in
-/// no order, and most of a long tail of stacks is out of the cache when its
-/// next sample comes. So what is read for a sample is kept small and close
-/// together: a slot of 8 bytes (a tag from the signature and the stack's
-/// id; about 512 KB for 50 k stacks) and the stack's frame ids, copied as
-/// u32 one after another in `records`, where `stacks` through a hash map
-/// cost four reads (control bytes, bucket, the Vec, its contents) in more
-/// than twice the memory. The slot gives the stack's id before its frames
-/// are read, so that its count is looked up while they are compared.
-/// Open addressing with linear probing; every slot with the sample's tag
-/// is a candidate, compared frame by frame before it is taken.
-#[derive(Debug, Clone, Default)]
-struct StackIndex {
-    /// `tag << 32 | stack + 1`; 0 is empty.
-    slots: Vec<u64>,
-    used: usize,
-    /// 64 less log2 of the slots: a slot's home is the top of its tag.
-    shift: u32,
-    /// Where each stack's frames start in `records` (its length, then the
-    /// ids); u32::MAX for a stack not in the index.
-    starts: Vec<u32>,
-    records: Vec<u32>,
+/// A 64x64-bit product's two halves, xored: the mixing step of wyhash and
+/// foldhash, one multiply for 16 bytes of input.
+#[inline(always)]
+fn fold_mul(a: u64, b: u64) -> u64 {
+    let r = u128::from(a) * u128::from(b);
+    (r as u64) ^ ((r >> 64) as u64)
 }
 
-impl StackIndex {
-    /// The signature's tag: its top 32 bits after a multiply, because the
-    /// signature's own low bits vary little from stack to stack.
-    #[inline]
-    fn tag(sig: u64) -> u64 {
-        sig.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32
-    }
+const K0: u64 = 0x243f_6a88_85a3_08d3;
+const K1: u64 = 0x1319_8a2e_0370_7344;
+const K2: u64 = 0xa409_3822_299f_31d0;
+const K3: u64 = 0x082e_fa98_ec4e_6c89;
 
-    #[inline]
-    fn home(&self, tag: u64) -> usize {
-        ((tag << 32) >> self.shift) as usize
-    }
-
-    /// The stacks that may be the one with `sig`.
-    #[inline]
-    fn candidates(&self, sig: u64) -> impl Iterator<Item = usize> + '_ {
-        let tag = Self::tag(sig);
-        let mask = self.slots.len().wrapping_sub(1);
-        let mut at = if self.slots.is_empty() {
-            0
-        } else {
-            self.home(tag)
-        };
-        std::iter::from_fn(move || loop {
-            let slot = *self.slots.get(at)?;
-            if slot == 0 {
-                return None;
-            }
-            at = (at + 1) & mask;
-            if slot >> 32 == tag {
-                return Some((slot & u64::from(u32::MAX)) as usize - 1);
-            }
-        })
-    }
-
-    /// A stack's frame ids, if it is in the index.
-    #[inline]
-    fn frames(&self, stack: usize) -> Option<&[u32]> {
-        let start = *self.starts.get(stack)? as usize;
-        let len = *self.records.get(start)? as usize;
-        Some(&self.records[start + 1..start + 1 + len])
-    }
-
-    /// Adds a stack not in the index, if u32 can describe it; one that it
-    /// cannot takes the slow road.
-    fn insert(&mut self, sig: u64, stack: usize, frames: &[usize]) -> bool {
-        let start = self.records.len();
-        let fits = |n: usize| n < u32::MAX as usize - 1;
-        if !(fits(start) && fits(stack) && fits(frames.len()) && frames.iter().all(|&f| fits(f))) {
-            return false;
+/// Every byte of `s` folded into `h`, 16 bytes a multiply. Up to 16
+/// bytes are read as two (overlapping) words, which with the length (in
+/// `h` already, see `frame_hash`) say exactly which string it was; longer
+/// ones 16 bytes at a time, the last block overlapping the one before.
+#[inline(always)]
+fn absorb(s: &[u8], mut h: u64, k: u64) -> u64 {
+    let n = s.len();
+    if n > 32 {
+        let mut at = 0;
+        while at + 16 < n {
+            h = fold_mul(word(s, at) ^ k, word(s, at + 8) ^ h);
+            at += 16;
         }
-        if (self.used + 1) * 8 > self.slots.len() * 7 {
-            self.grow();
-        }
-        self.records.push(frames.len() as u32);
-        self.records.extend(frames.iter().map(|&f| f as u32));
-        if self.starts.len() <= stack {
-            self.starts.resize(stack + 1, u32::MAX);
-        }
-        self.starts[stack] = start as u32;
-        self.place((Self::tag(sig) << 32) | (stack as u64 + 1));
-        self.used += 1;
-        true
+    } else if n > 16 {
+        h = fold_mul(word(s, 0) ^ k, word(s, 8) ^ h);
+    } else if n >= 8 {
+        return fold_mul(word(s, 0) ^ k, word(s, n - 8) ^ h);
+    } else if n >= 4 {
+        return fold_mul(u64::from(half(s, 0)) ^ k, u64::from(half(s, n - 4)) ^ h);
+    } else if n > 0 {
+        let a = (u64::from(s[0]) << 16) | (u64::from(s[n / 2]) << 8) | u64::from(s[n - 1]);
+        return fold_mul(a ^ k, h);
+    } else {
+        return fold_mul(k, h);
     }
+    fold_mul(word(s, n - 16) ^ k, word(s, n - 8) ^ h)
+}
 
-    fn place(&mut self, slot: u64) {
-        let mask = self.slots.len() - 1;
-        let mut at = self.home(slot >> 32);
-        while self.slots[at] != 0 {
-            at = (at + 1) & mask;
-        }
-        self.slots[at] = slot;
+#[inline]
+fn half(s: &[u8], at: usize) -> u32 {
+    let mut bytes = [0u8; 4];
+    bytes.copy_from_slice(&s[at..at + 4]);
+    u32::from_le_bytes(bytes)
+}
+
+/// A frame's names and line, every byte of them, in one number: the line
+/// and both lengths first (so that where one name ends and the next
+/// begins counts), then each name's bytes.
+#[inline(always)]
+fn frame_hash(frame: &FrameRef<'_>) -> u64 {
+    let (func, file) = (frame.func.as_bytes(), frame.file.as_bytes());
+    let shape = frame.line as u64 ^ ((func.len() as u64) << 32) ^ ((file.len() as u64) << 48);
+    absorb(file, absorb(func, shape ^ K0, K1), K2)
+}
+
+/// A stack's key: its frames' hashes chained two ways, outermost first,
+/// and its depth. Two different stacks get the same key with odds of
+/// about n^2 / 2^64 for n distinct frames (a frame's hash is 64 bits;
+/// 1e-10 for 100 k of them), so a key found is taken without comparing
+/// the sample's names with the stack's: that comparison, of every byte of
+/// every frame (each sample's names are fresh strings from py-spy), was
+/// most of the fold's time.
+#[inline]
+fn stack_hash(frames: &[FrameRef<'_>]) -> u128 {
+    let (mut one, mut two) = (K2, K3);
+    for frame in frames {
+        let h = frame_hash(frame);
+        one = fold_mul(one ^ h, K1);
+        two = (two ^ h).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(23);
     }
+    (u128::from(one ^ frames.len() as u64) << 64) | u128::from(two)
+}
 
-    fn grow(&mut self) {
-        let size = (self.slots.len() * 2).max(1024);
-        let old = std::mem::replace(&mut self.slots, vec![0; size]);
-        self.shift = 64 - size.trailing_zeros();
-        for slot in old.into_iter().filter(|&s| s != 0) {
-            self.place(slot);
-        }
+/// A sample's key: its stack's, told apart by thread, idle and GIL (a
+/// multiply by an odd number is one-to-one, so no two of those meet).
+const TALLY_MIX: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
+
+#[inline]
+fn tally_key(stack: u128, thread: usize, idle: bool, gil: bool) -> u128 {
+    let tag = ((thread as u128) << 2) | (u128::from(idle) << 1) | u128::from(gil);
+    stack ^ tag.wrapping_add(1).wrapping_mul(TALLY_MIX)
+}
+
+/// A tally's (thread, stack, idle, GIL) in one word, where they fit.
+fn pack(thread: usize, stack: usize, idle: bool, gil: bool) -> Option<u64> {
+    let (thread, stack) = (u64::try_from(thread).ok()?, u64::try_from(stack).ok()?);
+    (thread < 1 << 30 && stack < 1 << 32)
+        .then(|| (stack << 32) | (thread << 2) | (u64::from(idle) << 1) | u64::from(gil))
+}
+
+fn unpack(packed: u64) -> StackKey {
+    StackKey {
+        thread: ((packed & 0xffff_ffff) >> 2) as usize,
+        stack: (packed >> 32) as usize,
+        idle: packed & 2 != 0,
+        gil: packed & 1 != 0,
     }
 }
 
-/// A thread's last stack found through the index, and the signature of
-/// each of its prefixes (`sigs[i]`: of its first i frames): the next
-/// sample of the thread is compared with it first, and what it shares
-/// with it needs neither a signature nor a second comparison.
-#[derive(Debug, Clone, Default)]
-struct Recent {
-    stack: Option<usize>,
-    sigs: Vec<u64>,
+/// Keys that are already well mixed are their own hash.
+#[derive(Default, Clone, Copy)]
+struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u128 keys come here; anything else is hashed plainly.
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u128(&mut self, key: u128) {
+        self.0 = key as u64 ^ (key >> 64) as u64;
+    }
 }
+
+type KeyMap<V> = std::collections::HashMap<u128, V, std::hash::BuildHasherDefault<KeyHasher>>;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ThreadInfo {
@@ -331,6 +272,8 @@ pub struct Profile {
     pub frames: Vec<FrameKey>,
     pub stacks: Vec<Vec<usize>>,
     pub threads: Vec<ThreadInfo>,
+    /// Samples per (thread, stack, idle, GIL): those of `add` at once,
+    /// those of `add_sample` once `finish` is called.
     pub counts: FxHashMap<StackKey, u64>,
     pub slices: Vec<Slice>,
     /// Samples taken (one per tick, all threads), ticks missed because a
@@ -353,12 +296,18 @@ pub struct Profile {
     /// copying it, and a candidate is compared before it is taken.
     frame_by_sig: FxHashMap<u64, usize>,
     frame_same_sig: Vec<usize>,
-    texts: FrameTexts,
     stack_ids: FxHashMap<Vec<usize>, usize>,
-    index: StackIndex,
-    recent: FxHashMap<usize, Recent>,
+    /// Stacks met through `add_sample`, by key (`stack_hash`).
+    by_key: KeyMap<usize>,
+    /// `add_sample`'s counts until `finish` adds them to `counts`: the
+    /// stack and count of each (thread, stack, idle, GIL), found by the
+    /// sample's key (`tally_key`) in one lookup of a 32-byte entry, where
+    /// a stack's id and then its entry in `counts` were two lookups, each
+    /// a likely cache miss for a stack of the long tail.
+    tallies: KeyMap<(u64, u64)>,
     thread_ids: FxHashMap<u64, usize>,
-    open: FxHashMap<usize, Slice>,
+    /// Each thread's run of equal samples so far.
+    open: Vec<Option<Slice>>,
 }
 
 impl Profile {
@@ -391,13 +340,7 @@ impl Profile {
     }
 
     fn new_frame(&mut self, sig: u64, key: FrameKey) -> usize {
-        // Frames pushed to `frames` from outside get their text here, so
-        // that `texts` stays indexed by frame id.
-        for old in self.frames.iter().skip(self.texts.heads.len()) {
-            self.texts.push(old);
-        }
         let id = self.frames.len();
-        self.texts.push(&key);
         self.frames.push(key);
         let next = self.frame_by_sig.insert(sig, id).unwrap_or(NONE);
         self.frame_same_sig.resize(id + 1, NONE);
@@ -431,68 +374,56 @@ impl Profile {
         gil: bool,
         at_s: f64,
     ) {
-        let recent = self.recent.entry(thread).or_default();
-        let prev: &[u32] = recent
-            .stack
-            .and_then(|stack| self.index.frames(stack))
-            .unwrap_or(&[]);
-        let shared = frames
-            .iter()
-            .zip(prev)
-            .take_while(|&(f, &id)| self.texts.is(id as usize, f, &self.frames))
-            .count();
-        if let Some(stack) = recent.stack {
-            if shared == frames.len() && shared == prev.len() {
-                self.count(thread, stack, idle, gil, at_s);
-                return;
+        let key = tally_key(stack_hash(frames), thread, idle, gil);
+        let stack = match self.tallies.get_mut(&key) {
+            Some((packed, count)) => {
+                *count += 1;
+                (*packed >> 32) as usize
             }
-        }
-        // The signature of the frames shared with the last stack is known.
-        if recent.sigs.is_empty() {
-            recent.sigs.push(SIG_START);
-        }
-        recent.sigs.resize(frames.len() + 1, 0);
-        let (known, rest) = recent.sigs.split_at_mut(shared + 1);
-        let mut sig = known[shared];
-        for (f, at) in frames[shared..].iter().zip(rest) {
-            sig = sig_step(sig, f);
-            *at = sig;
-        }
-        let sig = sig_end(sig, frames.len());
-        let prefix = &prev[..shared];
-        let mut found = None;
-        for stack in self.index.candidates(sig) {
-            let key = StackKey {
+            None => {
+                let stack = self.new_tally(key, thread, frames, idle, gil);
+                match pack(thread, stack, idle, gil) {
+                    Some(packed) => {
+                        self.tallies.insert(key, (packed, 1));
+                    }
+                    // Past what a tally holds (4 G stacks, 1 G threads):
+                    // counted the long way.
+                    None => *self.counts.entry(StackKey { thread, stack, idle, gil }).or_default() += 1,
+                }
+                stack
+            }
+        };
+        self.count_rest(
+            StackKey {
                 thread,
                 stack,
                 idle,
                 gil,
-            };
-            // Asked before the comparison below, not after, so that the
-            // two reads from memory overlap; dropped if it is not the
-            // sample's stack.
-            let count = self.counts.entry(key);
-            let ids = self.index.frames(stack).unwrap_or(&[]);
-            if ids.len() == frames.len()
-                && ids[..shared] == *prefix
-                && ids[shared..]
-                    .iter()
-                    .zip(&frames[shared..])
-                    .all(|(&id, f)| self.texts.is(id as usize, f, &self.frames))
-            {
-                *count.or_default() += 1;
-                recent.stack = Some(stack);
-                found = Some(key);
-                break;
-            }
+            },
+            at_s,
+        );
+    }
+
+    /// The stack of a sample whose key is new: found by its key alone
+    /// when another thread (or the same one, idle or not) was seen in it,
+    /// interned otherwise.
+    #[cold]
+    fn new_tally(
+        &mut self,
+        key: u128,
+        thread: usize,
+        frames: &[FrameRef<'_>],
+        idle: bool,
+        gil: bool,
+    ) -> usize {
+        // The mix is an xor: the same call takes it off again.
+        let stack_key = tally_key(key, thread, idle, gil);
+        if let Some(&stack) = self.by_key.get(&stack_key) {
+            return stack;
         }
-        if let Some(key) = found {
-            self.count_rest(key, at_s);
-            return;
-        }
-        let mut ids: Vec<usize> = prefix.iter().map(|&id| id as usize).collect();
-        for f in &frames[shared..] {
-            let id = match self.known_frame(f) {
+        let ids: Vec<usize> = frames
+            .iter()
+            .map(|f| match self.known_frame(f) {
                 Some(id) => id,
                 None => self.new_frame(
                     f.sig(),
@@ -502,16 +433,11 @@ impl Profile {
                         line: f.line,
                     },
                 ),
-            };
-            ids.push(id);
-        }
-        // A stack made by `add` is not in the index yet; one that was would
-        // have been found above.
+            })
+            .collect();
         let stack = self.stack(ids);
-        let indexed = self.index.insert(sig, stack, &self.stacks[stack]);
-        let recent = self.recent.entry(thread).or_default();
-        recent.stack = indexed.then_some(stack);
-        self.count(thread, stack, idle, gil, at_s);
+        self.by_key.insert(stack_key, stack);
+        stack
     }
 
     /// The same with `frames` already interned (frame indices).
@@ -574,11 +500,14 @@ impl Profile {
             idle,
             gil,
         } = key;
-        match self.open.get_mut(&thread) {
+        if self.open.len() <= thread {
+            self.open.resize(thread + 1, None);
+        }
+        match &mut self.open[thread] {
             Some(run) if run.stack == stack && run.idle == idle && run.gil == gil => {
                 run.end_s = at_s + interval
             }
-            _ => {
+            open => {
                 let run = Slice {
                     thread,
                     stack,
@@ -587,18 +516,20 @@ impl Profile {
                     start_s: at_s,
                     end_s: at_s + interval,
                 };
-                if let Some(done) = self.open.insert(thread, run) {
+                if let Some(done) = open.replace(run) {
                     self.slices.push(done);
                 }
             }
         }
     }
-    /// Closes the open runs; call once sampling has ended.
+    /// Closes the open runs and puts `add_sample`'s tallies in `counts`;
+    /// call once sampling has ended.
     pub fn finish(&mut self, duration_s: f64) {
         self.duration_s = duration_s;
-        let mut open: Vec<Slice> = self.open.drain().map(|(_, s)| s).collect();
-        open.sort_by_key(|s| s.thread);
-        self.slices.extend(open);
+        self.slices.extend(self.open.drain(..).flatten());
+        for (_, (packed, n)) in self.tallies.drain() {
+            *self.counts.entry(unpack(packed)).or_default() += n;
+        }
     }
 
     /// Only the samples `keep` says yes to (`--idle`, `--gil`, `--no-idle`).
@@ -683,6 +614,7 @@ mod tests {
         p.add_sample(t, &at(5), false, true, 0.0);
         p.add_sample(t, &at(5), false, true, 0.01);
         p.add_sample(t, &at(6), false, true, 0.02);
+        p.finish(0.03);
         assert_eq!(p.stacks.len(), 2);
         assert_eq!(p.frames.len(), 3);
         assert_eq!(p.sorted_counts()[0].1, 2);
@@ -746,6 +678,7 @@ mod tests {
                 p.add_sample(u, &sample(names), i % 2 == 0, false, round as f64);
             }
         }
+        p.finish(3.0);
         assert_eq!(p.stacks.len(), stacks.len());
         for (i, names) in stacks.iter().enumerate() {
             let labels: Vec<String> = p.stacks[i]
@@ -811,6 +744,7 @@ mod tests {
             let key: Vec<String> = frames.iter().map(|f| f.to_string()).collect();
             *want.entry((thread, key)).or_default() += 1;
         }
+        p.finish(5000.0);
         let mut got: std::collections::HashMap<(usize, Vec<String>), u64> = Default::default();
         for (key, &n) in &p.counts {
             let frames: Vec<String> = p.stacks[key.stack]
@@ -826,5 +760,40 @@ mod tests {
             );
         }
         assert_eq!(got, want);
+    }
+
+    /// A stack's key sees every byte: strings of each length up to 70
+    /// that differ in one byte, or in their length alone, hash apart.
+    #[test]
+    fn every_byte_and_the_length_change_the_hash() {
+        let hash = |bytes: &[u8], as_file: bool| {
+            let name = std::str::from_utf8(bytes).unwrap();
+            let (func, file) = if as_file { ("f", name) } else { (name, "/x/a.py") };
+            frame_hash(&FrameRef { func, file, line: 3 })
+        };
+        for n in 0..70usize {
+            let base: Vec<u8> = (0..n).map(|i| b'a' + (i % 26) as u8).collect();
+            for as_file in [false, true] {
+                let h = hash(&base, as_file);
+                for at in 0..n {
+                    let mut other = base.clone();
+                    other[at] ^= 1;
+                    assert_ne!(h, hash(&other, as_file), "length {n}, byte {at}");
+                }
+                let mut longer = base.clone();
+                longer.push(b'a');
+                assert_ne!(h, hash(&longer, as_file), "length {n} and {}", n + 1);
+            }
+        }
+        // A frame's line and where its names split count too.
+        let f = |func, file, line| FrameRef { func, file, line };
+        let key = |frames: &[FrameRef<'_>]| stack_hash(frames);
+        assert_ne!(key(&[f("ab", "c", 1)]), key(&[f("a", "bc", 1)]));
+        assert_ne!(key(&[f("a", "b", 1)]), key(&[f("a", "b", 2)]));
+        assert_ne!(
+            key(&[f("a", "b", 1), f("c", "d", 1)]),
+            key(&[f("c", "d", 1), f("a", "b", 1)])
+        );
+        assert_ne!(key(&[]), key(&[f("", "", 0)]));
     }
 }

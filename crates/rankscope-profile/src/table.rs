@@ -154,6 +154,7 @@ mod tests {
         let mut other = Profile::new(42, 100.0, 0.0);
         let t = other.thread(1, "MainThread");
         other.add_sample(t, &[frame("other", 1)], false, true, 0.0);
+        other.finish(0.01);
         // Host `node-1-42`, pid 42, wrote `node-1-42-42-0`: not pid 42 of `node-1`.
         keep(&other, dir.path(), "node-1-42").unwrap();
         let dirs = [dir.path().to_path_buf()];
