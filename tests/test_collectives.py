@@ -97,6 +97,26 @@ def test_cluster_bt_names_the_collective_and_the_rank_that_never_joined(default_
         assert status.returncode == 0, status.stderr
         assert "collectives: recorded (gloo backend)" in status.stdout, status.stdout
         assert "in flight: all_reduce #6" in status.stdout, status.stdout
+
+        # The job is killed while hung (a scheduler's timeout): the run
+        # store still says where each rank waited. A collective open for
+        # two seconds is written as it is; its wait is on disk before the kill.
+        on_disk = "SELECT rank, seq, op, state, caller FROM python.collectives WHERE state = 'in flight' ORDER BY rank"
+        deadline = time.monotonic() + 30
+        while len(json.loads(cli("query", on_disk, "--run", run, "--format", "json").stdout or "[]")) < 3:
+            assert time.monotonic() < deadline, "the ranks' waits did not reach the run store"
+            time.sleep(0.2)
+        kill_tree(proc.pid)
+        proc.wait()
+        after = cli("query", on_disk, "--run", run, "--format", "json")
+        assert after.returncode == 0, after.stderr
+        rows = json.loads(after.stdout)
+        assert [(r["rank"], r["seq"], r["op"], r["state"]) for r in rows] == [(0, 6, "all_reduce", "in flight"), (1, 6, "all_reduce", "in flight"), (3, 6, "all_reduce", "in flight")], rows
+        assert all(r["caller"].startswith("<module> (hang.py:") for r in rows), rows
+        # Finished collectives are on disk once each, and none of them is
+        # also shown in flight.
+        counted = cli("query", "SELECT rank, count(*) AS n, count(DISTINCT seq) AS seqs FROM python.collectives GROUP BY rank ORDER BY rank", "--run", run, "--format", "csv")
+        assert counted.stdout.split() == ["rank,n,seqs", "0,6,6", "1,6,6", "2,5,5", "3,6,6"], counted.stdout
     finally:
         kill_tree(proc.pid)
         proc.wait()

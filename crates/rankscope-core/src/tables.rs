@@ -380,6 +380,26 @@ pub const PROFILE: TableDef = TableDef {
     ],
 };
 
+/// Where the run store keeps rows that were still open (a collective in
+/// flight) when it last wrote: a folder of their own, with the table's
+/// columns, so that the table's own files hold finished rows only and are
+/// read as they are by any engine. A row lands there once it has been open
+/// a while (a hung collective); a job killed in a hang leaves it behind.
+pub const COLLECTIVES_IN_FLIGHT: TableDef = TableDef {
+    schema: "python",
+    name: "collectives_in_flight",
+    description: "collectives still in flight when the run store last wrote (read into python.collectives by `query --run`)",
+    columns: COLLECTIVES.columns,
+};
+
+/// The folder of `def`'s rows that were still open when written, and the
+/// columns (after host and pid) that name one row across the two: a row
+/// there counts only while the table has no finished row of that name.
+pub fn in_flight_of(def: &TableDef) -> Option<(&'static TableDef, &'static [&'static str])> {
+    (def.schema == COLLECTIVES.schema && def.name == COLLECTIVES.name)
+        .then_some((&COLLECTIVES_IN_FLIGHT, &["process_group", "seq", "op"][..]))
+}
+
 /// Tables the CLI writes into a process's run store itself (a profile is
 /// taken from outside the process, and kept like the probe's own tables).
 pub const CLI_STORE_TABLES: &[TableDef] = &[PROFILE];

@@ -76,6 +76,10 @@ pub struct StoreConfig {
     pub flush_every: Duration,
     /// Rows waiting for the disk that wake the thread before its time.
     pub flush_rows: usize,
+    /// An open row (a collective in flight) this old is written as it is,
+    /// once, to its table's in-flight folder (`in_flight_of`): a job
+    /// killed while hung leaves where each rank waited.
+    pub in_flight_after: Duration,
 }
 
 impl StoreConfig {
@@ -88,6 +92,7 @@ impl StoreConfig {
             max_bytes: 1 << 30,
             flush_every: Duration::from_secs(1),
             flush_rows: 8192,
+            in_flight_after: Duration::from_secs(2),
         }
     }
 }
@@ -101,8 +106,15 @@ struct Table {
     unspilled_dropped: u64,
     appended: u64,
     /// Rows still changing (a collective in flight), by the caller's key:
-    /// read with the ring, never spilled; `close` turns one into a row.
-    open: BTreeMap<u64, Arc<Row>>,
+    /// read with the ring; `finish_row` turns one into a row. One open
+    /// for `in_flight_after` is written to the in-flight folder, once.
+    open: BTreeMap<u64, OpenRow>,
+}
+
+struct OpenRow {
+    row: Arc<Row>,
+    since: Instant,
+    written: bool,
 }
 
 /// The most open rows a table keeps (a caller that never closes its rows
@@ -270,7 +282,14 @@ impl Store {
         if entry.open.len() >= MAX_OPEN_ROWS {
             entry.open.pop_first();
         }
-        entry.open.insert(key, row);
+        entry.open.insert(
+            key,
+            OpenRow {
+                row,
+                since: Instant::now(),
+                written: false,
+            },
+        );
         Ok(())
     }
 
@@ -302,7 +321,7 @@ impl Store {
                 return Ok(false);
             };
             // A reader may still hold the open form: it keeps its copy.
-            let mut row = Arc::try_unwrap(open).unwrap_or_else(|shared| (*shared).clone());
+            let mut row = Arc::try_unwrap(open.row).unwrap_or_else(|shared| (*shared).clone());
             for (at, cell) in changes {
                 row.cells[at] = cell.coerce(def.columns[at].ty);
             }
@@ -412,11 +431,42 @@ impl Store {
             .collect()
     }
 
+    /// The open rows that have been open `in_flight_after` and were not
+    /// written yet, by their in-flight folder; marked written.
+    fn take_long_open(&self) -> Vec<(&'static TableDef, Vec<Arc<Row>>)> {
+        if self.config.run_dir.is_none() {
+            return Vec::new();
+        }
+        let mut state = lock(&self.state);
+        let mut out = Vec::new();
+        for table in state.tables.values_mut() {
+            let Some((folder, _)) = rankscope_core::tables::in_flight_of(table.def) else {
+                continue;
+            };
+            let rows: Vec<Arc<Row>> = table
+                .open
+                .values_mut()
+                .filter(|open| !open.written && open.since.elapsed() >= self.config.in_flight_after)
+                .map(|open| {
+                    open.written = true;
+                    Arc::clone(&open.row)
+                })
+                .collect();
+            if !rows.is_empty() {
+                out.push((folder, rows));
+            }
+        }
+        out
+    }
+
     /// Writes what is waiting now, on the caller's thread (at exit).
     pub fn flush(&self) {
         let mut spill = lock(&self.spill);
         for (def, rows, dropped) in self.take_unspilled() {
             spill.write(def, &rows, dropped);
+        }
+        for (def, rows) in self.take_long_open() {
+            spill.write(def, &rows, 0);
         }
     }
 
@@ -493,7 +543,7 @@ impl Store {
             };
             t.ring
                 .iter()
-                .chain(t.open.values())
+                .chain(t.open.values().map(|open| &open.row))
                 .filter(|row| checks.iter().all(|&(i, op, v)| row.cells[i].meets(op, v)))
                 .cloned()
                 .collect()
@@ -557,7 +607,9 @@ fn spill_loop(store: std::sync::Weak<Store>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arrow_array::cast::AsArray;
     use rankscope_core::tables::TORCH_STEPS;
+    use read::read_files;
 
     fn config(dir: Option<PathBuf>) -> StoreConfig {
         let mut c = StoreConfig::new(4242, "node-a".into(), dir);
@@ -670,6 +722,85 @@ mod tests {
         assert_eq!(steps(&store), vec![1, 3], "finished: a row like any other");
         store.flush();
         assert_eq!(on_disk(dir.path()), 2);
+    }
+
+    /// A collective open past `in_flight_after` (a hang) is written once
+    /// to the in-flight folder; read back, it is a row of the table until
+    /// the same process writes its finished row.
+    #[test]
+    fn a_collective_open_long_is_left_on_disk_until_it_finishes() {
+        use rankscope_core::tables::{COLLECTIVES, COLLECTIVES_IN_FLIGHT};
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(Some(dir.path().to_path_buf()));
+        c.in_flight_after = Duration::ZERO;
+        let store = Store::new(c);
+        let row = |seq: i64| {
+            let mut cells = vec![Cell::Null; COLLECTIVES.columns.len()];
+            cells[0] = Cell::Int(seq);
+            cells[1] = Cell::Str("all_reduce".into());
+            cells[2] = Cell::Str("0".into());
+            cells[6] = Cell::Str("in flight".into());
+            cells
+        };
+        store.open_row("collectives", 1, 1.0, row(5)).unwrap();
+        store.open_row("collectives", 2, 2.0, row(6)).unwrap();
+        store.flush();
+        store.flush();
+        let dirs = [dir.path().to_path_buf()];
+        let count = |def| -> usize {
+            read_files(&dirs, def, &schema::arrow_schema(def), None)
+                .unwrap()
+                .iter()
+                .map(|b| b.num_rows())
+                .sum()
+        };
+        assert_eq!(count(&COLLECTIVES_IN_FLIGHT), 2, "each written once");
+        assert_eq!(count(&COLLECTIVES), 0);
+        let states = || -> Vec<(i64, String)> {
+            let mut out: Vec<(i64, String)> =
+                read_table(&dirs, &COLLECTIVES, Some(&["seq", "state"]))
+                    .unwrap()
+                    .iter()
+                    .flat_map(|b| {
+                        let seq = b
+                            .column_by_name("seq")
+                            .unwrap()
+                            .as_primitive::<arrow_array::types::Int64Type>()
+                            .clone();
+                        let state = b
+                            .column_by_name("state")
+                            .unwrap()
+                            .as_string::<i32>()
+                            .clone();
+                        (0..b.num_rows()).map(move |i| (seq.value(i), state.value(i).to_string()))
+                    })
+                    .collect();
+            out.sort();
+            out
+        };
+        assert_eq!(states(), [(5, "in flight".into()), (6, "in flight".into())]);
+        assert!(store
+            .finish_row("collectives", 1, vec![(6, Cell::Str("done".into()))])
+            .unwrap());
+        store.flush();
+        assert_eq!(
+            states(),
+            [(5, "done".into()), (6, "in flight".into())],
+            "the finished row stands for the one left in flight"
+        );
+        // Another process's finished #6 does not finish this one's.
+        let mut other = config(Some(dir.path().to_path_buf()));
+        other.pid = 4343;
+        let other = Store::new(other);
+        other
+            .append("collectives", 3.0, {
+                let mut cells = row(6);
+                cells[6] = Cell::Str("done".into());
+                cells
+            })
+            .unwrap();
+        other.flush();
+        assert_eq!(states().len(), 3);
     }
 
     #[test]

@@ -1,12 +1,16 @@
 //! Reading a table back from run directories, after the process is gone.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow_array::{new_null_array, ArrayRef, RecordBatch};
+use arrow_array::cast::AsArray;
+use arrow_array::types::Int64Type;
+use arrow_array::{new_null_array, Array, ArrayRef, RecordBatch};
 use arrow_buffer::Buffer;
 use arrow_ipc::reader::StreamDecoder;
-use rankscope_core::tables::TableDef;
+use arrow_schema::{DataType, SchemaRef};
+use rankscope_core::tables::{in_flight_of, TableDef};
 
 use crate::StoreError;
 
@@ -46,20 +50,104 @@ pub fn read_table_of(
     columns: Option<&[&str]>,
     process: Option<(&str, u32)>,
 ) -> Result<Vec<RecordBatch>, StoreError> {
-    let prefix = process.map(|(host, pid)| format!("{host}-{pid}-"));
     let full = crate::schema::arrow_schema(def);
-    let schema = match columns {
-        None => full,
-        Some(names) => {
-            let mut wanted: Vec<usize> = (0..full.fields().len())
-                .filter(|&i| names.contains(&full.field(i).name().as_str()))
-                .collect();
-            if wanted.is_empty() {
-                wanted.push(0);
-            }
-            Arc::new(full.project(&wanted)?)
-        }
+    let schema = project(&full, columns)?;
+    let mut batches = read_files(run_dirs, def, &schema, process)?;
+    if let Some((folder, key)) = in_flight_of(def) {
+        batches.extend(still_in_flight(
+            run_dirs, def, folder, key, &schema, process,
+        )?);
+    }
+    Ok(batches)
+}
+
+/// `full` with the named columns only (all for None; the first for none).
+fn project(full: &SchemaRef, columns: Option<&[&str]>) -> Result<SchemaRef, StoreError> {
+    let Some(names) = columns else {
+        return Ok(Arc::clone(full));
     };
+    let mut wanted: Vec<usize> = (0..full.fields().len())
+        .filter(|&i| names.contains(&full.field(i).name().as_str()))
+        .collect();
+    if wanted.is_empty() {
+        wanted.push(0);
+    }
+    Ok(Arc::new(full.project(&wanted)?))
+}
+
+/// The rows of `def`'s in-flight folder that never finished: those with
+/// no finished row of the same process and key in `def`'s own files (a
+/// collective that was slow, not hung, is written to both). One row each.
+fn still_in_flight(
+    run_dirs: &[PathBuf],
+    def: &TableDef,
+    folder: &TableDef,
+    key: &[&str],
+    schema: &SchemaRef,
+    process: Option<(&str, u32)>,
+) -> Result<Vec<RecordBatch>, StoreError> {
+    let full = crate::schema::arrow_schema(def);
+    let open = read_files(run_dirs, folder, &full, process)?;
+    if open.iter().all(|b| b.num_rows() == 0) {
+        return Ok(Vec::new());
+    }
+    let names: Vec<&str> = ["host", "pid"]
+        .into_iter()
+        .chain(key.iter().copied())
+        .collect();
+    let mut done = HashSet::new();
+    for batch in read_files(run_dirs, def, &project(&full, Some(&names))?, process)? {
+        done.extend((0..batch.num_rows()).filter_map(|i| row_key(&batch, &names, i)));
+    }
+    let wanted: Vec<usize> = schema
+        .fields()
+        .iter()
+        .filter_map(|f| full.index_of(f.name()).ok())
+        .collect();
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for batch in open {
+        for i in 0..batch.num_rows() {
+            let Some(k) = row_key(&batch, &names, i) else {
+                continue;
+            };
+            if !done.contains(&k) && seen.insert(k) {
+                out.push(batch.slice(i, 1).project(&wanted)?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Row `i`'s values in the named (text or integer) columns, as one string.
+fn row_key(batch: &RecordBatch, names: &[&str], i: usize) -> Option<String> {
+    let mut key = String::new();
+    for name in names {
+        let column = batch.column_by_name(name)?;
+        if column.is_null(i) {
+            key.push('\u{0}');
+        } else {
+            match column.data_type() {
+                DataType::Utf8 => key.push_str(column.as_string::<i32>().value(i)),
+                DataType::Int64 => {
+                    key.push_str(&column.as_primitive::<Int64Type>().value(i).to_string())
+                }
+                _ => return None,
+            }
+        }
+        key.push('\u{1f}');
+    }
+    Some(key)
+}
+
+/// The batches of `def`'s files (of one process, or all), in `schema`.
+pub(crate) fn read_files(
+    run_dirs: &[PathBuf],
+    def: &TableDef,
+    schema: &SchemaRef,
+    process: Option<(&str, u32)>,
+) -> Result<Vec<RecordBatch>, StoreError> {
+    let prefix = process.map(|(host, pid)| format!("{host}-{pid}-"));
     let mut batches = Vec::new();
     for dir in run_dirs {
         for path in table_files(dir, def) {
@@ -117,10 +205,7 @@ fn map(path: &Path) -> Option<Buffer> {
     Some(unsafe { Buffer::from_custom_allocation(ptr, len, std::sync::Arc::new(mapped)) })
 }
 
-fn conform(
-    schema: &arrow_schema::SchemaRef,
-    batch: &RecordBatch,
-) -> Result<RecordBatch, StoreError> {
+fn conform(schema: &SchemaRef, batch: &RecordBatch) -> Result<RecordBatch, StoreError> {
     if batch.schema() == *schema {
         return Ok(batch.clone());
     }
