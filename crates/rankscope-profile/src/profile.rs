@@ -186,7 +186,9 @@ fn stack_hash(frames: &[FrameRef<'_>]) -> u128 {
     for frame in frames {
         let h = frame_hash(frame);
         one = fold_mul(one ^ h, K1);
-        two = (two ^ h).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(23);
+        two = (two ^ h)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .rotate_left(23);
     }
     (u128::from(one ^ frames.len() as u64) << 64) | u128::from(two)
 }
@@ -388,7 +390,17 @@ impl Profile {
                     }
                     // Past what a tally holds (4 G stacks, 1 G threads):
                     // counted the long way.
-                    None => *self.counts.entry(StackKey { thread, stack, idle, gil }).or_default() += 1,
+                    None => {
+                        *self
+                            .counts
+                            .entry(StackKey {
+                                thread,
+                                stack,
+                                idle,
+                                gil,
+                            })
+                            .or_default() += 1
+                    }
                 }
                 stack
             }
@@ -768,8 +780,16 @@ mod tests {
     fn every_byte_and_the_length_change_the_hash() {
         let hash = |bytes: &[u8], as_file: bool| {
             let name = std::str::from_utf8(bytes).unwrap();
-            let (func, file) = if as_file { ("f", name) } else { (name, "/x/a.py") };
-            frame_hash(&FrameRef { func, file, line: 3 })
+            let (func, file) = if as_file {
+                ("f", name)
+            } else {
+                (name, "/x/a.py")
+            };
+            frame_hash(&FrameRef {
+                func,
+                file,
+                line: 3,
+            })
         };
         for n in 0..70usize {
             let base: Vec<u8> = (0..n).map(|i| b'a' + (i % 26) as u8).collect();
