@@ -27,6 +27,7 @@ class _Tracking:
     cuda = False
     since = None
     base = None  # the tracemalloc snapshot diffs start from
+    tensor_base = None  # the live tensors by site then (tensors.by_site), with torch
     started_at = None
 
 
@@ -313,6 +314,7 @@ def track(switch, python: bool, cuda: bool) -> dict:
                 tracemalloc.start(16)
             TRACKING.python = True
             TRACKING.base = tracemalloc.take_snapshot()
+            TRACKING.tensor_base = _tensor_sites()
         if cuda and not TRACKING.cuda:
             torch = _torch()
             if torch is None or not torch.cuda.is_available():
@@ -328,7 +330,7 @@ def track(switch, python: bool, cuda: bool) -> dict:
             tracemalloc = sys.modules["tracemalloc"]
             tracemalloc.stop()
             TRACKING.python = False
-            TRACKING.base = None
+            TRACKING.base = TRACKING.tensor_base = None
         if cuda and TRACKING.cuda:
             sys.modules["torch"].cuda.memory._record_memory_history(enabled=None)
             TRACKING.cuda = False
@@ -365,8 +367,9 @@ def diff(top: int) -> dict:
         raise UserError("memory tracking is off", "`rankscope PID memory track on --python` first, then `memory diff` after a while")
     tracemalloc = sys.modules["tracemalloc"]
     now = tracemalloc.take_snapshot()
-    out = _compare(TRACKING.base, now, top)
-    TRACKING.base = now
+    tensors_now = _tensor_sites()
+    out = _compare(TRACKING.base, now, top, TRACKING.tensor_base, tensors_now)
+    TRACKING.base, TRACKING.tensor_base = now, tensors_now
     return out
 
 
@@ -378,7 +381,7 @@ class _StepSpan:
 
     def __init__(self, first: int, last: int):
         self.first, self.last = first, last
-        self.base = self.base_step = self.result = self.error = None
+        self.base = self.base_step = self.result = self.error = self.tensor_base = None
 
     def optimizer_pre(self, optimizer, step):
         pass
@@ -396,8 +399,9 @@ class _StepSpan:
         tracemalloc = sys.modules["tracemalloc"]
         if self.base is None and ended >= self.first:
             self.base, self.base_step = tracemalloc.take_snapshot(), ended
+            self.tensor_base = _tensor_sites()
         elif self.base is not None and ended >= self.last:
-            self.result = _compare(self.base, tracemalloc.take_snapshot(), 50)
+            self.result = _compare(self.base, tracemalloc.take_snapshot(), 50, self.tensor_base, _tensor_sites())
             self.result["steps"] = [self.base_step, ended]
             self.base = None
             from rankscope._probe.torch.trace import TRACER
@@ -436,7 +440,54 @@ def diff_steps(first: int, last: int, top: int) -> dict:
     return result
 
 
-def _compare(base, now, top: int) -> dict:
+def _site_of(traceback):
+    """((file, line), stack) for an allocation's traceback: the innermost
+    frame of the user's own code (torch's internals allocate on the user's
+    behalf), and the stack below it; None for rankscope's own."""
+    frames = [f for f in traceback if not _own_file(f.filename)]
+    if not frames:
+        return None
+    # tracemalloc lists the most recent frame last.
+    users = [f for f in frames if not _library_file(f.filename)]
+    site = users[-1] if users else frames[-1]
+    return (site.filename, site.lineno), [f"{f.filename}:{f.lineno}" for f in reversed(frames)][:8]
+
+
+# Why tensors' data is not in a diff here, where it is not.
+TENSORS_311 = (
+    "tensor data not counted by site: CPython 3.11's tracemalloc cannot find the "
+    "allocation of an object with a managed __dict__, as a torch.Tensor is (3.12+ can)"
+)
+
+
+def _tensor_sites():
+    """Live tensors' bytes by site (``tensors.by_site``), where torch is
+    imported and tracemalloc can find a tensor's allocation; None
+    elsewhere."""
+    if "torch" not in sys.modules or sys.version_info < (3, 12):
+        return None
+    from rankscope._probe.torch import tensors
+
+    return tensors.by_site(_site_of)
+
+
+def _new_site(sites: dict, key) -> dict:
+    entry = sites.get(key)
+    if entry is None:
+        entry = sites[key] = {
+            "file": key[0],
+            "lineno": key[1],
+            "size_diff_mb": 0.0,
+            "count_diff": 0,
+            "size_mb": 0.0,
+            "tensor_diff_mb": 0.0,
+            "tensor_count_diff": 0,
+            "largest": -1,
+        }
+    return entry
+
+
+def _compare(base, now, top: int, tensors_base=None, tensors_now=None) -> dict:
     tracemalloc = sys.modules["tracemalloc"]
     mine = [tracemalloc.Filter(False, "*/rankscope/*"), tracemalloc.Filter(False, tracemalloc.__file__)]
     stats = now.filter_traces(mine).compare_to(base.filter_traces(mine), "traceback")
@@ -444,30 +495,46 @@ def _compare(base, now, top: int) -> dict:
     for stat in stats:
         if stat.size_diff <= 0:
             continue
-        frames = [f for f in stat.traceback if not _own_file(f.filename)]
-        if not frames:
+        placed = _site_of(stat.traceback)
+        if placed is None:
             continue
-        # tracemalloc lists the most recent frame last.
-        users = [f for f in frames if not _library_file(f.filename)]
-        site = users[-1] if users else frames[-1]
-        key = (site.filename, site.lineno)
-        entry = sites.get(key)
-        if entry is None:
-            entry = sites[key] = {"file": site.filename, "lineno": site.lineno, "size_diff_mb": 0.0, "count_diff": 0, "size_mb": 0.0, "largest": -1}
+        key, stack = placed
+        entry = _new_site(sites, key)
         entry["size_diff_mb"] += stat.size_diff / MB
         entry["count_diff"] += stat.count_diff
         entry["size_mb"] += stat.size / MB
         if stat.size_diff > entry["largest"]:
             entry["largest"] = stat.size_diff
-            entry["stack"] = [f"{f.filename}:{f.lineno}" for f in reversed(frames)][:8]
-    ranked = sorted(sites.values(), key=lambda e: (-e["size_diff_mb"], -e["count_diff"]))[:top]
+            entry["stack"] = stack
+    # Tensors' data, which tracemalloc does not see, by the site of their
+    # objects: what grew between the two looks.
+    complete = None
+    if tensors_now is not None:
+        (before, _), (after, complete) = tensors_base or ({}, True), tensors_now
+        for key, (nbytes, count, stack) in after.items():
+            was = before.get(key, (0, 0, None))
+            grew, more = nbytes - was[0], count - was[1]
+            if grew <= 0 and more <= 0:
+                continue
+            entry = _new_site(sites, key)
+            entry["tensor_diff_mb"] += grew / MB
+            entry["tensor_count_diff"] += more
+            entry.setdefault("stack", stack)
+    for entry in sites.values():
+        entry["total_diff_mb"] = entry["size_diff_mb"] + entry["tensor_diff_mb"]
+    ranked = sorted(sites.values(), key=lambda e: (-e["total_diff_mb"], -e["count_diff"]))[:top]
     for entry in ranked:
         del entry["largest"]
     from rankscope import _native
 
     proc = dict(_native.memory_now())
+    note = None
+    if "torch" in sys.modules and sys.version_info < (3, 12):
+        note = TENSORS_311
     return {
         "sites": ranked,
+        "tensor_scan_complete": complete,
+        "tensor_note": note,
         "rss_mb": proc["rss"] / MB,
         "traced_mb": tracemalloc.get_traced_memory()[0] / MB,
         "tracemalloc_overhead_mb": tracemalloc.get_tracemalloc_memory() / MB,

@@ -238,10 +238,31 @@ fn diff_text(r: &Value) -> String {
     if sites.is_empty() {
         out += "  nothing grew\n";
     }
+    if let Some(note) = r["tensor_note"].as_str() {
+        out += &format!("  ({note})\n");
+    }
+    if r["tensor_scan_complete"] == Value::Bool(false) {
+        out += "  (the tensors were not all counted: the scan ran out of time)\n";
+    }
     for s in &sites {
+        // Python's allocations and the data of the tensors made there
+        // (torch's own memory, which tracemalloc does not see).
+        let total = if s["total_diff_mb"].is_number() {
+            &s["total_diff_mb"]
+        } else {
+            &s["size_diff_mb"]
+        };
+        let tensors = match s["tensor_count_diff"].as_i64() {
+            Some(n) if n != 0 || s["tensor_diff_mb"].as_f64().unwrap_or(0.0) != 0.0 => format!(
+                "  ({:+} tensors, {} of tensor data)",
+                n,
+                signed_mb(&s["tensor_diff_mb"])
+            ),
+            _ => String::new(),
+        };
         out += &format!(
-            "  {:>10}  {:+} blocks  {}:{}\n",
-            signed_mb(&s["size_diff_mb"]),
+            "  {:>10}  {:+} blocks  {}:{}{tensors}\n",
+            signed_mb(total),
             s["count_diff"].as_i64().unwrap_or(0),
             s["file"].as_str().unwrap_or("?"),
             s["lineno"]

@@ -145,6 +145,35 @@ def scan_rows(budget_s: float = 2.0):
     return _rows(found, names, containers, referred, complete)
 
 
+def by_site(site_of, budget_s: float = 2.0) -> tuple[dict, bool]:
+    """The live tensors' bytes by the place their Python object was made
+    (``memory diff``): site -> [bytes, tensors, stack], each storage
+    counted once, for the tensors made while tracemalloc traced
+    (``tracemalloc.get_object_traceback``; a tensor's data is torch's own
+    allocation, which tracemalloc never sees: only its 100-odd bytes of
+    object would show a leak of tensors; CPython 3.12+, see
+    ``memory.TENSORS_311``). ``site_of(traceback)`` gives the
+    site and the stack to show, or None. Also whether the scan was whole."""
+    import tracemalloc
+
+    found = _native.TensorScan(torch.Tensor)
+    complete = found.key(budget_s, getattr(torch._C, "_storage_address", None))
+    found.group({}, [])
+    sites: dict = {}
+    for tensor, _views, _place in found:
+        traceback = tracemalloc.get_object_traceback(tensor)
+        placed = site_of(traceback) if traceback is not None else None
+        if placed is not None:
+            site, stack = placed
+            entry = sites.get(site)
+            if entry is None:
+                entry = sites[site] = [0, 0, stack]
+            entry[0] += _nbytes(tensor)
+            entry[1] += 1
+        del tensor
+    return sites, complete
+
+
 def _rows(found, names: dict, containers: list, referred: dict, complete: bool):
     now = time.time()
     # Many tensors share a shape, a dtype and a device: each is spelled once.
