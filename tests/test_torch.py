@@ -60,6 +60,8 @@ if "--compile" in sys.argv:
     # aot_eager: dynamo and autograd's graphs as inductor gets them, without
     # its C++ build (minutes here), so the test stays quick.
     model = torch.compile(model, backend="aot_eager")
+if "--compile-in-place" in sys.argv:
+    model.compile(backend="aot_eager")  # the module itself, no wrapper
 criterion = nn.MSELoss()
 MANUAL = "--manual" in sys.argv
 optimizer = None if MANUAL else torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -324,27 +326,30 @@ def test_rows_reach_the_run_store_at_a_clean_exit(torch_python, spawn, cli):
     assert json.loads(result.stdout) == [{"last": 2}]
 
 
-def test_a_compiled_model_is_timed_at_its_boundary_and_never_recompiled(torch_python, spawn, cli, tmp_path):
-    target = spawn(torch_python, TRAIN, args=["--compile"])
+@pytest.mark.parametrize("how", ["--compile", "--compile-in-place"])
+def test_a_compiled_model_is_timed_at_its_boundary_and_never_recompiled(torch_python, spawn, cli, tmp_path, how):
+    target = spawn(torch_python, TRAIN, args=[how])
     run_steps(cli, target, 2, 2)  # compiled, forward and backward
     graphs = "from torch._dynamo.utils import counters; (counters['stats']['unique_graphs'], counters['frames']['total'])"
     before = cli(target.pid, "eval", graphs).stdout.strip()
     on = cli(target.pid, "torch", "trace", "on", "--backward")
     assert on.returncode == 0, on.stderr
-    # The wrapper torch.compile returned, and nothing inside it.
+    # The wrapper torch.compile returned (or the module compiled in place),
+    # and nothing inside it.
     assert "trace on: 1 modules" in on.stdout, on.stdout
     run_steps(cli, target, 3, 5)
     rows = query_json(cli, target.pid, "SELECT DISTINCT module, module_type, stage FROM python.torch_trace ORDER BY stage")
+    kind = "OptimizedModule" if how == "--compile" else "MLP"
     assert rows == [
-        {"module": "MLP", "module_type": "OptimizedModule", "stage": "backward"},
-        {"module": "MLP", "module_type": "OptimizedModule", "stage": "forward"},
+        {"module": "MLP", "module_type": kind, "stage": "backward"},
+        {"module": "MLP", "module_type": kind, "stage": "forward"},
     ], rows
     assert cli(target.pid, "torch", "trace", "off").returncode == 0
     run_steps(cli, target, 2, 7)
     assert cli(target.pid, "eval", graphs).stdout.strip() == before, "the trace made dynamo compile again"
     probed = tmp_path / "probed.pt"
     assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
-    assert_bitwise_equal(torch_python, probed, reference_run(torch_python, tmp_path, 7, "--compile"))
+    assert_bitwise_equal(torch_python, probed, reference_run(torch_python, tmp_path, 7, how))
 
 
 def test_module_glob_and_a_bad_glob(torch_python, spawn, cli):

@@ -139,8 +139,11 @@ def describe_model(model, found_optimizers: list) -> dict:
 
 def is_compiled(module) -> bool:
     """Whether `module` is what ``torch.compile`` returned for a module (its
-    ``OptimizedModule`` wrapper). Nothing is compiled while dynamo was
-    never imported, and it is not imported here."""
+    ``OptimizedModule`` wrapper), or a module compiled in place
+    (``module.compile()``). Nothing is compiled while dynamo was never
+    imported, and it is not imported here."""
+    if getattr(module, "__dict__", {}).get("_compiled_call_impl") is not None:
+        return True
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(eval_frame, "OptimizedModule", None)
     return wrapper is not None and isinstance(module, wrapper)

@@ -99,28 +99,39 @@ class Tap(Timed):
         return out
 
 
+def boundary(attrs: dict) -> str:
+    """The attribute a stand-in goes on: ``forward``, or, for a module
+    compiled in place (``module.compile()``), the compiled call that
+    ``Module.__call__`` runs instead of its own, so that the stand-in is
+    outside the compiled code: a stand-in on ``forward`` would be inside
+    it, where dynamo guards on it and compiles again."""
+    return "_compiled_call_impl" if attrs.get("_compiled_call_impl") is not None else "forward"
+
+
 def put_on(module, stand_in_of) -> tuple | None:
-    """Puts ``stand_in_of(forward)`` on `module`; returns what ``take_off``
-    needs, or None where the module cannot take one."""
+    """Puts ``stand_in_of(forward)`` on `module` (or of its compiled call,
+    see ``boundary``); returns what ``take_off`` needs, or None where the
+    module cannot take one."""
     try:
         attrs = module.__dict__
     except AttributeError:
         return None
-    previous = attrs.get("forward", _MISSING)
-    stand_in = stand_in_of(module.forward)
+    name = boundary(attrs)
+    previous = attrs.get(name, _MISSING)
+    stand_in = stand_in_of(module.forward if name == "forward" else previous)
     stand_in.previous = previous
-    attrs["forward"] = stand_in
-    return (attrs, stand_in)
+    attrs[name] = stand_in
+    return (attrs, stand_in, name)
 
 
 def take_off(entry) -> None:
-    attrs, stand_in = entry
-    outer = attrs.get("forward")
+    attrs, stand_in, name = entry
+    outer = attrs.get(name)
     if outer is stand_in:
         if stand_in.previous is _MISSING:
-            attrs.pop("forward", None)
+            attrs.pop(name, None)
         else:
-            attrs["forward"] = stand_in.previous
+            attrs[name] = stand_in.previous
         return
     # Under another stand-in: the one above takes over what this one had.
     while isinstance(outer, Timed):
