@@ -202,6 +202,15 @@ def test_flight_recorder_names_ddps_collective_issued_from_cpp(default_python, c
         assert f"rank 2 never joined (its last was #{seq - 1}) (it is in fetch_batch, hang.py:{stuck_at})" in line, line
         status = cli("cluster", "torch", "--run", run, "collectives", "--ranks", "0")
         assert re.search(rf"in flight: all_reduce #{seq} on group 0 for [\d.]+ s \(Flight Recorder\)", status.stdout), status.stdout
+
+        # The same as SQL on every rank: DDP's all_reduces, issued from C++,
+        # which python.collectives never sees.
+        flight = cli("cluster", "query", "--run", run, "SELECT rank, op, max(seq) AS last, sum(CASE WHEN state = 'in flight' THEN 1 ELSE 0 END) AS waiting FROM python.flight_recorder WHERE op = 'all_reduce' GROUP BY rank, op ORDER BY rank", "--format", "json")
+        assert flight.returncode == 0, flight.stderr
+        rows = json.loads(flight.stdout)
+        assert [(r["rank"], r["last"], r["waiting"]) for r in rows] == [(0, seq, 1), (1, seq, 1), (2, seq - 1, 0), (3, seq, 1)], rows
+        wrapped = cli("cluster", "query", "--run", run, "SELECT count(*) AS n FROM python.collectives WHERE op = 'all_reduce'", "--format", "csv")
+        assert wrapped.stdout.split() == ["n", "0"], wrapped.stdout
     finally:
         kill_tree(proc.pid)
         proc.wait()

@@ -436,6 +436,7 @@ def test_without_torch_imported(python, spawn, cli):
     assert result.returncode != 0 and "torch is not imported" in result.stderr
     assert query_json(cli, target.pid, "SELECT count(*) AS n FROM python.torch_trace") == [{"n": 0}]
     assert query_json(cli, target.pid, "SELECT * FROM python.torch_steps") == []
+    assert query_json(cli, target.pid, "SELECT * FROM python.flight_recorder") == []
     assert cli(target.pid, "eval", "import sys; 'torch' in sys.modules").stdout.strip() == "False"
 
 

@@ -327,11 +327,12 @@ impl Probe {
         )
     }
 
-    /// The tail of torch's Flight Recorder (`cluster bt`), as rows of `stuck::COLUMNS`.
-    pub fn flight_recorder(&self, timeout: Duration) -> Result<ProbeTableReply> {
+    /// The last `tail` collectives of each group in torch's Flight Recorder
+    /// (`cluster bt`, `python.flight_recorder`), as rows of `stuck::COLUMNS`.
+    pub fn flight_recorder(&self, tail: usize, timeout: Duration) -> Result<ProbeTableReply> {
         let reply = self.helper(
             "/v1/torch",
-            &serde_json::json!({"action": "collectives", "switch": "flight"}),
+            &serde_json::json!({"action": "collectives", "switch": "flight", "tail": tail}),
             timeout,
             "",
         )?;

@@ -301,6 +301,19 @@ pub const COLLECTIVES: TableDef = TableDef {
     ],
 };
 
+pub const FLIGHT_RECORDER: TableDef = TableDef {
+    schema: "python",
+    name: "flight_recorder",
+    description: "torch's Flight Recorder, read on request: every collective of every process group it kept, those issued from C++ (DDP's gradient buckets) included, with its number in the group and whether it finished; empty unless the job started with TORCH_FR_BUFFER_SIZE set (ts is when it was issued)",
+    columns: &[
+        col("seq", Int64),
+        col("op", Utf8),
+        col("process_group", Utf8),
+        col("group_ranks", Utf8),
+        col("state", Utf8),
+    ],
+};
+
 pub const MEMORY: TableDef = TableDef {
     schema: "python",
     name: "memory",
@@ -432,6 +445,7 @@ pub const ALL_TABLES: &[TableDef] = &[
     GRAD_STATS,
     ACTIVATION_STATS,
     COLLECTIVES,
+    FLIGHT_RECORDER,
     MEMORY,
     TENSORS,
     OBJECTS,

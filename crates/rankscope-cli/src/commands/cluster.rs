@@ -702,7 +702,7 @@ fn collectives_of(entry: &RankEntry, here: &str, deadline: Duration) -> Option<V
     // Flight Recorder has what the wrappers miss (DDP's buckets); it needs
     // the GIL, which a rank inside a collective has let go of.
     let flight = probe
-        .flight_recorder(deadline.min(FLIGHT_RECORDER_WAIT))
+        .flight_recorder(16, deadline.min(FLIGHT_RECORDER_WAIT))
         .ok()
         .map(|r| stuck::records(&r));
     match (recorded, flight) {

@@ -16,6 +16,8 @@ use crate::hint::Hinted;
 use crate::QueryFormat;
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Per group, more than any Flight Recorder ring holds: all of it.
+const FLIGHT_RECORDER_ROWS: usize = 1 << 20;
 
 /// Rows of one live probe. Each distinct request is made at most once per
 /// query, so a query that reads backtrace and threads the same way sees one
@@ -44,6 +46,18 @@ impl LiveProbe {
         let reply: rankscope_core::protocol::ProbeTableReply =
             serde_json::from_value(reply).map_err(|e| e.to_string())?;
         Ok(tables::probe_table_rows(table, &meta, &reply))
+    }
+
+    /// torch's Flight Recorder, all it keeps. A process without torch, or
+    /// without torch.distributed started, has none: no rows, not an error,
+    /// so that a job's ranks answer alike.
+    fn flight_recorder_table(&self, table: &TableDef) -> Result<Rows, String> {
+        let meta = self.meta()?;
+        match self.probe.flight_recorder(FLIGHT_RECORDER_ROWS, Duration::from_secs(30)) {
+            Ok(reply) => Ok(tables::probe_table_rows(table, &meta, &reply)),
+            Err(e) if format!("{e:#}").contains("torch is not imported") => Ok(Vec::new()),
+            Err(e) => Err(format!("{e:#}")),
+        }
     }
 
     /// The target's run directory, from the target's environment.
@@ -172,6 +186,7 @@ impl RowSource for LiveProbe {
                 ))
             }
             ("python", "tensors") | ("python", "objects") => self.memory_table(table, None),
+            ("python", "flight_recorder") => self.flight_recorder_table(table),
             _ if tables::is_probe_table(table) => {
                 match self.probe_table(table, &Scan::default())? {
                     Fetched::Rows(rows) => Ok(rows),

@@ -89,7 +89,7 @@ def _feature(action: str, request: dict) -> dict:
         if switch == "flight":
             from rankscope._probe.torch.collectives import flight
 
-            return flight()
+            return flight(tail=max(1, int(request.get("tail") or 16)))
         if switch == "off":
             return RECORDER.turn_off()
         from rankscope._probe.torch.collectives import flight
