@@ -182,6 +182,64 @@ def test_torch_lists_the_model_and_optimizer(torch_python, spawn, cli):
     assert status["optimizers"][0]["param_groups"][0]["hyperparameters"]["betas"] == [0.9, 0.999]
 
 
+NESTED = """
+import time
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = nn.Linear(d, 3 * d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+
+class Net(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.embed = nn.Embedding(10, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(4))
+        self.extra = nn.ModuleList([Block(d), Block(2 * d)])
+        self.head = nn.Linear(d, 10)
+
+
+net = Net()
+optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_torch_shows_the_module_tree_with_alike_siblings_as_one_line(torch_python, spawn, cli):
+    target = spawn(torch_python, NESTED)
+    text = cli(target.pid, "torch")
+    assert text.returncode == 0, text.stderr
+    block = 8 * 24 + 24 + 8 * 32 + 32 + 32 * 8 + 8
+    lines = [line.rstrip() for line in text.stdout.splitlines()]
+
+    def row(name):
+        found = [line for line in lines if line.split()[:1] == [name]]
+        assert len(found) == 1, (name, text.stdout)
+        return found[0]
+
+    assert row("embed").split()[1:] == ["Embedding", "80", "parameters"]
+    assert row("blocks").split()[1:] == ["ModuleList", f"{4 * block:,}", "parameters"]
+    # Four alike blocks are one line, and what is under them is named as
+    # --modules globs name it.
+    assert row("blocks.0-3").split()[1:] == ["Block", "x4", f"{block:,}", "parameters", "each"]
+    assert row("blocks.*.attn").split()[1:] == ["Linear", "216", "parameters"]
+    assert row("blocks.*.mlp").startswith("      blocks.*.mlp  "), text.stdout  # indented by its depth
+    # Blocks of different sizes stay apart.
+    assert row("extra.0").split()[1] == "Block" and row("extra.1").split()[1] == "Block"
+    tree = torch_json(cli, target.pid)["models"][0]["tree"]
+    assert tree["left_out"] == 0 and tree["max_depth"] == 3
+    depth3 = [r["name"] for r in tree["rows"] if r["depth"] == 3]
+    assert depth3[:2] == ["blocks.*.attn", "blocks.*.mlp"], tree
+    assert not any(r["depth"] > 3 for r in tree["rows"]), tree
+
+
 def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_python, spawn, cli, tmp_path):
     target = spawn(torch_python, TRAIN)
     on = cli(target.pid, "torch", "trace", "on", "--every", "2")

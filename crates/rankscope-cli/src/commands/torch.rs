@@ -286,6 +286,55 @@ fn words(list: &Value) -> String {
         .unwrap_or_default()
 }
 
+/// The model's module tree, indented by depth; a run of alike siblings is
+/// one line (`blocks.0-11  Block x12  ... each`). From a probe before the
+/// tree, its top-level children.
+fn tree_text(model: &Value) -> String {
+    let mut out = String::new();
+    let (rows, left_out) = match model["tree"]["rows"].as_array() {
+        Some(rows) => (rows.clone(), model["tree"]["left_out"].as_u64().unwrap_or(0)),
+        None => {
+            let children = model["children"].as_array().cloned().unwrap_or_default();
+            let more = model["children_total"]
+                .as_u64()
+                .unwrap_or(0)
+                .saturating_sub(children.len() as u64);
+            (children, more)
+        }
+    };
+    let depth = |row: &Value| row["depth"].as_u64().unwrap_or(1) as usize;
+    let label = |row: &Value| {
+        format!(
+            "{}{}",
+            "  ".repeat(depth(row).saturating_sub(1)),
+            row["name"].as_str().unwrap_or("?")
+        )
+    };
+    let kind = |row: &Value| match row["repeat"].as_u64() {
+        Some(n) if n > 1 => format!("{} x{n}", row["type"].as_str().unwrap_or("?")),
+        _ => row["type"].as_str().unwrap_or("?").to_string(),
+    };
+    let width = rows.iter().map(|r| label(r).len()).max().unwrap_or(0);
+    let type_width = rows.iter().map(|r| kind(r).len()).max().unwrap_or(0);
+    for row in &rows {
+        let each = if row["repeat"].as_u64().unwrap_or(1) > 1 {
+            " each"
+        } else {
+            ""
+        };
+        out += &format!(
+            "  {:width$}  {:type_width$}  {:>12} parameters{each}\n",
+            label(row),
+            kind(row),
+            thousands(&row["parameters"]),
+        );
+    }
+    if left_out > 0 {
+        out += &format!("  ... {left_out} more modules\n");
+    }
+    out
+}
+
 fn status_text(status: &Value) -> String {
     let mut out = String::new();
     let cuda = if status["cuda_initialized"].as_bool() == Some(true) {
@@ -327,34 +376,7 @@ fn status_text(status: &Value) -> String {
                 "eval"
             },
         );
-        let children = model["children"].as_array().cloned().unwrap_or_default();
-        let width = children
-            .iter()
-            .filter_map(|c| c["name"].as_str())
-            .map(str::len)
-            .max()
-            .unwrap_or(0);
-        let type_width = children
-            .iter()
-            .filter_map(|c| c["type"].as_str())
-            .map(str::len)
-            .max()
-            .unwrap_or(0);
-        for child in &children {
-            out += &format!(
-                "  {:width$}  {:type_width$}  {:>12} parameters\n",
-                child["name"].as_str().unwrap_or("?"),
-                child["type"].as_str().unwrap_or("?"),
-                thousands(&child["parameters"]),
-            );
-        }
-        let more = model["children_total"]
-            .as_u64()
-            .unwrap_or(0)
-            .saturating_sub(children.len() as u64);
-        if more > 0 {
-            out += &format!("  ... {more} more children\n");
-        }
+        out += &tree_text(model);
     }
     for (i, opt) in status["optimizers"]
         .as_array()

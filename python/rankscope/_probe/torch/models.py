@@ -19,6 +19,9 @@ from rankscope import _native
 
 # A row of `rankscope PID torch` lists this many top-level children.
 MAX_CHILDREN_SHOWN = 20
+# The module tree `torch` shows: this deep, this many rows at most.
+MAX_TREE_DEPTH = 3
+MAX_TREE_ROWS = 60
 # Hyperparameters printed per param group (tensors and long lists are left out).
 _SCALAR_TYPES = (bool, int, float, str, type(None))
 
@@ -130,11 +133,50 @@ def describe_model(model, found_optimizers: list) -> dict:
         "devices": sorted({str(p.device) for p in params}),
         "children": children,
         "children_total": sum(1 for _ in model.children()),
+        "tree": module_tree(model),
         "optimizers": [
             i for i, opt in enumerate(found_optimizers) if any(id(p) in own for g in opt.param_groups for p in g["params"])
         ],
         "training": model.training,
     }
+
+
+def module_tree(model) -> dict:
+    """The model's modules to ``MAX_TREE_DEPTH``, as rows of name, type,
+    depth and parameters. A run of numbered siblings of one type and size
+    (``blocks.0`` to ``blocks.11``) is one row, ``blocks.0-11`` with its
+    ``repeat``, and the modules under it are named with a ``*``
+    (``blocks.*.attn``): the names ``--modules`` globs take."""
+    rows: list = []
+    left_out = 0
+
+    def walk(module, prefix: str, depth: int) -> None:
+        nonlocal left_out
+        children = list(module.named_children())
+        sizes = [_count(child.parameters())[0] for _, child in children]
+        i = 0
+        while i < len(children):
+            name, child = children[i]
+            j = i + 1
+            if name.isdigit():
+                while (
+                    j < len(children)
+                    and children[j][0].isdigit()
+                    and type(children[j][1]) is type(child)
+                    and sizes[j] == sizes[i]
+                ):
+                    j += 1
+            if len(rows) >= MAX_TREE_ROWS:
+                left_out += j - i
+            else:
+                label = name if j - i == 1 else f"{name}-{children[j - 1][0]}"
+                rows.append({"name": prefix + label, "type": type(child).__name__, "depth": depth, "parameters": sizes[i], "repeat": j - i})
+                if depth < MAX_TREE_DEPTH:
+                    walk(child, prefix + (name if j - i == 1 else "*") + ".", depth + 1)
+            i = j
+
+    walk(model, "", 1)
+    return {"rows": rows, "left_out": left_out, "max_depth": MAX_TREE_DEPTH}
 
 
 def is_compiled(module) -> bool:
