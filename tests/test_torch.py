@@ -513,6 +513,7 @@ for _ in range(10):
     loss = model(torch.randn(4, 8)).pow(2).mean()
     optimizer.zero_grad()
     loss.backward()
+    dist.all_reduce(loss.detach().clone())  # a logging all_reduce, from Python
     optimizer.step()
 open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "done", f"rank{rank}.done"), "w").close()
 while True:
@@ -545,6 +546,10 @@ def test_every_rank_samples_the_same_steps_and_cluster_query_sees_them(default_p
         assert modules.stdout.split() == ["module", "DistributedDataParallel", "module", "module.0", "module.1", "module.2"]
         steps = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n FROM python.torch_steps GROUP BY rank ORDER BY rank", "--format", "csv")
         assert steps.stdout.split() == ["rank,n", "0,9", "1,9"]
+        # Each collective carries the step it was called in (the first
+        # iteration's, before the clock's first boundary, has none).
+        collectives = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n, min(step) AS first, max(step) AS last, count(DISTINCT step) AS steps FROM python.collectives WHERE op = 'all_reduce' GROUP BY rank ORDER BY rank", "--format", "csv")
+        assert collectives.stdout.split() == ["rank,n,first,last,steps", "0,10,1,9,9", "1,10,1,9,9"], collectives.stdout
 
         status = cli("cluster", "torch", "--run", run)
         assert status.returncode == 0, status.stderr

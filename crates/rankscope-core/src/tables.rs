@@ -281,7 +281,7 @@ pub const ACTIVATION_STATS: TableDef = TableDef {
 pub const COLLECTIVES: TableDef = TableDef {
     schema: "python",
     name: "collectives",
-    description: "each torch.distributed collective called from Python: op, group, its number in the group, sizes, start and end; `in flight` until it returns (ts is its start)",
+    description: "each torch.distributed collective called from Python: op, group, its number in the group, sizes, start and end, and the torch step it was called in; `in flight` until it returns (ts is its start)",
     columns: &[
         col("seq", Int64),
         col("op", Utf8),
@@ -298,6 +298,7 @@ pub const COLLECTIVES: TableDef = TableDef {
         col("duration_ms", Float64),
         col("caller", Utf8),
         col("thread", Utf8),
+        col("step", Int64),
     ],
 };
 

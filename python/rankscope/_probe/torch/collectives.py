@@ -252,7 +252,7 @@ class Recorder:
             if len(self.sites) < 4096:
                 self.sites[site] = where
         row = [time.time(), info.seq, op, info.name, info.size, info.rank, info.members, "in flight", shapes, dtype, size,
-               asynchronous, None, None, where, _thread_name()]
+               asynchronous, None, None, where, _thread_name(), _step()]
         _native.table_open("collectives", key, row)
         self.in_flight[key] = row
         return key, row, time.perf_counter()
@@ -381,6 +381,14 @@ def flight(tail: int = 16) -> dict:
                 ]
             )
     return out
+
+
+def _step():
+    """The torch step in progress, where the step clock runs (a torch
+    feature is on); None elsewhere."""
+    trace = sys.modules.get("rankscope._probe.torch.trace")
+    tracer = getattr(trace, "TRACER", None)
+    return tracer.step if tracer is not None and tracer.on else None
 
 
 def _thread_name() -> str:
