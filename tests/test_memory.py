@@ -414,6 +414,11 @@ while True:
     hog.append(bytearray(16 << 20))
 """
     target = spawn(python, source)
+    # The timeline has a row before the limit is hit (the sampler's first).
+    deadline = time.monotonic() + 30
+    while not query_json(cli, target.pid, "SELECT count(*) AS n FROM python.memory")[0]["n"]:
+        assert time.monotonic() < deadline, "no memory timeline row"
+        time.sleep(0.1)
     assert cli(target.pid, "eval", "go = True").returncode == 0
     assert target.proc.wait(timeout=60) == 1
     run_dir = target.script.parent / "run"
@@ -424,6 +429,13 @@ while True:
     record = json.loads(next(run_dir.glob("crash-*.json")).read_text())
     memory = record["memory"]
     assert memory["rss_mb"] > 100 and memory["rss_peak_mb"] >= memory["rss_mb"] * 0.9, memory
+    # How it got there: the timeline's last rows, oldest first.
+    timeline = memory["timeline"]
+    assert 1 <= len(timeline) <= 30, memory
+    assert all(row["rss_mb"] > 0 for row in timeline) and timeline == sorted(timeline, key=lambda r: r["ts"]), timeline
+    shown = cli("crashes", "show", "1", "--run", run_dir)
+    assert shown.returncode == 0, shown.stderr
+    assert "Memory at the crash: RSS" in shown.stdout and "rows of python.memory)" in shown.stdout, shown.stdout
 
 
 HOG = """

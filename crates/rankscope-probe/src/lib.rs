@@ -275,6 +275,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory::memory_row, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_finish, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
+    m.add_function(wrap_pyfunction!(store::table_tail, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
     m.add_function(wrap_pyfunction!(store::snapshot_rows, m)?)?;
     m.add_function(wrap_pyfunction!(debug_wait::debug_posted, m)?)?;

@@ -349,6 +349,24 @@ pub fn append_row(name: &str, ts: f64, cells: Vec<Cell>) -> Result<(), String> {
     store().append(name, ts, cells).map_err(|e| e.to_string())
 }
 
+/// The last `n` rows of a table in memory, as JSON text (`{"columns",
+/// "rows"}`, ts first, in seconds): what a crash record keeps of the memory
+/// timeline. Empty where the store has not started.
+#[pyfunction]
+pub fn table_tail(py: Python<'_>, name: &str, n: usize) -> PyResult<String> {
+    let Some(store) = existing() else {
+        return Ok(r#"{"columns": [], "rows": []}"#.to_string());
+    };
+    let mut reply = py
+        .detach(|| store.read_json(name, None, &[], false))
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    if let Some(rows) = reply["rows"].as_array_mut() {
+        let skip = rows.len().saturating_sub(n);
+        rows.drain(..skip);
+    }
+    Ok(reply.to_string())
+}
+
 /// What the store holds and where it spills, as JSON text.
 #[pyfunction]
 pub fn store_describe() -> String {

@@ -181,6 +181,10 @@ def build_record(exc: BaseException, source: str, thread_name: str | None = None
     }
 
 
+# The memory timeline's rows an out-of-memory record keeps.
+TIMELINE_ROWS_KEPT = 30
+
+
 def _memory_picture(exc: BaseException) -> dict | None:
     """The process's memory at the crash (one read of /proc); for an
     out-of-memory error also CUDA's allocator and the largest tensors with
@@ -194,10 +198,23 @@ def _memory_picture(exc: BaseException) -> dict | None:
         return None
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         try:
+            import json
+
+            # How it got here: the timeline's last rows (one a second, or a
+            # step's), oldest first.
+            tail = json.loads(_native.table_tail("memory", TIMELINE_ROWS_KEPT))
+            picture["timeline"] = [dict(zip(tail["columns"], row)) for row in tail["rows"]]
+        except Exception as err:  # noqa: BLE001
+            picture["timeline_error"] = f"{type(err).__name__}: {err}"
+        try:
             from rankscope._probe import memory
 
             torch = memory._torch()
             picture["cuda"] = memory._cuda(torch)
+            if torch is not None and torch.cuda.is_initialized():
+                # The caching allocator's own account: what is allocated,
+                # reserved and cached, per pool (no device sync).
+                picture["cuda_summary"] = torch.cuda.memory_summary(abbreviated=True)
             if torch is not None:
                 from rankscope._probe.torch import tensors
 

@@ -736,6 +736,30 @@ fn memory_text(memory: &serde_json::Value) -> String {
             device["ooms"]
         );
     }
+    // How it got there: the first and last of the timeline's rows kept.
+    let timeline = memory["timeline"].as_array().cloned().unwrap_or_default();
+    if let (Some(first), Some(last)) = (timeline.first(), timeline.last()) {
+        let seconds = last["ts"].as_f64().unwrap_or(0.0) - first["ts"].as_f64().unwrap_or(0.0);
+        let cuda = match (
+            first["cuda_allocated_mb"].as_f64(),
+            last["cuda_allocated_mb"].as_f64(),
+        ) {
+            (Some(a), Some(b)) => format!(", CUDA allocated {a:.1} -> {b:.1} MB"),
+            _ => String::new(),
+        };
+        out += &format!(
+            "  timeline: RSS {:.1} -> {:.1} MB over the last {seconds:.0} s ({} rows of python.memory){cuda}\n",
+            first["rss_mb"].as_f64().unwrap_or(0.0),
+            last["rss_mb"].as_f64().unwrap_or(0.0),
+            timeline.len()
+        );
+    }
+    if let Some(summary) = memory["cuda_summary"].as_str() {
+        out += "  CUDA allocator (torch.cuda.memory_summary):\n";
+        for line in summary.lines() {
+            out += &format!("    {line}\n");
+        }
+    }
     let tensors = memory["largest_tensors"]
         .as_array()
         .cloned()
@@ -761,6 +785,23 @@ mod tests {
     use super::*;
 
     const FAULTHANDLER: &str = "Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f (most recent call first):\n  File \"/tmp/t.py\", line 3 in <module>\n";
+
+    #[test]
+    fn an_out_of_memory_picture_shows_how_it_got_there() {
+        let memory = serde_json::json!({
+            "rss_mb": 380.0, "rss_peak_mb": 390.0, "uss_mb": 370.0, "swap_mb": 0.0,
+            "timeline": [{"ts": 100.0, "rss_mb": 120.0}, {"ts": 130.0, "rss_mb": 360.5}],
+            "cuda_summary": "|  PyTorch CUDA memory summary  |\n| Allocated memory |",
+        });
+        let text = memory_text(&memory);
+        assert!(
+            text.contains(
+                "timeline: RSS 120.0 -> 360.5 MB over the last 30 s (2 rows of python.memory)"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("\n    | Allocated memory |\n"), "{text}");
+    }
 
     #[test]
     fn a_native_log_is_summarized_by_its_fatal_error_and_frame() {

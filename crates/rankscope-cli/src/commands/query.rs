@@ -53,7 +53,10 @@ impl LiveProbe {
     /// so that a job's ranks answer alike.
     fn flight_recorder_table(&self, table: &TableDef) -> Result<Rows, String> {
         let meta = self.meta()?;
-        match self.probe.flight_recorder(FLIGHT_RECORDER_ROWS, Duration::from_secs(30)) {
+        match self
+            .probe
+            .flight_recorder(FLIGHT_RECORDER_ROWS, Duration::from_secs(30))
+        {
             Ok(reply) => Ok(tables::probe_table_rows(table, &meta, &reply)),
             Err(e) if format!("{e:#}").contains("torch is not imported") => Ok(Vec::new()),
             Err(e) => Err(format!("{e:#}")),

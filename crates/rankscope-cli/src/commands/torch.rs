@@ -292,7 +292,10 @@ fn words(list: &Value) -> String {
 fn tree_text(model: &Value) -> String {
     let mut out = String::new();
     let (rows, left_out) = match model["tree"]["rows"].as_array() {
-        Some(rows) => (rows.clone(), model["tree"]["left_out"].as_u64().unwrap_or(0)),
+        Some(rows) => (
+            rows.clone(),
+            model["tree"]["left_out"].as_u64().unwrap_or(0),
+        ),
         None => {
             let children = model["children"].as_array().cloned().unwrap_or_default();
             let more = model["children_total"]
