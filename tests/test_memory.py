@@ -201,6 +201,17 @@ def test_model_optimizer_and_a_local_are_named_as_holders(torch_python, spawn, c
     assert cli(target.pid, "eval", "by_key = {'w': torch.zeros(7)}; hidden = {torch.zeros(3000)}").returncode == 0
     others = query_json(cli, target.pid, "SELECT holder, bytes FROM python.tensors WHERE bytes IN (28, 12000) ORDER BY bytes")
     assert others == [{"holder": "by_key['w']", "bytes": 28}, {"holder": "referrer: set", "bytes": 12000}], others
+    # An object's attributes (a trainer's), one level down, and the globals
+    # of the program's own other modules are named too.
+    made = cli(target.pid, "eval", "class Trainer: pass\ntrainer = Trainer(); trainer.history = [torch.zeros(11)]; trainer.best = torch.zeros(13)\n"
+               "import sys, types; m = types.ModuleType('helper'); m.__file__ = '/srv/job/helper.py'; m.CACHE = [torch.zeros(17)]; sys.modules['helper'] = m; del m")
+    assert made.returncode == 0, made.stderr
+    named = query_json(cli, target.pid, "SELECT holder, kind, bytes FROM python.tensors WHERE bytes IN (44, 52, 68) ORDER BY bytes")
+    assert named == [
+        {"holder": "trainer.history[0]", "kind": "global", "bytes": 44},
+        {"holder": "trainer.best", "kind": "global", "bytes": 52},
+        {"holder": "helper.CACHE[0]", "kind": "global", "bytes": 68},
+    ], named
 
     text = cli(target.pid, "memory")
     assert text.returncode == 0, text.stderr

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+import types
 
 import torch
 
@@ -66,19 +67,58 @@ def _names(containers: list) -> dict:
                 if _is_tensor(value):
                     names.setdefault(id(value), (f"{label}.state[{pname}][{key!r}]", "optimizer state"))
     own = ("/rankscope/",)
+    # Objects the locals and globals hold (a trainer, `self`): their
+    # attributes are looked at after every direct name, one level down.
+    holders: list = []
     for frame in list(sys._current_frames().values()):
         while frame is not None:
             code = frame.f_code
             # A module's own frame reads its globals: named by the pass below.
             if code.co_name != "<module>" and not any(part in code.co_filename for part in own):
                 for name, value in list(frame.f_locals.items()):
-                    _name_value(names, containers, f"{code.co_name}:{name}", value, "local")
+                    _name_value(names, containers, f"{code.co_name}:{name}", value, "local", holders)
             frame = frame.f_back
     main = sys.modules.get("__main__")
     for name, value in list(getattr(main, "__dict__", {}).items()):
         if not name.startswith("__"):
-            _name_value(names, containers, name, value, "global")
+            _name_value(names, containers, name, value, "global", holders)
+    # The globals of the program's own other modules (`data.CACHE`), not
+    # of installed packages or the standard library.
+    from rankscope._probe.memory import _library_file, _own_file
+
+    for module_name, module in list(sys.modules.items()):
+        attrs = getattr(module, "__dict__", None) if type(module) is types.ModuleType else None
+        path = attrs.get("__file__") if attrs is not None else None
+        if module is main or not isinstance(path, str) or _library_file(path) or _own_file(path):
+            continue
+        for name, value in list(attrs.items()):
+            if not name.startswith("__"):
+                _name_value(names, containers, f"{module_name}.{name}", value, "global", holders)
+    for path, kind, obj in holders[:MAX_HOLDERS_LOOKED_INTO]:
+        for name, value in list(_attributes(obj).items()):
+            if isinstance(name, str) and not name.startswith("__"):
+                _name_value(names, containers, f"{path}.{name}", value, kind, None)
     return names
+
+
+# Objects whose attributes are looked into for names, at most.
+MAX_HOLDERS_LOOKED_INTO = 10_000
+# Whose attributes are not looked into: they are named otherwise (models),
+# or are code and namespaces, not data.
+_NOT_HOLDERS = (types.ModuleType, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+
+
+def _attributes(obj) -> dict:
+    """An object's own attribute dict, read without running its code (no
+    ``__getattr__``, no properties); empty for one without."""
+    kind = type(obj)
+    if kind.__dictoffset__ == 0 or issubclass(kind, _NOT_HOLDERS) or issubclass(kind, torch.nn.Module):
+        return {}
+    try:
+        attrs = object.__getattribute__(obj, "__dict__")
+    except Exception:  # noqa: BLE001 - a class that hides its __dict__
+        return {}
+    return attrs if type(attrs) is dict else {}
 
 
 def _is_tensor(value) -> bool:
@@ -87,11 +127,13 @@ def _is_tensor(value) -> bool:
     return issubclass(type(value), torch.Tensor)
 
 
-def _name_value(names: dict, containers: list, path: str, value, kind: str) -> None:
+def _name_value(names: dict, containers: list, path: str, value, kind: str, holders: list | None) -> None:
     if _is_tensor(value):
         names.setdefault(id(value), (path, kind))
     elif type(value) in (list, tuple, dict) and value:
         containers.append((path, kind, value))
+    elif holders is not None:
+        holders.append((path, kind, value))
 
 
 def _nbytes(tensor) -> int:
