@@ -478,7 +478,7 @@ def test_cluster_memory_marks_the_rank_that_holds_more(default_python, cli, endp
         assert result.returncode == 0, result.stderr
         lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.strip()}
         assert set(lines) == {"0", "1", "2"}, result.stdout
-        assert "<-- " in lines["2"] and "x the median" in lines["2"], result.stdout
+        assert "<-- RSS " in lines["2"] and "x the median" in lines["2"] and "CUDA" not in lines["2"], result.stdout
         assert "<--" not in lines["0"] and "<--" not in lines["1"]
         again = json.loads(cli("cluster", "memory", "--run", tmp_path / "run", "--format", "json").stdout)
         assert [r["rank"] for r in again] == [0, 1, 2]

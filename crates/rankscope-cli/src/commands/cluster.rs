@@ -858,13 +858,27 @@ pub fn memory(
     }
     let job = find_job(job, run)?;
     let answers = ask_ranks(&job, ranks, |probe| probe.memory(&request))?;
-    let rss: Vec<f64> = answers
-        .iter()
-        .filter_map(|(_, a)| a.as_ref().ok()?["rss_mb"].as_f64())
-        .collect();
-    let mut sorted = rss.clone();
-    sorted.sort_by(|a, b| a.total_cmp(b));
-    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    let cuda_peak = |r: &serde_json::Value| {
+        r["cuda"].as_array().and_then(|d| {
+            d.iter()
+                .filter_map(|x| x["peak_mb"].as_f64())
+                .reduce(f64::max)
+        })
+    };
+    // The rank that holds more than the others, in host memory or on its
+    // GPU (an OOM on one rank is usually one of these).
+    let rss_marks = outliers(
+        &answers
+            .iter()
+            .map(|(_, a)| a.as_ref().ok().and_then(|r| r["rss_mb"].as_f64()))
+            .collect::<Vec<_>>(),
+    );
+    let cuda_marks = outliers(
+        &answers
+            .iter()
+            .map(|(_, a)| a.as_ref().ok().and_then(cuda_peak))
+            .collect::<Vec<_>>(),
+    );
     let mut table = Table::new(Style::Plain)
         .whole_column("RANK", Align::Right)
         .whole_column("PID", Align::Right)
@@ -874,7 +888,7 @@ pub fn memory(
         .whole_column("RSS GROWTH", Align::Left)
         .column("", Align::Left);
     let mut code = 0;
-    for (entry, answer) in &answers {
+    for (at, (entry, answer)) in answers.iter().enumerate() {
         let mb = |v: &serde_json::Value| {
             v.as_f64()
                 .map(|x| format!("{x:.0} MB"))
@@ -882,22 +896,17 @@ pub fn memory(
         };
         match answer {
             Ok(r) => {
-                let peak = r["cuda"].as_array().and_then(|d| {
-                    d.iter()
-                        .filter_map(|x| x["peak_mb"].as_f64())
-                        .reduce(f64::max)
-                });
+                let peak = cuda_peak(r);
                 let growth = r["growth"]["rss_mb"].as_f64().map(|g| {
                     format!(
                         "{g:+.0} MB in {:.0} s",
                         r["growth"]["seconds"].as_f64().unwrap_or(0.0)
                     )
                 });
-                let this = r["rss_mb"].as_f64().unwrap_or(0.0);
-                let outlier = rss.len() > 2
-                    && median > 0.0
-                    && this > median * 1.2
-                    && this == sorted[sorted.len() - 1];
+                let marks: Vec<String> = [("RSS", rss_marks[at]), ("CUDA peak", cuda_marks[at])]
+                    .into_iter()
+                    .filter_map(|(what, ratio)| Some(format!("{what} {:.1}x the median", ratio?)))
+                    .collect();
                 table.row(vec![
                     entry.meta.rank.to_string(),
                     entry.meta.pid.to_string(),
@@ -906,10 +915,10 @@ pub fn memory(
                     peak.map(|p| format!("{p:.0} MB"))
                         .unwrap_or_else(|| "-".into()),
                     growth.unwrap_or_else(|| "-".into()),
-                    if outlier {
-                        format!("<-- {:.1}x the median", this / median)
-                    } else {
+                    if marks.is_empty() {
                         String::new()
+                    } else {
+                        format!("<-- {}", marks.join(", "))
                     },
                 ]);
             }
@@ -929,6 +938,24 @@ pub fn memory(
     }
     crate::term::print(&table);
     Ok(code)
+}
+
+/// For each rank's value, its ratio to the median where it is the largest
+/// and more than 1.2x the median, among three or more ranks with a value.
+fn outliers(values: &[Option<f64>]) -> Vec<Option<f64>> {
+    let mut known: Vec<f64> = values.iter().flatten().copied().collect();
+    known.sort_by(|a, b| a.total_cmp(b));
+    let (Some(&median), Some(&largest)) = (known.get(known.len() / 2), known.last()) else {
+        return vec![None; values.len()];
+    };
+    values
+        .iter()
+        .map(|v| {
+            let v = (*v)?;
+            (known.len() > 2 && median > 0.0 && v > median * 1.2 && v == largest)
+                .then(|| v / median)
+        })
+        .collect()
 }
 
 /// One JSON array, an object per rank: its rank, pid, and its answer under
@@ -1105,4 +1132,29 @@ pub fn query(
         eprintln!("warning: a rank did not answer: {warning}");
     }
     Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::outliers;
+
+    #[test]
+    fn the_rank_that_holds_more_is_marked_in_either_memory() {
+        // RSS: rank 2 holds 2x the median; a CUDA peak alike everywhere.
+        assert_eq!(
+            outliers(&[Some(100.0), Some(110.0), Some(220.0), Some(105.0)]),
+            [None, None, Some(2.0), None]
+        );
+        // A rank without CUDA is left out of the CUDA median, not counted as 0.
+        let cuda = outliers(&[Some(4000.0), None, Some(4100.0), Some(7000.0)]);
+        assert_eq!(cuda[..3], [None, None, None]);
+        assert!((cuda[3].unwrap() - 7000.0 / 4100.0).abs() < 1e-9);
+        // Two ranks, or nothing out of line: no mark.
+        assert_eq!(outliers(&[Some(1.0), Some(9.0)]), [None, None]);
+        assert_eq!(
+            outliers(&[Some(10.0), Some(11.0), Some(12.0)]),
+            [None, None, None]
+        );
+        assert_eq!(outliers(&[None, None]), [None, None]);
+    }
 }
