@@ -399,9 +399,9 @@ class _StepSpan:
         tracemalloc = sys.modules["tracemalloc"]
         if self.base is None and ended >= self.first:
             self.base, self.base_step = tracemalloc.take_snapshot(), ended
-            self.tensor_base = _tensor_sites()
+            self.tensor_base = _tensor_sites(SPAN_SCAN_S)
         elif self.base is not None and ended >= self.last:
-            self.result = _compare(self.base, tracemalloc.take_snapshot(), 50, self.tensor_base, _tensor_sites())
+            self.result = _compare(self.base, tracemalloc.take_snapshot(), 50, self.tensor_base, _tensor_sites(SPAN_SCAN_S))
             self.result["steps"] = [self.base_step, ended]
             self.base = None
             from rankscope._probe.torch.trace import TRACER
@@ -460,7 +460,7 @@ TENSORS_311 = (
 )
 
 
-def _tensor_sites():
+def _tensor_sites(budget_s: float = 2.0):
     """Live tensors' bytes by site (``tensors.by_site``), where torch is
     imported and tracemalloc can find a tensor's allocation; None
     elsewhere."""
@@ -468,7 +468,11 @@ def _tensor_sites():
         return None
     from rankscope._probe.torch import tensors
 
-    return tensors.by_site(_site_of)
+    return tensors.by_site(_site_of, budget_s)
+
+
+# A span's scans run on the training thread, at a step boundary: shorter.
+SPAN_SCAN_S = 0.5
 
 
 def _new_site(sites: dict, key) -> dict:
