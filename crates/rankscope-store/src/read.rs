@@ -55,7 +55,7 @@ pub fn read_table_of(
     let mut batches = read_files(run_dirs, def, &schema, process)?;
     if let Some((folder, key)) = in_flight_of(def) {
         batches.extend(still_in_flight(
-            run_dirs, def, folder, key, &schema, process,
+            run_dirs, &full, def, folder, key, &schema, process,
         )?);
     }
     Ok(batches)
@@ -80,14 +80,14 @@ fn project(full: &SchemaRef, columns: Option<&[&str]>) -> Result<SchemaRef, Stor
 /// collective that was slow, not hung, is written to both). One row each.
 fn still_in_flight(
     run_dirs: &[PathBuf],
+    full: &SchemaRef,
     def: &TableDef,
     folder: &TableDef,
     key: &[&str],
     schema: &SchemaRef,
     process: Option<(&str, u32)>,
 ) -> Result<Vec<RecordBatch>, StoreError> {
-    let full = crate::schema::arrow_schema(def);
-    let open = read_files(run_dirs, folder, &full, process)?;
+    let open = read_files(run_dirs, folder, full, process)?;
     if open.iter().all(|b| b.num_rows() == 0) {
         return Ok(Vec::new());
     }
@@ -96,7 +96,7 @@ fn still_in_flight(
         .chain(key.iter().copied())
         .collect();
     let mut done = HashSet::new();
-    for batch in read_files(run_dirs, def, &project(&full, Some(&names))?, process)? {
+    for batch in read_files(run_dirs, def, &project(full, Some(&names))?, process)? {
         done.extend((0..batch.num_rows()).filter_map(|i| row_key(&batch, &names, i)));
     }
     let wanted: Vec<usize> = schema

@@ -48,19 +48,16 @@ impl LiveProbe {
         Ok(tables::probe_table_rows(table, &meta, &reply))
     }
 
-    /// torch's Flight Recorder, all it keeps. A process without torch, or
-    /// without torch.distributed started, has none: no rows, not an error,
-    /// so that a job's ranks answer alike.
+    /// torch's Flight Recorder, all it keeps (none in a process without
+    /// torch.distributed: the probe answers no rows, so a job's ranks
+    /// answer alike).
     fn flight_recorder_table(&self, table: &TableDef) -> Result<Rows, String> {
         let meta = self.meta()?;
-        match self
+        let reply = self
             .probe
             .flight_recorder(FLIGHT_RECORDER_ROWS, Duration::from_secs(30))
-        {
-            Ok(reply) => Ok(tables::probe_table_rows(table, &meta, &reply)),
-            Err(e) if format!("{e:#}").contains("torch is not imported") => Ok(Vec::new()),
-            Err(e) => Err(format!("{e:#}")),
-        }
+            .map_err(|e| format!("{e:#}"))?;
+        Ok(tables::probe_table_rows(table, &meta, &reply))
     }
 
     /// The target's run directory, from the target's environment.

@@ -33,6 +33,12 @@ def handle(request_text: str) -> str:
 
     try:
         request = json.loads(request_text)
+        if request.get("action") == "collectives" and request.get("switch") == "flight":
+            # Flight Recorder's rows (`python.flight_recorder`, `cluster bt`):
+            # none in a process without torch.distributed, torch or not.
+            from rankscope._probe.torch.collectives import flight
+
+            return json.dumps({"ok": flight(tail=max(1, int(request.get("tail") or 16)))})
         if not torch_ready():
             return json.dumps({"error": NOT_IMPORTED, "hint": NOT_IMPORTED_HINT, "not_imported": True})
         from rankscope._probe.torch import trace
@@ -86,10 +92,6 @@ def _feature(action: str, request: dict) -> dict:
 
         if switch == "on":
             return RECORDER.turn_on()
-        if switch == "flight":
-            from rankscope._probe.torch.collectives import flight
-
-            return flight(tail=max(1, int(request.get("tail") or 16)))
         if switch == "off":
             return RECORDER.turn_off()
         from rankscope._probe.torch.collectives import flight
