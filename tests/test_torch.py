@@ -284,7 +284,7 @@ def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_pyth
     per_step = query_json(cli, target.pid, "SELECT * FROM python.torch_steps ORDER BY step")
     assert [r["step"] for r in per_step] == [1, 2, 3, 4, 5]
     for r in per_step:
-        assert r["duration_ms"] > 0 and r["optimizer_ms"] > 0
+        assert r["step_ms"] > 0 and r["optimizer_ms"] > 0
         assert r["sampled"] == (r["step"] % 2 == 0)
         if r["sampled"]:
             assert r["forward_ms"] > 0 and r["dataloader_wait_ms"] >= 0
@@ -431,10 +431,10 @@ def test_steps_between_samples_each_get_their_row(torch_python, spawn, cli):
     assert cli(target.pid, "torch", "trace", "on", "--every", "4").returncode == 0
     run_steps(cli, target, 9, 9)
     assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1)"
-    per_step = query_json(cli, target.pid, "SELECT step, sampled, duration_ms, optimizer_ms, forward_ms FROM python.torch_steps ORDER BY step")
+    per_step = query_json(cli, target.pid, "SELECT step, sampled, step_ms, optimizer_ms, forward_ms FROM python.torch_steps ORDER BY step")
     assert [r["step"] for r in per_step] == list(range(1, 9)), per_step
     for r in per_step:
-        assert r["duration_ms"] > 0 and r["optimizer_ms"] > 0, r
+        assert r["step_ms"] > 0 and r["optimizer_ms"] > 0, r
         assert r["sampled"] == (r["step"] % 4 == 0), r
         assert (r["forward_ms"] is not None) == r["sampled"], r
     traced = query_json(cli, target.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
@@ -546,6 +546,10 @@ def test_every_rank_samples_the_same_steps_and_cluster_query_sees_them(default_p
         assert modules.stdout.split() == ["module", "DistributedDataParallel", "module", "module.0", "module.1", "module.2"]
         steps = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n FROM python.torch_steps GROUP BY rank ORDER BY rank", "--format", "csv")
         assert steps.stdout.split() == ["rank,n", "0,9", "1,9"]
+        # The query for the slow rank, as written there.
+        slow = cli("cluster", "query", "--run", run, "SELECT rank, avg(step_ms) FROM python.torch_steps GROUP BY rank ORDER BY 2 DESC", "--format", "json")
+        assert slow.returncode == 0, slow.stderr
+        assert sorted(r["rank"] for r in json.loads(slow.stdout)) == [0, 1] and all(v > 0 for r in json.loads(slow.stdout) for k, v in r.items() if k != "rank"), slow.stdout
         # Each collective carries the step it was called in (the first
         # iteration's, before the clock's first boundary, has none).
         collectives = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n, min(step) AS first, max(step) AS last, count(DISTINCT step) AS steps FROM python.collectives WHERE op = 'all_reduce' GROUP BY rank ORDER BY rank", "--format", "csv")

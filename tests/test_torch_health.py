@@ -184,6 +184,13 @@ def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python
         assert r["weight_norm"] > 0 and 0 < r["update_ratio"] < 1, r
         assert r["module"] == r["param"].rsplit(".", 1)[0]
     assert next(r for r in rows if r["param"] == "fc1.weight")["numel"] == 16 * 32
+    # Step 0 is SGD's first: its momentum buffer is the gradient, so the
+    # update is lr x the gradient, and update_ratio x weight_norm is
+    # 0.01 x norm (read in place on a CPU: grad_read.rs).
+    for r in rows:
+        if r["step"] == 0:
+            update = r["update_ratio"] * r["weight_norm"]
+            assert abs(update - 0.01 * r["norm"]) <= 1e-3 * 0.01 * r["norm"], r
 
     acts = query_json(cli, target.pid, "SELECT step, module, module_type, calls, shape, mean, std, max_abs, zero_frac, nonfinite FROM python.activation_stats ORDER BY step, module")
     # Hooked from the first step that starts after `on` (step 1) to the
@@ -243,3 +250,52 @@ def test_rankscope_torch_env_arms_the_watch_and_grads_before_the_model_exists(to
     assert [(r["step"], r["n"]) for r in rows] == [(0, 6), (2, 6), (4, 6)], rows
     assert rows[1]["bad"] == 0 and rows[1]["flag"] is None
     assert rows[2]["bad"] > 0 and rows[2]["flag"] == "nonfinite", rows
+
+
+# The statistics read in place on a CPU (grad_read.rs), against torch's own
+# kernels on the same tensors: every float type, odd lengths, non-finite
+# values, and what it leaves to torch (a strided tensor, an integer one).
+IN_PLACE = """
+import math, torch
+from rankscope import _native
+
+torch.manual_seed(0)
+read = _native.GradRead((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)):
+    tensors = [torch.randn(n, dtype=dtype) * 3 for n in (1, 15, 16, 17, 1023, 1025, 70001)]
+    norms, tops = read.norms(tensors)
+    for t, norm, top in zip(tensors, norms, tops):
+        want = float(torch.linalg.vector_norm(t.double()))
+        assert abs(norm - want) <= tol * want, (dtype, t.numel(), norm, want)
+        assert top == float(t.abs().max()) and top <= norm, (dtype, top, norm)
+    before = [t.clone() for t in tensors]
+    assert read.keep(tensors, 1 << 30) == read.norms(before)[0]
+    for t in tensors:
+        t.mul_(0.99)
+    updates = read.update(tensors)
+    for t, b, u in zip(tensors, before, updates):
+        want = float(torch.linalg.vector_norm(b.double() - t.double()))
+        assert abs(u - want) <= 1e-2 * want + 1e-30, (dtype, u, want)
+    assert all(b.equal(b2) for b, b2 in zip(before, [t.clone() for t in before]))
+bad = torch.ones(100)
+bad[7] = float("nan")
+norms, tops = read.norms([bad, torch.tensor([1.0, float("inf")])])
+assert math.isnan(norms[0]) and math.isnan(tops[0]) and norms[1] == math.inf and tops[1] == math.inf
+# Another tensor in the place of one kept: no update for it, the others go on.
+a, b = torch.randn(10), torch.randn(10)
+read.keep([a, b], 1 << 30)
+assert read.update([torch.randn(10), b]) == [None, 0.0]
+# Past the cap: the norms, and no copy.
+assert read.keep([a, b], 79) == read.norms([a, b])[0] and read.update([a, b]) is None and read.kept_bytes == 0
+read.keep([a, b], 80)
+assert read.update([a, b]) == [0.0, 0.0] and read.kept_bytes == 80
+assert read.norms([torch.randn(4, 4).t()]) is None and read.norms([torch.arange(5)]) is None
+read.release()
+assert read.update([a, b]) is None and read.kept_bytes == 0
+print("IN PLACE OK")
+"""
+
+
+def test_gradient_statistics_read_in_place_agree_with_torch(torch_python):
+    result = subprocess.run([torch_python, "-c", IN_PLACE], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "IN PLACE OK", result.stderr

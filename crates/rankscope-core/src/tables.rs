@@ -207,7 +207,9 @@ pub const TORCH_STEPS: TableDef = TableDef {
     columns: &[
         col("step", Int64),
         col("sampled", Bool),
-        col("duration_ms", Float64),
+        // The step's wall time, end to end (named as the queries
+        // and Probing's users name it).
+        col("step_ms", Float64),
         col("dataloader_wait_ms", Float64),
         col("forward_ms", Float64),
         col("backward_ms", Float64),

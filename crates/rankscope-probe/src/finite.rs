@@ -15,8 +15,8 @@ use pyo3::types::PyTuple;
 /// Elements scanned at most per tensor (the sentinels are small by choice).
 const MAX_ELEMENTS: usize = 1 << 20;
 
-#[derive(Clone, Copy)]
-enum Float {
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Float {
     F32,
     F64,
     F16,
@@ -28,7 +28,57 @@ enum Float {
 /// reads (on a GPU, strided, another dtype, too large).
 #[pyclass(module = "rankscope._native")]
 pub struct FiniteCheck {
-    dtypes: Vec<(Py<PyAny>, Float)>,
+    dtypes: Dtypes,
+}
+
+/// torch's float dtypes, as given by the caller (float32, float64, float16,
+/// bfloat16), to tell a tensor's element type by identity.
+pub(crate) struct Dtypes(Vec<(Py<PyAny>, Float)>);
+
+/// A contiguous CPU tensor's values: `count` elements of `kind` at `ptr`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct View {
+    pub ptr: usize,
+    pub count: usize,
+    pub kind: Float,
+}
+
+impl Dtypes {
+    pub(crate) fn new(dtypes: &Bound<'_, PyTuple>) -> Self {
+        let kinds = [Float::F32, Float::F64, Float::F16, Float::BF16];
+        Dtypes(
+            dtypes
+                .iter()
+                .zip(kinds)
+                .map(|(dtype, kind)| (dtype.unbind(), kind))
+                .collect(),
+        )
+    }
+
+    /// Where `tensor`'s values are, if this can read them in place: a
+    /// contiguous CPU tensor of one of the four float types, at most
+    /// `max_elements` long; None for anything else.
+    pub(crate) fn view(
+        &self,
+        tensor: &Bound<'_, PyAny>,
+        max_elements: usize,
+    ) -> PyResult<Option<View>> {
+        let dtype = tensor.getattr("dtype")?;
+        let Some(&(_, kind)) = self.0.iter().find(|(d, _)| d.is(&dtype)) else {
+            return Ok(None);
+        };
+        if !tensor.getattr("is_cpu")?.extract::<bool>()?
+            || !tensor.call_method0("is_contiguous")?.extract::<bool>()?
+        {
+            return Ok(None);
+        }
+        let count: usize = tensor.call_method0("numel")?.extract()?;
+        let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
+        if count > max_elements || (count > 0 && ptr == 0) {
+            return Ok(None);
+        }
+        Ok(Some(View { ptr, count, kind }))
+    }
 }
 
 fn finite_bits16(bits: u16, exponent_mask: u16) -> bool {
@@ -70,13 +120,9 @@ unsafe fn all_finite(ptr: usize, count: usize, kind: Float) -> bool {
 impl FiniteCheck {
     #[new]
     fn new(dtypes: &Bound<'_, PyTuple>) -> PyResult<Self> {
-        let kinds = [Float::F32, Float::F64, Float::F16, Float::BF16];
-        let dtypes = dtypes
-            .iter()
-            .zip(kinds)
-            .map(|(dtype, kind)| (dtype.unbind(), kind))
-            .collect();
-        Ok(FiniteCheck { dtypes })
+        Ok(FiniteCheck {
+            dtypes: Dtypes::new(dtypes),
+        })
     }
 
     fn check(&self, tensors: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
@@ -85,24 +131,13 @@ impl FiniteCheck {
         let mut reads = Vec::with_capacity(4);
         for tensor in tensors.try_iter()? {
             let tensor = tensor?;
-            let dtype = tensor.getattr("dtype")?;
-            let Some(&(_, kind)) = self.dtypes.iter().find(|(d, _)| d.is(&dtype)) else {
+            let Some(view) = self.dtypes.view(&tensor, MAX_ELEMENTS)? else {
                 return Ok(None);
             };
-            if !tensor.getattr("is_cpu")?.extract::<bool>()?
-                || !tensor.call_method0("is_contiguous")?.extract::<bool>()?
-            {
-                return Ok(None);
-            }
-            let count: usize = tensor.call_method0("numel")?.extract()?;
-            let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
-            if count > MAX_ELEMENTS || (count > 0 && ptr == 0) {
-                return Ok(None);
-            }
-            reads.push((tensor, ptr, count, kind));
+            reads.push((tensor, view));
         }
-        Ok(Some(reads.iter().all(|&(_, ptr, count, kind)| {
-            count == 0 || unsafe { all_finite(ptr, count, kind) }
+        Ok(Some(reads.iter().all(|&(_, view)| {
+            view.count == 0 || unsafe { all_finite(view.ptr, view.count, view.kind) }
         })))
     }
 }

@@ -11,6 +11,7 @@ mod finite;
 mod frame_trace;
 mod gc_walk;
 mod gil;
+mod grad_read;
 mod handler;
 mod injected;
 mod memory;
@@ -285,5 +286,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory::memory_watch_cuda, m)?)?;
     m.add_class::<tensor_scan::TensorScan>()?;
     m.add_class::<finite::FiniteCheck>()?;
+    m.add_class::<grad_read::GradRead>()?;
     Ok(())
 }

@@ -695,7 +695,7 @@ mod tests {
         assert_eq!(
             only_step["rows"][0][3],
             Value::Null,
-            "duration_ms was not asked for"
+            "step_ms was not asked for"
         );
     }
 

@@ -179,7 +179,7 @@ pub(crate) fn read_files(
                         .filter_map(|f| batch.schema().index_of(f.name()).ok())
                         .collect()
                 });
-                batches.push(conform(&schema, &batch.project(wanted)?)?);
+                batches.push(conform(schema, &batch.project(wanted)?)?);
             }
         }
     }

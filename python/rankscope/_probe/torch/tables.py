@@ -33,7 +33,7 @@ COLUMNS = {
         "ts",
         "step",
         "sampled",
-        "duration_ms",
+        "step_ms",
         "dataloader_wait_ms",
         "forward_ms",
         "backward_ms",

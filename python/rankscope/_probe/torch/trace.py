@@ -506,18 +506,22 @@ class Tracer:
 
     def _boundary(self, now, optimizer, unknown_optimizer):
         step = self.step
-        if self.quiet and not unknown_optimizer and (step + 1) % self.every:
-            # An unsampled step after an unsampled one: its row, and nothing
+        if self.quiet and not unknown_optimizer and not (self.tracing and (step + 1) % self.every == 0):
+            # A step that needs no stand-in after one that had none: its
+            # row while the trace is on, the listeners told, and nothing
             # else (see `quiet`).
-            opt_ms = self.opt_ns / 1e6 if self.opt_calls else None
-            self.opt_ns = self.opt_calls = 0
-            tables.post_step((time.time(), step, False, (now - self.last_end) / 1e6, None, None, None, opt_ms, None, None, None))
+            if self.tracing:
+                opt_ms = self.opt_ns / 1e6 if self.opt_calls else None
+                self.opt_ns = self.opt_calls = 0
+                tables.post_step((time.time(), step, False, (now - self.last_end) / 1e6, None, None, None, opt_ms, None, None, None))
             self.step = step + 1
             self.last_end = now
             if now - self.step_told >= STEP_TOLD_NS:
                 _native.set_step(step + 1)
                 self.step_told = now
                 _timeline.step_row(now)
+            if self.listeners:
+                self._tell("boundary", step + 1)
             if now >= tables.due:
                 tables.flush()
             return
@@ -558,15 +562,15 @@ class Tracer:
                 self.sampling = bool(self.handles)
             elif self.handles or self.sampling:
                 self._detach()
-            # Whether the next boundary may take the short way: nothing but
-            # the trace on, settled, no stand-in on, no row waiting for a GPU.
-            # Anything that changes one of these from a probe thread clears it.
+            # Whether the next boundary may take the short way: the clock
+            # settled, its models known, no stand-in on, no row waiting for
+            # a GPU. Anything that changes one of these from a probe thread
+            # clears it.
             self.quiet = (
                 self.on
-                and self.tracing
+                and (self.tracing or bool(self.listeners))
                 and not self.partial
                 and not self.handles
-                and not self.listeners
                 and bool(self.models)
                 and self.step is not None
                 and self.last_end is not None
