@@ -290,6 +290,10 @@ assert read.keep([a, b], 79) == read.norms([a, b])[0] and read.update([a, b]) is
 read.keep([a, b], 80)
 assert read.update([a, b]) == [0.0, 0.0] and read.kept_bytes == 80
 assert read.norms([torch.randn(4, 4).t()]) is None and read.norms([torch.arange(5)]) is None
+# Over a byte buffer at an odd offset: not aligned to float32, left to torch.
+odd = torch.frombuffer(bytearray(17), dtype=torch.float32, offset=1)
+assert read.norms([odd]) is None and read.norms([torch.zeros(0)]) == ([0.0], [0.0])
+assert read.keep([torch.zeros(0), a], 1 << 30) == [0.0, read.norms([a])[0][0]]
 read.release()
 assert read.update([a, b]) is None and read.kept_bytes == 0
 print("IN PLACE OK")

@@ -9,6 +9,7 @@
 //! contiguous CPU tensors of the four float types are read; for anything
 //! else the answer is None and the caller asks torch.
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -29,6 +30,17 @@ pub(crate) enum Float {
 #[pyclass(module = "rankscope._native")]
 pub struct FiniteCheck {
     dtypes: Dtypes,
+}
+
+impl Float {
+    /// Bytes an element.
+    pub(crate) fn size(self) -> usize {
+        match self {
+            Float::F32 => 4,
+            Float::F64 => 8,
+            Float::F16 | Float::BF16 => 2,
+        }
+    }
 }
 
 /// torch's float dtypes, as given by the caller (float32, float64, float16,
@@ -63,18 +75,24 @@ impl Dtypes {
         tensor: &Bound<'_, PyAny>,
         max_elements: usize,
     ) -> PyResult<Option<View>> {
-        let dtype = tensor.getattr("dtype")?;
+        // Names interned once: each read is then a lookup, not a new string.
+        let py = tensor.py();
+        let dtype = tensor.getattr(intern!(py, "dtype"))?;
         let Some(&(_, kind)) = self.0.iter().find(|(d, _)| d.is(&dtype)) else {
             return Ok(None);
         };
-        if !tensor.getattr("is_cpu")?.extract::<bool>()?
-            || !tensor.call_method0("is_contiguous")?.extract::<bool>()?
+        if !tensor.getattr(intern!(py, "is_cpu"))?.extract::<bool>()?
+            || !tensor
+                .call_method0(intern!(py, "is_contiguous"))?
+                .extract::<bool>()?
         {
             return Ok(None);
         }
-        let count: usize = tensor.call_method0("numel")?.extract()?;
-        let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
-        if count > max_elements || (count > 0 && ptr == 0) {
+        let count: usize = tensor.call_method0(intern!(py, "numel"))?.extract()?;
+        let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        // A tensor made over a byte buffer at an odd offset is not aligned
+        // to its element type, and is not read as one here.
+        if count > max_elements || (count > 0 && (ptr == 0 || !ptr.is_multiple_of(kind.size()))) {
             return Ok(None);
         }
         Ok(Some(View { ptr, count, kind }))

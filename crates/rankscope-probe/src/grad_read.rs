@@ -222,14 +222,6 @@ unsafe fn diff_of_plain(before_ptr: usize, view: View) -> f64 {
     }
 }
 
-fn element_size(kind: Float) -> usize {
-    match kind {
-        Float::F32 => 4,
-        Float::F64 => 8,
-        Float::F16 | Float::BF16 => 2,
-    }
-}
-
 /// Norm and max |g| of gradients; then, around an optimizer step, the
 /// weights' norms and copy (`keep`) and the update's norms (`update`).
 /// One per optimizer: the copy is kept between sampled steps for a small
@@ -248,10 +240,7 @@ pub struct GradRead {
 type Views<'py> = Vec<(Bound<'py, PyAny>, View)>;
 
 impl GradRead {
-    fn views_of<'py>(
-        &self,
-        tensors: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<Views<'py>>> {
+    fn views_of<'py>(&self, tensors: &Bound<'py, PyAny>) -> PyResult<Option<Views<'py>>> {
         let mut out = Vec::new();
         for tensor in tensors.try_iter()? {
             let tensor = tensor?;
@@ -308,7 +297,7 @@ impl GradRead {
         let mut placed = Vec::with_capacity(views.len());
         for (_, view) in &views {
             placed.push((*view, words));
-            words += (view.count * element_size(view.kind)).div_ceil(8);
+            words += (view.count * view.kind.size()).div_ceil(8);
         }
         if words * 8 > cap {
             self.kept = Vec::new();
@@ -324,10 +313,12 @@ impl GradRead {
         let base = self.kept.as_mut_ptr();
         let mut norms = Vec::with_capacity(placed.len());
         for &(view, at) in &placed {
-            let bytes = view.count * element_size(view.kind);
+            let bytes = view.count * view.kind.size();
             let into = unsafe { base.add(at) };
-            unsafe {
-                std::ptr::copy_nonoverlapping(view.ptr as *const u8, into.cast::<u8>(), bytes);
+            if bytes > 0 {
+                unsafe {
+                    std::ptr::copy_nonoverlapping(view.ptr as *const u8, into.cast::<u8>(), bytes);
+                }
             }
             // Read back from the copy just written (in cache).
             let copy = View {
