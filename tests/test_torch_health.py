@@ -159,6 +159,12 @@ def test_a_backward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cl
     assert cli(target.pid, "eval", hooks).stdout.strip() == "0"
 
 
+def sci(x: float) -> str:
+    """`x` as the CLI writes it (Rust's {:.4e}: 7.7096e-1)."""
+    mantissa, exponent = f"{x:.4e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def reference_run(python, tmp_path, steps: int) -> Path:
     script = tmp_path / "reference.py"
     script.write_text(textwrap.dedent(TRAIN))
@@ -191,6 +197,16 @@ def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python
         if r["step"] == 0:
             update = r["update_ratio"] * r["weight_norm"]
             assert abs(update - 0.01 * r["norm"]) <= 1e-3 * 0.01 * r["norm"], r
+    # `torch grads` sums up the last sampled step: its total norm (as
+    # clip_grad_norm_ takes it) and its largest norms.
+    last = [r for r in rows if r["step"] == 4]
+    # (Looked at with no option, it keeps its own: every 2 steps.)
+    summary = on(cli, target.pid, "grads")
+    assert "grads: on, 6 parameters, every 2 steps" in summary, summary
+    total = sum(r["norm"] ** 2 for r in last) ** 0.5
+    largest = max(last, key=lambda r: r["norm"])
+    assert f"step 4: total gradient norm {sci(total)}; largest: {largest['param']} {sci(largest['norm'])}," in summary, summary
+    assert "flagged: none" in summary, summary
 
     acts = query_json(cli, target.pid, "SELECT step, module, module_type, calls, shape, mean, std, max_abs, zero_frac, nonfinite FROM python.activation_stats ORDER BY step, module")
     # Hooked from the first step that starts after `on` (step 1) to the
@@ -250,6 +266,8 @@ def test_rankscope_torch_env_arms_the_watch_and_grads_before_the_model_exists(to
     assert [(r["step"], r["n"]) for r in rows] == [(0, 6), (2, 6), (4, 6)], rows
     assert rows[1]["bad"] == 0 and rows[1]["flag"] is None
     assert rows[2]["bad"] > 0 and rows[2]["flag"] == "nonfinite", rows
+    summary = on(cli, target.pid, "grads")
+    assert "step 4: total gradient norm nan" in summary and "flagged: fc1.weight nonfinite (norm nan)" in summary, summary
 
 
 # The statistics read in place on a CPU (grad_read.rs), against torch's own
@@ -296,6 +314,21 @@ assert read.norms([odd]) is None and read.norms([torch.zeros(0)]) == ([0.0], [0.
 assert read.keep([torch.zeros(0), a], 1 << 30) == [0.0, read.norms([a])[0][0]]
 read.release()
 assert read.update([a, b]) is None and read.kept_bytes == 0
+
+# What a GPU (or a strided gradient) goes through: torch's norms in float32,
+# so that a half gradient's norm past 65504 is not taken for infinite.
+from rankscope._probe.torch import stats
+half = torch.full((100000,), 300.0, dtype=torch.float16)
+assert abs(float(stats._norms([half])[0]) / (300.0 * math.sqrt(100000)) - 1) < 1e-3
+assert [float(v) for v in stats._norms([half, torch.zeros(0)], math.inf)] == [300.0, 0.0]
+# An activation past the copy's cap is reduced in place, to the same figures.
+x = torch.randn(5000) * 3 + 1
+x[:100] = 0
+exact = stats._activation(x).tolist()
+stats.ACTIVATION_COPY_MAX = 1000
+large = stats._activation(x).tolist()
+assert all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(exact, large)), (exact, large)
+assert abs(large[3] - 100 / 5000) < 1e-7 and large[4] == 0
 print("IN PLACE OK")
 """
 

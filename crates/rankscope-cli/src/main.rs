@@ -333,22 +333,22 @@ pub enum TorchAction {
     },
     /// Gradient statistics per parameter into python.grad_stats (norm, max |g|, non-finite count, update/weight ratio, flag)
     Grads {
-        /// on (the default) or off
+        /// on or off; none: on (every 10 steps), or while on, the last sampled step
         switch: Option<Switch>,
-        /// Every Nth step (the same steps on every rank)
-        #[arg(long, default_value_t = 10)]
-        every: u64,
+        /// Every Nth step (the same steps on every rank; 10 when not given)
+        #[arg(long)]
+        every: Option<u64>,
     },
     /// Output statistics of the chosen modules into python.activation_stats (mean, std, max |x|, zero fraction)
     Activations {
-        /// on (the default) or off
+        /// on or off; none: on, or while on, what it covers
         switch: Option<Switch>,
-        /// The modules whose qualified name matches this glob (e.g. 'layer3.*')
-        #[arg(long, default_value = "*")]
-        modules: String,
-        /// Every Nth step
-        #[arg(long, default_value_t = 1)]
-        every: u64,
+        /// The modules whose qualified name matches this glob (e.g. 'layer3.*'; all when not given)
+        #[arg(long)]
+        modules: Option<String>,
+        /// Every Nth step (1 when not given)
+        #[arg(long)]
+        every: Option<u64>,
     },
     /// torch.distributed collectives into python.collectives; none: each group's last and in-flight ones
     Collectives {

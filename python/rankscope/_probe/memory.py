@@ -322,7 +322,9 @@ def track(switch, python: bool, cuda: bool) -> dict:
                     "no CUDA here: --cuda records CUDA allocations (torch's memory history)",
                     "use --python for Python allocations; CUDA needs a GPU and a program that uses it",
                 )
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            # Python stacks only: the sites users read; C++ frames cost an
+            # unwind at every allocation and a slow symbolisation at export.
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
             TRACKING.cuda = True
         TRACKING.started_at = TRACKING.started_at or time.time()
     else:

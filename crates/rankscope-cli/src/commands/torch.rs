@@ -47,15 +47,18 @@ pub fn request_of(action: Option<&TorchAction>) -> Result<Value> {
         Some(TorchAction::Nan { switch }) => {
             json!({"action": "nan", "switch": switch_word(*switch)})
         }
+        // With neither a switch nor an option, the probe turns the feature
+        // on where it is off and otherwise only says how it stands, so that
+        // looking does not reset a running feature's options.
         Some(TorchAction::Grads { switch, every }) => {
-            json!({"action": "grads", "switch": switch_word(*switch).unwrap_or("on"), "every": at_least_one(*every)?})
+            json!({"action": "grads", "switch": switch_word(*switch), "every": every.map(at_least_one).transpose()?})
         }
         Some(TorchAction::Activations {
             switch,
             modules,
             every,
         }) => json!({
-            "action": "activations", "switch": switch_word(*switch).unwrap_or("on"), "modules": modules, "every": at_least_one(*every)?,
+            "action": "activations", "switch": switch_word(*switch), "modules": modules, "every": every.map(at_least_one).transpose()?,
         }),
         Some(TorchAction::Collectives { switch }) => {
             json!({"action": "collectives", "switch": switch_word(*switch)})
@@ -185,12 +188,56 @@ fn stats_text(feature: &str, table: &str, what: &str, reply: &Value) -> String {
     if let Some(rows) = reply["rows"].as_i64() {
         out += &format!("{rows} rows in {table}\n");
     }
+    out += &last_step_text(&reply["last"]);
     if let Some(reason) = reply["disabled"].as_str() {
         out += &format!("{feature}: turned itself off after an error: {reason}\n");
     }
     if let Some(note) = reply["note"].as_str() {
         out += &format!("note: {note}\n");
     }
+    out
+}
+
+/// `torch grads`: the last sampled step's total gradient norm, its largest
+/// norms and every parameter flagged (exploding, vanishing, non-finite).
+fn last_step_text(last: &Value) -> String {
+    if !last.is_object() {
+        return String::new();
+    }
+    let named = |entries: &Value, with_flag: bool| -> String {
+        entries
+            .as_array()
+            .map(|list| {
+                list.iter()
+                    .map(|e| {
+                        let name = e["param"].as_str().unwrap_or("?");
+                        if with_flag {
+                            format!(
+                                "{name} {} (norm {})",
+                                e["flag"].as_str().unwrap_or("?"),
+                                number(&e["norm"])
+                            )
+                        } else {
+                            format!("{name} {}", number(&e["norm"]))
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default()
+    };
+    let mut out = format!(
+        "step {}: total gradient norm {}; largest: {}\n",
+        last["step"],
+        number(&last["total_norm"]),
+        named(&last["largest"], false)
+    );
+    let flagged = named(&last["flagged"], true);
+    out += &if flagged.is_empty() {
+        "flagged: none\n".to_string()
+    } else {
+        format!("flagged: {flagged}\n")
+    };
     out
 }
 

@@ -107,9 +107,20 @@ def _feature(action: str, request: dict) -> dict:
         return WATCH.turn_off() if switch == "off" else WATCH.describe()
     from rankscope._probe.torch import stats
 
+    # Neither a switch nor an option: on where it is off, else only how it
+    # stands (looking does not reset its options).
+    looking = switch is None and request.get("every") is None and request.get("modules") is None
     if action == "grads":
-        return stats.GRADS.turn_off() if switch == "off" else stats.GRADS.turn_on(every)
-    return stats.ACTIVATIONS.turn_off() if switch == "off" else stats.ACTIVATIONS.turn_on(str(request.get("modules") or "*"), every)
+        if switch == "off":
+            return stats.GRADS.turn_off()
+        if looking and stats.GRADS.on:
+            return stats.GRADS.describe()
+        return stats.GRADS.turn_on(int(request.get("every") or 10))
+    if switch == "off":
+        return stats.ACTIVATIONS.turn_off()
+    if looking and stats.ACTIVATIONS.on:
+        return stats.ACTIVATIONS.describe()
+    return stats.ACTIVATIONS.turn_on(str(request.get("modules") or "*"), every)
 
 
 def _status() -> dict:

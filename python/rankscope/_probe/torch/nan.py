@@ -49,6 +49,7 @@ import torch
 
 from rankscope import _native
 from rankscope._probe.torch import models, tables, timed
+from rankscope._probe.torch.stats import _norms
 from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors
 
 # Events kept for `torch nan` (the table keeps them all).
@@ -61,6 +62,8 @@ MAX_KEPT_GRAD = 1 << 20
 # gradient. Reading all gradients every step costs a small CPU model 2-3 %.
 FULL_EVERY = 8
 MAX_SENTINEL = 1 << 16
+# GPU checks waiting for their values (see `boundary`).
+MAX_PENDING = 4
 
 
 def _stats(tensors) -> tuple:
@@ -194,7 +197,9 @@ class NanWatch:
             step.model = model_ref
             step.args, step.kwargs = args, kwargs
             step.rng = torch.get_rng_state()
-            if torch.cuda.is_initialized():
+            # Not while a CUDA graph is captured: reading a generator's
+            # state then raises (the replay then runs without it).
+            if torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
                 step.cuda_rng = torch.cuda.get_rng_state_all()
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root pre-hook failed: {type(exc).__name__}: {exc}")
@@ -255,12 +260,18 @@ class NanWatch:
             full = self.checked_steps % FULL_EVERY == 0 or not self.sentinels
             grads = [p.grad for p in params if full or id(p) in self.sentinels]
             self._check(step_number - 1 if step_number else 0, params, grads)
-        # A check that has not arrived waits for a later boundary (four at most).
+        # A check that has not arrived waits for a later boundary. Past four
+        # waiting, the oldest is waited for: it may be the first non-finite
+        # step, and the program is then four steps ahead of its GPU, which
+        # stays as busy (the wait ends when the GPU reaches that step).
         pending, self.pending = self.pending, []
         for entry in pending:
             if not self._read_gpu_flag(*entry):
                 self.pending.append(entry)
-        del self.pending[:-4]
+        while len(self.pending) > MAX_PENDING:
+            oldest = self.pending.pop(0)
+            oldest[4].synchronize()
+            self._read_gpu_flag(*oldest)
         if TRACER.models is not self.models_seen:
             # The tracer found its models again: hooked anew where they changed.
             self.models_seen = TRACER.models
@@ -280,7 +291,7 @@ class NanWatch:
                 if not finite and self.tripped_at is None:
                     self._trip(step_number, self.step, params, late=False)
                 return
-        values = list(torch._foreach_norm(grads)) if grads else []
+        values = list(_norms(grads)) if grads else []
         if loss is not None:
             values.append(loss)
         if not values:
@@ -291,12 +302,15 @@ class NanWatch:
             if not all(math.isfinite(v.item()) for v in values) and self.tripped_at is None:
                 self._trip(step_number, self.step, params, late=False)
             return
+        device = values[0].device
         with torch.no_grad():
-            total = torch.stack([v.float().reshape(()).to(values[0].device) for v in values]).sum()
-        # A GPU: copied out now, read at the next boundary.
-        flag = torch.isfinite(total).to("cpu", non_blocking=True)
+            # all() of the flags, not a sum of the norms (that could overflow).
+            finite = torch.isfinite(torch.stack([v.float().reshape(()).to(device) for v in values])).all()
+        # A GPU: copied out now, read at a later boundary, behind an event
+        # on the device the values are on (see trace._cuda_event).
+        flag = finite.to("cpu", non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(device))
         self.pending.append((step_number, self.step, params, flag, event))
 
     def _read_gpu_flag(self, step_number, step, params, flag, event) -> bool:

@@ -66,13 +66,29 @@ def _resolver(values, event):
 
 def _to_host(stacked):
     """(resolver, ready now): a CPU tensor is read at once; a GPU one is
-    copied out without a sync and read once its event has passed."""
+    copied out without a sync and read once its event has passed (an event
+    on the tensor's own device: see trace._cuda_event)."""
     if stacked.device.type == "cpu":
         return (lambda: stacked.tolist()), True
     host = stacked.to("cpu", non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(stacked.device))
     return _resolver(host, event), False
+
+
+def _norms(tensors, ord=2):
+    """Each tensor's norm in float32 whatever its own type: a half
+    gradient's norm past 65504 is not infinite. Empty tensors count 0."""
+    tensors = [t if t.numel() else t.new_zeros(1) for t in tensors]
+    try:
+        return torch._foreach_norm(tensors, ord, dtype=torch.float32)
+    except TypeError:  # a torch without the dtype argument
+        return [n.float() for n in torch._foreach_norm([t.float() for t in tensors], ord)]
+
+
+def _gathered(values, device):
+    """Scalars from several devices (a model split over GPUs) on one."""
+    return torch.stack([v.reshape(()).to(device) for v in values])
 
 
 def _drain(waiting: list, rows) -> list:
@@ -98,6 +114,7 @@ class GradStats:
         self.waiting: list = []  # (resolver, rows meta) read at a later boundary
         self.cap = int(os.environ.get("RANKSCOPE_GRAD_UPDATE_MB", "256") or 256) << 20
         self.params = 0
+        self.last: list = []  # the last sampled step's rows
         self.kept = None  # (optimizer weakref, buffers): the last copies, for a small model
         # optimizer id -> [its weakref, _native.GradRead, (parameter ids, names, sizes)]: a CPU's statistics
         self.readers: dict = {}
@@ -148,16 +165,17 @@ class GradStats:
         if any(id(p) not in self.names for p in params):
             self._name_params()
         size = sum(p.numel() * p.element_size() for p in params)
+        device = grads[0].device
         with torch.no_grad():
-            norms = torch._foreach_norm(grads)
-            if grads[0].device.type == "cpu":
+            norms = _gathered(_norms(grads), device)
+            if device.type == "cpu":
                 # The inf-norm kernel is 25x slower than aminmax on a CPU.
-                lows, highs = zip(*(torch.aminmax(g) for g in grads))
-                maxes = torch.maximum(torch.stack(highs), torch.stack(lows).neg())
+                lows, highs = zip(*(torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads))
+                maxes = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).float()
             else:
-                maxes = torch._foreach_norm(grads, math.inf)
-            weights = torch._foreach_norm([p.detach() for p in params])
-            stacked = torch.stack([torch.stack(list(norms)), maxes if isinstance(maxes, torch.Tensor) else torch.stack(list(maxes)), torch.stack(list(weights))]).float()
+                maxes = _gathered(_norms(grads, math.inf), device)
+            weights = _gathered(_norms([p.detach() for p in params]), device)
+            stacked = torch.stack([norms, maxes, weights])
             copies = self._copies(optimizer, params, size)
         self.before[id(optimizer)] = (step, params, stacked, copies)
 
@@ -183,11 +201,14 @@ class GradStats:
         described = reader[2]
         ids = [id(p) for p in params]
         if described is None or described[0] != ids:
-            # Names and sizes, made again only when the parameters change.
+            # Names and sizes, made again only when the parameters change,
+            # or while some have no name yet (a model not found yet: armed
+            # at start, before the program made it).
             if any(i not in self.names for i in ids):
                 self._name_params()
             names = [self.names.get(id(p), (f"param{i}", "?")) for i, p in enumerate(params)]
-            described = reader[2] = (ids, names, [p.numel() for p in params])
+            described = (ids, names, [p.numel() for p in params])
+            reader[2] = described if all(i in self.names for i in ids) else None
         self.before[id(optimizer)] = (step, params, (got[0], got[1], weight_norms, described), read)
         return True
 
@@ -232,13 +253,15 @@ class GradStats:
             if copies is not None:
                 # In place on the copies: before - after, with no new buffers.
                 torch._foreach_sub_(copies, [p.detach() for p in params])
-                updates = torch.stack(list(torch._foreach_norm(copies))).float()
+                updates = _gathered(_norms(copies), stacked.device)
             else:
                 updates = torch.full_like(stacked[0], float("nan"))
             both = torch.cat([stacked, updates.reshape(1, -1).to(stacked.device)])
         resolve, now = _to_host(both)
+        # Read later (a GPU), the gradients are another step's by then: a
+        # non-finite norm's count is left null, not counted on those.
         meta = (time.time(), step, [self.names.get(id(p), (f"param{i}", "?")) for i, p in enumerate(params)],
-                [p.numel() for p in params], copies is not None, params)
+                [p.numel() for p in params], copies is not None, params if now else None)
         if now:
             self._rows(resolve(), meta)
         else:
@@ -255,12 +278,13 @@ class GradStats:
             norm = norms[i]
             nonfinite = 0
             if not math.isfinite(norm):
-                grad = params[i].grad
+                grad = params[i].grad if params is not None else None
                 nonfinite = int((~torch.isfinite(grad)).sum()) if grad is not None else None
             update = updates[i] if have_update else None
             ratio = update / weights[i] if update is not None and weights[i] > 0 else None
             rows.append([wall, step, name, module, sizes[i], norm, maxes[i], nonfinite, weights[i], ratio, self._flag(name, norm)])
         tables.extend("grad_stats", rows)
+        self.last = rows  # summed up only when asked (`describe`)
 
     def _flag(self, name, norm) -> str | None:
         if not math.isfinite(norm):
@@ -282,7 +306,59 @@ class GradStats:
             "count": self.params,
             "rows": tables.sizes().get("grad_stats", 0),
             "disabled": self.disabled,
+            "last": _summary(self.last),
         }
+
+
+def _summary(rows) -> dict | None:
+    """The last sampled step at a glance: its total gradient norm (over
+    every parameter, as ``clip_grad_norm_`` takes it), the largest norms,
+    and every parameter flagged."""
+    if not rows:
+        return None
+    norms = [(r[2], r[5]) for r in rows if r[5] is not None]
+    finite = [n for _, n in norms if math.isfinite(n)]
+    bad = [n for _, n in norms if not math.isfinite(n)]
+    total = bad[0] if bad else math.sqrt(sum(n * n for n in finite))
+    largest = sorted((n, name) for name, n in norms if math.isfinite(n))[-5:][::-1]
+    return {
+        "step": rows[0][1],
+        "total_norm": total,
+        "largest": [{"param": name, "norm": n} for n, name in largest],
+        "flagged": [{"param": r[2], "flag": r[10], "norm": r[5]} for r in rows if r[10]],
+    }
+
+
+# Outputs up to this many elements get exact statistics through a float32
+# copy; larger ones (a language model's logits: 8 x 4096 x 128k) are reduced
+# in place, with no copy of their size.
+ACTIVATION_COPY_MAX = 1 << 24
+
+
+def _activation(x):
+    """[mean, std, max |x|, zero fraction, non-finite count] of `x`, on its
+    device, without a sync."""
+    n = x.numel()
+    if n == 0:
+        return torch.tensor([float("nan")] * 4 + [0.0], device=x.device)
+    if n <= ACTIVATION_COPY_MAX:
+        values = x.float()
+        std, mean = torch.std_mean(values) if n > 1 else (torch.zeros((), device=x.device), values.mean())
+        finite = torch.isfinite(x)
+        return torch.stack([mean, std, values.abs().max(), (x == 0).float().mean(), (finite.numel() - finite.sum()).float()])
+    # Sums in float32 as the reduction reads; std from the sum of squares
+    # (one pass, so less exact where the mean dwarfs the spread).
+    total = x.sum(dtype=torch.float32)
+    squares = torch.linalg.vector_norm(x, dtype=torch.float32).square()
+    mean = total / n
+    std = ((squares - total * mean).clamp_min(0) / (n - 1)).sqrt()
+    return torch.stack([
+        mean,
+        std,
+        torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32),
+        (n - torch.count_nonzero(x)).float() / n,
+        torch.isfinite(x).logical_not().sum().float(),
+    ])
 
 
 class _Watched:
@@ -371,20 +447,7 @@ class ActivationStats:
                 if tensor is None:
                     return
                 with torch.no_grad():
-                    x = tensor.detach()
-                    std, mean = torch.std_mean(x.float()) if x.numel() > 1 else (torch.zeros((), device=x.device), x.float().mean())
-                    finite = torch.isfinite(x)
-                    watched.values.append(
-                        torch.stack(
-                            [
-                                mean,
-                                std,
-                                x.abs().max().float(),
-                                (x == 0).float().mean(),
-                                (finite.numel() - finite.sum()).float(),
-                            ]
-                        )
-                    )
+                    watched.values.append(_activation(tensor.detach()))
                 watched.calls += 1
                 watched.shape, watched.dtype = "x".join(map(str, tensor.shape)), str(tensor.dtype).removeprefix("torch.")
             except Exception as exc:  # noqa: BLE001

@@ -130,6 +130,10 @@ def hand_over_if_due(now_ns: int) -> None:
 def flush() -> None:
     """Hands the outbox over now (a reader asks, or the program exits)."""
     global due
+    if waiting:
+        # Rows whose GPU values have arrived since the last step boundary
+        # (the last sampled step's, after `trace off` or at exit).
+        resolve_pending()
     if due == NEVER and not steps:
         return
     with _outbox_lock:
@@ -183,7 +187,10 @@ def _hand_over(table: str, row: list) -> None:
 def resolve_pending() -> None:
     """Hands over the rows whose values have all arrived; the others wait."""
     for _ in range(len(waiting)):
-        table, row, pending = waiting.popleft()
+        try:
+            table, row, pending = waiting.popleft()
+        except IndexError:  # a reader's thread took the rest
+            break
         still = []
         for index, resolver in pending:
             try:

@@ -86,9 +86,11 @@ class Tap(Timed):
         self.before, self.after = before, after
 
     def __call__(self, *args, **kwargs):
-        start = _perf()
         if self.before is not None:
-            self.before(args, kwargs, start)
+            self.before(args, kwargs, _perf())
+        # After `before`: the module's time is its own, not the probe's
+        # (a GPU module's event and counters are read there).
+        start = _perf()
         out = self.__wrapped__(*args, **kwargs)
         end = _perf()
         acc, at = self.acc, self.at

@@ -108,15 +108,30 @@ class _Slot:
         self.bwd_start = self.bwd_end = None
 
 
-def _cuda_event():
+def _cuda_event(device=None):
+    """A timing event on `device`'s current stream: a rank whose model is
+    on cuda:1 while its current device is cuda:0 (DDP without
+    ``set_device``) times its own work, not device 0's idle stream."""
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
 
 
+def _allocated(device):
+    """The caching allocator's (allocated, peak allocated) bytes on
+    `device`: host-side reads, no device sync. One read of the nested
+    counters: ``memory_allocated()`` and ``max_memory_allocated()`` each
+    flatten and sort all of them (about 40 us a call)."""
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    try:
+        counters = torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]
+        return counters["current"], counters["peak"]
+    except (AttributeError, KeyError, TypeError):
+        return torch.cuda.memory_allocated(index), torch.cuda.max_memory_allocated(index)
+
+
 def _memory_start(slot):
-    # The caching allocator's counters: host-side reads, no device sync.
-    slot.mem_starts.append((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+    slot.mem_starts.append(_allocated(slot.cuda))
 
 
 def _memory_end(slot):
@@ -127,7 +142,7 @@ def _memory_end(slot):
     if not slot.mem_starts:
         return
     allocated, peak = slot.mem_starts.pop()
-    now, now_peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    now, now_peak = _allocated(slot.cuda)
     slot.alloc_delta += now - allocated
     rise = now_peak - allocated if now_peak > peak else now - allocated
     if rise > slot.peak_delta:
@@ -431,7 +446,8 @@ class Tracer:
             if model is None:
                 continue
             first = next(model.parameters(), None)
-            cuda = first is not None and first.is_cuda
+            # The device its GPU figures are read on (None: a CPU model).
+            cuda = first.device if first is not None and first.is_cuda else None
             compiled = []  # prefixes of torch.compile'd modules: hooked at their boundary only
             for name, module in model.named_modules():
                 if any(name.startswith(prefix) for prefix in compiled):
@@ -611,16 +627,16 @@ class Tracer:
     def _loss_into(self, row, index):
         """Puts the loss in `row` now (CPU), or returns how to read it
         later without a device sync (CUDA)."""
-        loss = self.loss
+        loss, event = self.loss, self.loss_event
         if loss is None:
             return ()
-        if loss.device.type == "cpu":
+        if event is None:
             row[index] = float(loss)
             return ()
-        event = self.loss_event
 
         def resolve():
-            if event is not None and not event.query():
+            # The host copy, once the copy's event has passed.
+            if not event.query():
                 raise LookupError("not yet")
             return float(loss)
 
@@ -637,7 +653,7 @@ class Tracer:
             if not slot.rows:
                 continue
             calls = acc[slot.at + 1]
-            if calls and slot.cuda:
+            if calls and slot.cuda is not None:
                 row = [wall, step, slot.name, slot.type, slot.depth, "forward", calls, acc[slot.at] / 1e6, None, None, None]
                 row[9], row[10] = slot.alloc_delta / 2**20, slot.peak_delta / 2**20
                 if slot.events:
@@ -688,12 +704,12 @@ class Tracer:
         acc: list = []
         fixed: list = []  # per pair in acc: the row's fixed cells, for the store's plan
         for ref, name, type_name, depth, rows, is_root, cuda in self.plan:
-            slot = _Slot(name, type_name, depth, rows, cuda and torch.cuda.is_available(), len(acc))
+            slot = _Slot(name, type_name, depth, rows, cuda if cuda is not None and torch.cuda.is_available() else None, len(acc))
             acc += (0, 0)
-            fixed.append((name, type_name, depth, "forward") if rows and not slot.cuda else None)
+            fixed.append((name, type_name, depth, "forward") if rows and slot.cuda is None else None)
             entries.append((ref, self._stand_in(slot, is_root, acc), 1))
             slots.append(slot)
-            if slot.cuda or self.backward:
+            if slot.cuda is not None or self.backward:
                 full.append(slot)
         for ref in self.losses:
             at = len(acc)  # its own counters: the loss module is not traced
@@ -714,7 +730,7 @@ class Tracer:
         sampled step); a root, a GPU module or --backward does more."""
         at = slot.at
         backward, cuda = self.backward, slot.cuda
-        if not (is_root or backward or cuda):
+        if not (is_root or backward or cuda is not None):
             return lambda inner: timed.Timed(inner, acc, at)
         tracer = self
         if backward:
@@ -728,16 +744,18 @@ class Tracer:
                     for tensor in args:
                         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                             tensor.register_hook(slot.end_hook)
-                if cuda:
+                if cuda is not None and not torch.cuda.is_current_stream_capturing():
+                    # (An event recorded into a CUDA graph's capture would be
+                    # a node of the graph, never read.)
                     _memory_start(slot)
-                    slot.open_events.append(_cuda_event())
+                    slot.open_events.append(_cuda_event(cuda))
             except Exception as exc:  # noqa: BLE001
                 tracer._fail(f"the trace's start of {slot.name}", exc)
 
         def after(args, output):
             try:
-                if cuda and slot.open_events:
-                    slot.events.append((slot.open_events.pop(), _cuda_event()))
+                if cuda is not None and slot.open_events:
+                    slot.events.append((slot.open_events.pop(), _cuda_event(cuda)))
                     _memory_end(slot)
                 if is_root:
                     loss = _scalar_loss(output)
@@ -760,8 +778,14 @@ class Tracer:
             self.samples += first.shape[0]
 
     def _take_loss(self, loss):
-        self.loss = loss.detach()
-        self.loss_event = _cuda_event() if loss.is_cuda else None
+        if loss.is_cuda:
+            # Copied out behind the step's kernels and read once the copy's
+            # event has passed: `float()` of a GPU tensor would wait for the
+            # whole queue (a sync per sampled step).
+            self.loss = loss.detach().to("cpu", non_blocking=True)
+            self.loss_event = _cuda_event(loss.device)
+        else:
+            self.loss, self.loss_event = loss.detach(), None
 
     def _loss_out(self, args, output):
         try:
