@@ -315,12 +315,27 @@ assert read.keep([torch.zeros(0), a], 1 << 30) == [0.0, read.norms([a])[0][0]]
 read.release()
 assert read.update([a, b]) is None and read.kept_bytes == 0
 
+# Past 2^20 elements the passes run without the GIL, on detached views.
+big = torch.randn(1 << 21)
+norms, tops = read.norms([big])
+assert abs(norms[0] / float(torch.linalg.vector_norm(big.double())) - 1) < 1e-6 and tops[0] == float(big.abs().max())
+read.keep([big], 1 << 30)
+big.mul_(0.5)
+assert abs(read.update([big])[0] / float(torch.linalg.vector_norm(big.double())) - 1) < 1e-5
+read.release()
+# bfloat16 reaches 3.4e38: its squares do not overflow.
+assert read.norms([torch.tensor([1e20, 1e20], dtype=torch.bfloat16)])[0][0] < float("inf")
+
 # What a GPU (or a strided gradient) goes through: torch's norms in float32,
 # so that a half gradient's norm past 65504 is not taken for infinite.
 from rankscope._probe.torch import stats
 half = torch.full((100000,), 300.0, dtype=torch.float16)
 assert abs(float(stats._norms([half])[0]) / (300.0 * math.sqrt(100000)) - 1) < 1e-3
 assert [float(v) for v in stats._norms([half, torch.zeros(0)], math.inf)] == [300.0, 0.0]
+# float64 (and sparse) tensors refuse a float32 dtype: they keep their own.
+mixed = [float(v) for v in stats._norms([torch.full((4,), 2.0, dtype=torch.float64), half])]
+assert mixed[0] == 4.0 and abs(mixed[1] / (300.0 * math.sqrt(100000)) - 1) < 1e-3, mixed
+assert float(stats._norms([torch.full((4,), 2.0, dtype=torch.float64)])[0]) == 4.0
 # An activation past the copy's cap is reduced in place, to the same figures.
 x = torch.randn(5000) * 3 + 1
 x[:100] = 0

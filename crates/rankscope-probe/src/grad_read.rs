@@ -14,6 +14,7 @@
 //! Nothing here writes to a tensor: the weights are copied into this
 //! object's own buffer and compared with the weights after the step.
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -118,7 +119,9 @@ fn diff_sumsq<T: Copy, A: Num>(before: &[T], after: &[T], to: impl Fn(T) -> A + 
 
 #[inline(always)]
 fn half_bits(bits: u16) -> f32 {
-    half::f16::from_bits(bits).to_f32()
+    // The const conversion is plain arithmetic, inlined and vectorised;
+    // `to_f32` asks the CPU for F16C at every element.
+    half::f16::from_bits(bits).to_f32_const()
 }
 
 #[inline(always)]
@@ -181,7 +184,8 @@ unsafe fn stats_of_plain(view: View) -> (f64, f64) {
             Float::F32 => sumsq_max(slice::<f32>(ptr, n), |x| x),
             Float::F64 => sumsq_max(slice::<f64>(ptr, n), |x| x),
             Float::F16 => sumsq_max(slice::<u16>(ptr, n), half_bits),
-            Float::BF16 => sumsq_max(slice::<u16>(ptr, n), bfloat_bits),
+            // bfloat16 reaches 3.4e38: its squares are summed in f64.
+            Float::BF16 => sumsq_max(slice::<u16>(ptr, n), |b| f64::from(bfloat_bits(b))),
         }
     }
 }
@@ -222,6 +226,78 @@ unsafe fn diff_of_plain(before_ptr: usize, view: View) -> f64 {
     }
 }
 
+/// Reads past this many elements in all are made without the GIL: the
+/// program's other threads (a data loader's, a heartbeat) run meanwhile.
+/// The tensors are then read through `detach()`ed views, which hold their
+/// storage even if the program swaps a parameter's `.data` in between.
+const WITHOUT_GIL_OVER: usize = 1 << 20;
+
+/// The weights' copy: pages of its own (`mmap`), so that freeing it gives
+/// the memory back to the system at once, where a heap would keep it.
+struct Pages {
+    ptr: *mut u64,
+    words: usize,
+}
+
+// Owned outright: its pages are reached only through this value.
+unsafe impl Send for Pages {}
+unsafe impl Sync for Pages {}
+
+impl Pages {
+    const fn none() -> Self {
+        Pages {
+            ptr: std::ptr::null_mut(),
+            words: 0,
+        }
+    }
+
+    /// Room for `words` words (what was there is not kept); false where
+    /// the system gives no memory (nothing is copied then).
+    fn make_room(&mut self, words: usize) -> bool {
+        if words == self.words {
+            return true;
+        }
+        self.free();
+        if words == 0 {
+            return true;
+        }
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                words * 8,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return false;
+        }
+        self.ptr = ptr.cast();
+        self.words = words;
+        true
+    }
+
+    fn free(&mut self) {
+        if !self.ptr.is_null() {
+            unsafe {
+                libc::munmap(self.ptr.cast(), self.words * 8);
+            }
+        }
+        // Fields, not `*self = ...`: that would drop (and free) the old
+        // value again.
+        self.ptr = std::ptr::null_mut();
+        self.words = 0;
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        self.free();
+    }
+}
+
 /// Norm and max |g| of gradients; then, around an optimizer step, the
 /// weights' norms and copy (`keep`) and the update's norms (`update`).
 /// One per optimizer: the copy is kept between sampled steps for a small
@@ -230,7 +306,7 @@ unsafe fn diff_of_plain(before_ptr: usize, view: View) -> f64 {
 pub struct GradRead {
     dtypes: Dtypes,
     /// The weights as they were at `keep`, each at a multiple of 8 bytes.
-    kept: Vec<u64>,
+    kept: Pages,
     /// Each weight's view at `keep`, and where its copy starts in `kept`
     /// (in u64 words).
     views: Vec<(View, usize)>,
@@ -240,16 +316,40 @@ pub struct GradRead {
 type Views<'py> = Vec<(Bound<'py, PyAny>, View)>;
 
 impl GradRead {
-    fn views_of<'py>(&self, tensors: &Bound<'py, PyAny>) -> PyResult<Option<Views<'py>>> {
+    /// Each tensor's view, or None where one cannot be read here; and
+    /// whether the reads are long enough to make without the GIL (the
+    /// tensors are then `detach()`ed views: see `WITHOUT_GIL_OVER`).
+    fn views_of<'py>(&self, tensors: &Bound<'py, PyAny>) -> PyResult<Option<(Views<'py>, bool)>> {
         let mut out = Vec::new();
+        let mut elements = 0usize;
         for tensor in tensors.try_iter()? {
             let tensor = tensor?;
             let Some(view) = self.dtypes.view(&tensor, usize::MAX)? else {
                 return Ok(None);
             };
+            elements = elements.saturating_add(view.count);
             out.push((tensor, view));
         }
-        Ok(Some(out))
+        let free = elements > WITHOUT_GIL_OVER;
+        if free {
+            for (tensor, view) in &mut out {
+                let held = tensor.call_method0(intern!(tensor.py(), "detach"))?;
+                if self.dtypes.view(&held, usize::MAX)? != Some(*view) {
+                    return Ok(None);
+                }
+                *tensor = held;
+            }
+        }
+        Ok(Some((out, free)))
+    }
+}
+
+/// `work`, without the GIL where `free`.
+fn run<T: Send>(py: Python<'_>, free: bool, work: impl FnOnce() -> T + Send) -> T {
+    if free {
+        py.detach(work)
+    } else {
+        work()
     }
 }
 
@@ -259,7 +359,7 @@ impl GradRead {
     fn new(dtypes: &Bound<'_, PyTuple>) -> Self {
         GradRead {
             dtypes: Dtypes::new(dtypes),
-            kept: Vec::new(),
+            kept: Pages::none(),
             views: Vec::new(),
         }
     }
@@ -267,22 +367,27 @@ impl GradRead {
     /// `(norms, max |g|)` of each tensor, or None where one cannot be read
     /// here (the caller asks torch). A NaN anywhere makes both NaN.
     fn norms(&self, tensors: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<f64>, Vec<f64>)>> {
-        let Some(views) = self.views_of(tensors)? else {
+        let Some((views, free)) = self.views_of(tensors)? else {
             return Ok(None);
         };
-        let (mut norms, mut tops) = (
-            Vec::with_capacity(views.len()),
-            Vec::with_capacity(views.len()),
-        );
-        for (_, view) in &views {
-            let (sumsq, top) = unsafe { stats_of(*view) };
-            // Squares summed in f32 can round a norm just under the largest
-            // element, which a norm never is.
-            let norm = sumsq.sqrt();
-            norms.push(if norm < top { top } else { norm });
-            tops.push(if sumsq.is_nan() { f64::NAN } else { top });
-        }
-        Ok(Some((norms, tops)))
+        let plain: Vec<View> = views.iter().map(|(_, view)| *view).collect();
+        let read = run(tensors.py(), free, || {
+            plain
+                .iter()
+                .map(|view| {
+                    let (sumsq, top) = unsafe { stats_of(*view) };
+                    // Squares summed in f32 can round a norm just under the
+                    // largest element, which a norm never is.
+                    let norm = sumsq.sqrt();
+                    (
+                        if norm < top { top } else { norm },
+                        if sumsq.is_nan() { f64::NAN } else { top },
+                    )
+                })
+                .collect::<Vec<_>>()
+        });
+        drop(views);
+        Ok(Some(read.into_iter().unzip()))
     }
 
     /// Returns the weights' norms and copies the weights into this object
@@ -290,7 +395,7 @@ impl GradRead {
     /// `update` answers None); None where one cannot be read here.
     fn keep(&mut self, weights: &Bound<'_, PyAny>, cap: usize) -> PyResult<Option<Vec<f64>>> {
         self.views.clear();
-        let Some(views) = self.views_of(weights)? else {
+        let Some((views, free)) = self.views_of(weights)? else {
             return Ok(None);
         };
         let mut words = 0;
@@ -299,34 +404,41 @@ impl GradRead {
             placed.push((*view, words));
             words += (view.count * view.kind.size()).div_ceil(8);
         }
-        if words * 8 > cap {
-            self.kept = Vec::new();
-            return Ok(Some(
-                views
+        let py = weights.py();
+        if words * 8 > cap || !self.kept.make_room(words) {
+            self.kept.free();
+            let norms = run(py, free, || {
+                placed
                     .iter()
-                    .map(|(_, view)| unsafe { stats_of(*view) }.0.sqrt())
-                    .collect(),
-            ));
+                    .map(|(view, _)| unsafe { stats_of(*view) }.0.sqrt())
+                    .collect()
+            });
+            drop(views);
+            return Ok(Some(norms));
         }
         // Reused between sampled steps: the same model needs the same size.
-        self.kept.resize(words, 0);
-        let base = self.kept.as_mut_ptr();
-        let mut norms = Vec::with_capacity(placed.len());
-        for &(view, at) in &placed {
-            let bytes = view.count * view.kind.size();
-            let into = unsafe { base.add(at) };
-            if bytes > 0 {
-                unsafe {
-                    std::ptr::copy_nonoverlapping(view.ptr as *const u8, into.cast::<u8>(), bytes);
-                }
-            }
-            // Read back from the copy just written (in cache).
-            let copy = View {
-                ptr: into as usize,
-                ..view
-            };
-            norms.push(unsafe { stats_of(copy) }.0.sqrt());
-        }
+        let base = self.kept.ptr as usize;
+        let norms = run(py, free, || {
+            placed
+                .iter()
+                .map(|&(view, at)| {
+                    let bytes = view.count * view.kind.size();
+                    let into = base + at * 8;
+                    if bytes > 0 {
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                view.ptr as *const u8,
+                                into as *mut u8,
+                                bytes,
+                            );
+                        }
+                    }
+                    // Read back from the copy just written (in cache).
+                    unsafe { stats_of(View { ptr: into, ..view }) }.0.sqrt()
+                })
+                .collect()
+        });
+        drop(views);
         self.views = placed;
         Ok(Some(norms))
     }
@@ -338,35 +450,40 @@ impl GradRead {
         if self.views.is_empty() {
             return Ok(None);
         }
-        let mut out = Vec::with_capacity(self.views.len());
-        let mut given = 0;
-        for (i, tensor) in weights.try_iter()?.enumerate() {
-            let tensor = tensor?;
-            given += 1;
-            let Some(&(then, at)) = self.views.get(i) else {
-                return Ok(None);
-            };
-            let now = self.dtypes.view(&tensor, usize::MAX)?;
-            if now != Some(then) {
-                out.push(None);
-                continue;
-            }
-            let before = unsafe { self.kept.as_ptr().add(at) } as usize;
-            out.push(Some(unsafe { diff_of(before, then) }.sqrt()));
+        let Some((views, free)) = self.views_of(weights)? else {
+            return Ok(None);
+        };
+        if views.len() != self.views.len() {
+            return Ok(None);
         }
-        Ok((given == self.views.len()).then_some(out))
+        let base = self.kept.ptr as usize;
+        let pairs: Vec<(View, View, usize)> = views
+            .iter()
+            .zip(&self.views)
+            .map(|((_, now), &(then, at))| (*now, then, at))
+            .collect();
+        let out = run(weights.py(), free, || {
+            pairs
+                .iter()
+                .map(|&(now, then, at)| {
+                    (now == then).then(|| unsafe { diff_of(base + at * 8, then) }.sqrt())
+                })
+                .collect()
+        });
+        drop(views);
+        Ok(Some(out))
     }
 
     /// Frees the copy (a model too large to keep one between steps).
     fn release(&mut self) {
-        self.kept = Vec::new();
+        self.kept.free();
         self.views.clear();
     }
 
     /// Bytes held by the copy.
     #[getter]
     fn kept_bytes(&self) -> usize {
-        self.kept.capacity() * 8
+        self.kept.words * 8
     }
 }
 
@@ -407,6 +524,19 @@ mod tests {
         values[57] = f32::NEG_INFINITY;
         let (sumsq, top) = sumsq_max(&values, |x: f32| x);
         assert!(sumsq.is_infinite() && top.is_infinite());
+    }
+
+    #[test]
+    fn pages_are_given_back_and_made_again() {
+        let mut pages = Pages::none();
+        assert!(pages.make_room(1000));
+        unsafe { *pages.ptr.add(999) = 7 };
+        assert!(pages.make_room(1000) && unsafe { *pages.ptr.add(999) } == 7);
+        assert!(pages.make_room(10) && pages.words == 10);
+        pages.free();
+        assert!(pages.ptr.is_null() && pages.words == 0);
+        assert!(pages.make_room(0) && pages.ptr.is_null());
+        drop(pages);
     }
 
     #[test]

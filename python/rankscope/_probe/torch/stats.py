@@ -76,19 +76,41 @@ def _to_host(stacked):
     return _resolver(host, event), False
 
 
+_HALVES = None
+
+
 def _norms(tensors, ord=2):
-    """Each tensor's norm in float32 whatever its own type: a half
-    gradient's norm past 65504 is not infinite. Empty tensors count 0."""
+    """Each tensor's norm; half-precision ones in float32, so that a half
+    gradient's norm past 65504 is not infinite (float64, sparse and
+    DTensor gradients refuse a float32 `dtype`, and keep their own).
+    Empty tensors count 0."""
+    global _HALVES
+    if _HALVES is None:
+        _HALVES = (torch.float16, torch.bfloat16)
     tensors = [t if t.numel() else t.new_zeros(1) for t in tensors]
+    halves = [i for i, t in enumerate(tensors) if t.dtype in _HALVES]
+    if not halves:
+        return torch._foreach_norm(tensors, ord)
     try:
-        return torch._foreach_norm(tensors, ord, dtype=torch.float32)
-    except TypeError:  # a torch without the dtype argument
-        return [n.float() for n in torch._foreach_norm([t.float() for t in tensors], ord)]
+        wide = torch._foreach_norm([tensors[i] for i in halves], ord, dtype=torch.float32)
+    except (TypeError, RuntimeError):  # an older torch
+        wide = torch._foreach_norm([tensors[i].float() for i in halves], ord)
+    if len(halves) == len(tensors):
+        return wide
+    # A mixed list: the others in their own type, in their places.
+    out = list(torch._foreach_norm([t for t in tensors if t.dtype not in _HALVES], ord))
+    for at, norm in zip(halves, wide):
+        out.insert(at, norm)
+    return out
 
 
 def _gathered(values, device):
-    """Scalars from several devices (a model split over GPUs) on one."""
-    return torch.stack([v.reshape(()).to(device) for v in values])
+    """Scalars onto one device (a model split over GPUs), in one stack
+    where they are there already."""
+    try:
+        return torch.stack(list(values)).to(device)
+    except RuntimeError:
+        return torch.stack([v.reshape(()).to(device) for v in values])
 
 
 def _drain(waiting: list, rows) -> list:
@@ -207,8 +229,10 @@ class GradStats:
             if any(i not in self.names for i in ids):
                 self._name_params()
             names = [self.names.get(id(p), (f"param{i}", "?")) for i, p in enumerate(params)]
-            described = (ids, names, [p.numel() for p in params])
+            described = (ids, names)
             reader[2] = described if all(i in self.names for i in ids) else None
+        # Sizes each time: `p.data = ...` changes one and keeps its id.
+        described = (*described[:2], [p.numel() for p in params])
         self.before[id(optimizer)] = (step, params, (got[0], got[1], weight_norms, described), read)
         return True
 
@@ -247,6 +271,14 @@ class GradStats:
             updates = copies.update(params)
             if copies.kept_bytes > KEEP_COPIES_BYTES:
                 copies.release()
+            if len(self.readers) > 1:
+                # One copy kept between sampled steps in all (as one slot
+                # did), and none for an optimizer that is gone.
+                for key, (ref, other, _) in list(self.readers.items()):
+                    if ref() is None:
+                        del self.readers[key]
+                    if other is not copies:
+                        other.release()
             self._rows((norms, maxes, weights, updates), (time.time(), step, names, sizes, updates is not None, params))
             return
         with torch.no_grad():
@@ -346,19 +378,20 @@ def _activation(x):
         std, mean = torch.std_mean(values) if n > 1 else (torch.zeros((), device=x.device), values.mean())
         finite = torch.isfinite(x)
         return torch.stack([mean, std, values.abs().max(), (x == 0).float().mean(), (finite.numel() - finite.sum()).float()])
-    # Sums in float32 as the reduction reads; std from the sum of squares
-    # (one pass, so less exact where the mean dwarfs the spread).
-    total = x.sum(dtype=torch.float32)
-    squares = torch.linalg.vector_norm(x, dtype=torch.float32).square()
+    # Sums in (at least) float32 as the reduction reads; std from the sum
+    # of squares (one pass, so less exact where the mean dwarfs the spread).
+    wide = torch.promote_types(x.dtype, torch.float32)
+    total = x.sum(dtype=wide)
+    squares = torch.linalg.vector_norm(x, dtype=wide).square()
     mean = total / n
     std = ((squares - total * mean).clamp_min(0) / (n - 1)).sqrt()
     return torch.stack([
         mean,
         std,
-        torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32),
-        (n - torch.count_nonzero(x)).float() / n,
-        torch.isfinite(x).logical_not().sum().float(),
-    ])
+        torch.linalg.vector_norm(x, float("inf"), dtype=wide),
+        (n - torch.count_nonzero(x)).to(wide) / n,
+        (n - torch.isfinite(x).sum()).to(wide),
+    ]).float()
 
 
 class _Watched:

@@ -63,6 +63,13 @@ _outbox_lock = _thread.allocate_lock()
 # Half the store's own spill interval (1 s): a batch of a few hundred rows
 # costs the training thread about what a batch of 30 did.
 HAND_OVER_NS = 250_000_000
+def _main_ident():
+    import threading
+
+    return threading.main_thread().ident
+
+
+_MAIN = _main_ident()
 
 
 def append(table: str, row: list, pending=()) -> None:
@@ -130,9 +137,10 @@ def hand_over_if_due(now_ns: int) -> None:
 def flush() -> None:
     """Hands the outbox over now (a reader asks, or the program exits)."""
     global due
-    if waiting:
-        # Rows whose GPU values have arrived since the last step boundary
-        # (the last sampled step's, after `trace off` or at exit).
+    if waiting and _thread.get_ident() == _MAIN:
+        # At exit (the main thread): rows whose GPU values have arrived
+        # since the last step boundary. Never from a probe thread: a CUDA
+        # call there would break a CUDA graph the program is capturing.
         resolve_pending()
     if due == NEVER and not steps:
         return

@@ -558,6 +558,10 @@ class Tracer:
                 completed = models.completed_steps(optimizer) if optimizer is not None else None
             elif self.step is not None and self.tracing:
                 self._finish_step(now)
+            if tables.waiting:
+                # Rows whose GPU values have arrived (also after `trace off`,
+                # while a listener keeps the clock): `quiet` waits for none.
+                tables.resolve_pending()
             self.partial = False
             if completed is None:
                 completed = 1 if self.step is None else self.step + 1
@@ -620,9 +624,6 @@ class Tracer:
         else:
             pending = ()
         tables.append("torch_steps", row, pending)
-        # Rows of earlier steps whose GPU values have arrived since.
-        if tables.waiting:
-            tables.resolve_pending()
 
     def _loss_into(self, row, index):
         """Puts the loss in `row` now (CPU), or returns how to read it
@@ -779,6 +780,8 @@ class Tracer:
 
     def _take_loss(self, loss):
         if loss.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return  # (a copy and an event would be nodes of the graph)
             # Copied out behind the step's kernels and read once the copy's
             # event has passed: `float()` of a GPU tensor would wait for the
             # whole queue (a sync per sampled step).
