@@ -309,7 +309,9 @@ class NanWatch:
         # A GPU: copied out now, read at a later boundary, behind an event
         # on the device the values are on (see trace._cuda_event).
         flag = finite.to("cpu", non_blocking=True)
-        event = torch.cuda.Event()
+        # Blocking: the rare wait on the oldest check (see `boundary`)
+        # sleeps instead of spinning a core.
+        event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(device))
         self.pending.append((step_number, self.step, params, flag, event))
 

@@ -263,7 +263,12 @@ class GradStats:
 
     def optimizer_post(self, optimizer, step):
         taken = self.before.pop(id(optimizer), None)
-        if taken is None or not self.on:
+        if taken is None:
+            return
+        if not self.on:
+            # Turned off since the pre-hook: its copy goes too.
+            if isinstance(taken[3], _native.GradRead):
+                taken[3].release()
             return
         step, params, stacked, copies = taken
         if isinstance(copies, _native.GradRead):

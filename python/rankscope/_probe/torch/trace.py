@@ -522,7 +522,7 @@ class Tracer:
 
     def _boundary(self, now, optimizer, unknown_optimizer):
         step = self.step
-        if self.quiet and not unknown_optimizer and not (self.tracing and (step + 1) % self.every == 0):
+        if self.quiet and self.on and not unknown_optimizer and not (self.tracing and (step + 1) % self.every == 0):
             # A step that needs no stand-in after one that had none: its
             # row while the trace is on, the listeners told, and nothing
             # else (see `quiet`).
