@@ -49,7 +49,7 @@ import torch
 
 from rankscope import _native
 from rankscope._probe.torch import models, tables, timed
-from rankscope._probe.torch.stats import _norms
+from rankscope._probe.torch.stats import FLOATS, _norms
 from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors
 
 # Events kept for `torch nan` (the table keeps them all).
@@ -467,7 +467,7 @@ _FINITE = []
 
 def _finite_check():
     if not _FINITE:
-        _FINITE.append(_native.FiniteCheck((torch.float32, torch.float64, torch.float16, torch.bfloat16)))
+        _FINITE.append(_native.FiniteCheck(FLOATS))
     return _FINITE[0]
 
 

@@ -49,8 +49,10 @@ EXPLODING, VANISHING = 10.0, 0.01
 DECAY = 0.9
 
 
-def _FLOATS():
-    return (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# The float types read in place on a CPU (the order the native readers
+# take them in), and those whose norms are taken in float32.
+FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+HALVES = (torch.float16, torch.bfloat16)
 
 
 def _resolver(values, event):
@@ -76,19 +78,13 @@ def _to_host(stacked):
     return _resolver(host, event), False
 
 
-_HALVES = None
-
-
 def _norms(tensors, ord=2):
     """Each tensor's norm; half-precision ones in float32, so that a half
     gradient's norm past 65504 is not infinite (float64, sparse and
     DTensor gradients refuse a float32 `dtype`, and keep their own).
     Empty tensors count 0."""
-    global _HALVES
-    if _HALVES is None:
-        _HALVES = (torch.float16, torch.bfloat16)
     tensors = [t if t.numel() else t.new_zeros(1) for t in tensors]
-    halves = [i for i, t in enumerate(tensors) if t.dtype in _HALVES]
+    halves = [i for i, t in enumerate(tensors) if t.dtype in HALVES]
     if not halves:
         return torch._foreach_norm(tensors, ord)
     try:
@@ -98,7 +94,7 @@ def _norms(tensors, ord=2):
     if len(halves) == len(tensors):
         return wide
     # A mixed list: the others in their own type, in their places.
-    out = list(torch._foreach_norm([t for t in tensors if t.dtype not in _HALVES], ord))
+    out = list(torch._foreach_norm([t for t in tensors if t.dtype not in HALVES], ord))
     for at, norm in zip(halves, wide):
         out.insert(at, norm)
     return out
@@ -138,7 +134,7 @@ class GradStats:
         self.params = 0
         self.last: list = []  # the last sampled step's rows
         self.kept = None  # (optimizer weakref, buffers): the last copies, for a small model
-        # optimizer id -> [its weakref, _native.GradRead, (parameter ids, names, sizes)]: a CPU's statistics
+        # optimizer id -> (its weakref, _native.GradRead): a CPU's statistics
         self.readers: dict = {}
 
     def turn_on(self, every: int) -> dict:
@@ -181,11 +177,11 @@ class GradStats:
         params = models.params_with_grads(optimizer)
         if not params:
             return
+        if any(id(p) not in self.names for p in params):
+            self._name_params()
         grads = [p.grad for p in params]
         if grads[0].device.type == "cpu" and self._native_pre(optimizer, step, params, grads):
             return
-        if any(id(p) not in self.names for p in params):
-            self._name_params()
         size = sum(p.numel() * p.element_size() for p in params)
         device = grads[0].device
         with torch.no_grad():
@@ -212,7 +208,7 @@ class GradStats:
         if reader is None or reader[0]() is not optimizer:
             for key in [k for k, entry in self.readers.items() if entry[0]() is None]:
                 del self.readers[key]
-            reader = self.readers[id(optimizer)] = [weakref.ref(optimizer), _native.GradRead(_FLOATS()), None]
+            reader = self.readers[id(optimizer)] = (weakref.ref(optimizer), _native.GradRead(FLOATS))
         read = reader[1]
         got = read.norms(grads)
         if got is None:
@@ -220,21 +216,15 @@ class GradStats:
         weight_norms = read.keep(params, self.cap)
         if weight_norms is None:
             return False
-        described = reader[2]
-        ids = [id(p) for p in params]
-        if described is None or described[0] != ids:
-            # Names and sizes, made again only when the parameters change,
-            # or while some have no name yet (a model not found yet: armed
-            # at start, before the program made it).
-            if any(i not in self.names for i in ids):
-                self._name_params()
-            names = [self.names.get(id(p), (f"param{i}", "?")) for i, p in enumerate(params)]
-            described = (ids, names)
-            reader[2] = described if all(i in self.names for i in ids) else None
-        # Sizes each time: `p.data = ...` changes one and keeps its id.
-        described = (*described[:2], [p.numel() for p in params])
-        self.before[id(optimizer)] = (step, params, (got[0], got[1], weight_norms, described), read)
+        self.before[id(optimizer)] = (step, params, (got[0], got[1], weight_norms), read)
         return True
+
+    def _meta(self, step, params, have_update, read_now) -> tuple:
+        """What a step's rows are made with besides its values. Read later
+        (a GPU), the gradients are another step's by then: a non-finite
+        norm's count is left null, not counted on those (no `params`)."""
+        names = [self.names.get(id(p), (f"param{i}", "?")) for i, p in enumerate(params)]
+        return (time.time(), step, names, [p.numel() for p in params], have_update, params if read_now else None)
 
     def _copies(self, optimizer, params, size):
         """The weights before the update, for its norm: into buffers kept
@@ -272,19 +262,16 @@ class GradStats:
             return
         step, params, stacked, copies = taken
         if isinstance(copies, _native.GradRead):
-            norms, maxes, weights, (_, names, sizes) = stacked
             updates = copies.update(params)
             if copies.kept_bytes > KEEP_COPIES_BYTES:
                 copies.release()
             if len(self.readers) > 1:
-                # One copy kept between sampled steps in all (as one slot
-                # did), and none for an optimizer that is gone.
-                for key, (ref, other, _) in list(self.readers.items()):
-                    if ref() is None:
-                        del self.readers[key]
+                # One copy kept between sampled steps in all, as one slot
+                # did (an optimizer gone leaves a reader with none).
+                for _, other in self.readers.values():
                     if other is not copies:
                         other.release()
-            self._rows((norms, maxes, weights, updates), (time.time(), step, names, sizes, updates is not None, params))
+            self._rows((*stacked, updates), self._meta(step, params, updates is not None, True))
             return
         with torch.no_grad():
             if copies is not None:
@@ -295,10 +282,7 @@ class GradStats:
                 updates = torch.full_like(stacked[0], float("nan"))
             both = torch.cat([stacked, updates.reshape(1, -1).to(stacked.device)])
         resolve, now = _to_host(both)
-        # Read later (a GPU), the gradients are another step's by then: a
-        # non-finite norm's count is left null, not counted on those.
-        meta = (time.time(), step, [self.names.get(id(p), (f"param{i}", "?")) for i, p in enumerate(params)],
-                [p.numel() for p in params], copies is not None, params if now else None)
+        meta = self._meta(step, params, copies is not None, now)
         if now:
             self._rows(resolve(), meta)
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import threading
 import time
 
 from rankscope import _native
@@ -63,13 +64,8 @@ _outbox_lock = _thread.allocate_lock()
 # Half the store's own spill interval (1 s): a batch of a few hundred rows
 # costs the training thread about what a batch of 30 did.
 HAND_OVER_NS = 250_000_000
-def _main_ident():
-    import threading
-
-    return threading.main_thread().ident
-
-
-_MAIN = _main_ident()
+# The thread that runs the program's exit (see `flush`).
+_MAIN = threading.main_thread().ident
 
 
 def append(table: str, row: list, pending=()) -> None:
