@@ -10,6 +10,8 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from conftest import query_json
 from test_torch import run_steps, torch_python  # noqa: F401 - a fixture
 
@@ -30,6 +32,8 @@ def flag(name):
 
 
 NAN_FORWARD, NAN_BACKWARD = flag("--nan-forward"), flag("--nan-backward")
+NAN_LOSS_GRAD = flag("--nan-loss-grad")
+LOSS = sys.argv[sys.argv.index("--loss") + 1] if "--loss" in sys.argv else "module"
 done = 0
 
 
@@ -55,6 +59,13 @@ class Back(nn.Module):
         return BadGrad.apply(x) if done == NAN_BACKWARD else x
 
 
+class BadLoss(nn.modules.loss._Loss):
+    # A loss whose value is finite but whose gradient is NaN at that step.
+    def forward(self, out, target):
+        loss = nn.functional.mse_loss(out, target)
+        return BadGrad.apply(loss) if done == NAN_LOSS_GRAD else loss
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -71,7 +82,7 @@ class MLP(nn.Module):
 
 
 model = MLP()
-criterion = nn.MSELoss()
+criterion = {"module": nn.MSELoss(), "functional": nn.functional.mse_loss, "bad": BadLoss()}[LOSS]
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 data = torch.Generator().manual_seed(1)
 losses = []
@@ -144,19 +155,37 @@ def test_a_forward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli
     assert "NonFiniteValue" in listed.stdout, listed.stdout
 
 
-def test_a_backward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli):
-    target = spawn(torch_python, TRAIN, args=["--nan-backward", "2"])
+@pytest.mark.parametrize("loss", ["module", "functional"])
+def test_a_backward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli, loss):
+    # With a loss module, the search's backward starts from the loss made
+    # again; with a loss function it cannot be, and starts from ones at the
+    # model's output: the same module is named.
+    target = spawn(torch_python, TRAIN, args=["--nan-backward", "2", "--loss", loss])
     on(cli, target.pid, "nan", "on")
     run_steps(cli, target, 4, 4)
     text = on(cli, target.pid, "nan")
     assert "step 2: first non-finite in backward, module back (Back)" in text, text
-    rows = query_json(cli, target.pid, "SELECT step, stage, module, loss FROM python.nan_events")
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, loss, detail FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "backward", "back")]
-    assert rows[0]["loss"] > 0, "the forward was finite"
+    start = "the loss (MSELoss, called again with the step's target)" if loss == "module" else "ones at the model's output"
+    assert start in rows[0]["detail"], rows
+    if loss == "module":
+        assert rows[0]["loss"] > 0, "the forward was finite"
     off = on(cli, target.pid, "nan", "off")
     assert "nan watch: off" in off
     hooks = "sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())"
     assert cli(target.pid, "eval", hooks).stdout.strip() == "0"
+    stand_ins = "sum('forward' in vars(m) for m in [*model.modules(), criterion] if isinstance(m, nn.Module))"
+    assert cli(target.pid, "eval", stand_ins).stdout.strip() == "0"
+
+
+def test_a_loss_that_sends_nan_back_is_named(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, args=["--nan-loss-grad", "1", "--loss", "bad"])
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 3, 3)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, what FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(1, "backward", "BadLoss")], rows
+    assert rows[0]["what"] == "the gradient the loss sent back to the model's output", rows
 
 
 def sci(x: float) -> str:

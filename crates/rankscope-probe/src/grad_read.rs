@@ -18,7 +18,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::finite::{Dtypes, Float, View};
+use crate::finite::{wide, Dtypes, Float, View};
 
 /// Elements summed in each lane before the lane's sum joins an f64 total:
 /// short enough that f32 sums lose nothing a norm shows.
@@ -138,20 +138,6 @@ unsafe fn slice<'a, T>(ptr: usize, count: usize) -> &'a [T] {
         return &[];
     }
     unsafe { std::slice::from_raw_parts(ptr as *const T, count) }
-}
-
-/// Whether the CPU has AVX2 (asked once): the passes below then take
-/// eight floats an instruction instead of four.
-fn wide() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *WIDE.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }
 
 /// (sum of squares, max |x|) of a tensor's values.

@@ -2,10 +2,14 @@
 appeared, into ``python.nan_events`` and a crash-style record.
 
 Armed, a step costs a stand-in for the ``forward`` of each model's root
-(``timed.py``: cheaper than forward hooks; it keeps a reference to the step's input, the RNG state at its start,
-and the loss, and put a tensor hook on the output for the gradient that
-reaches it) and, at the optimizer's pre-hook, a finiteness check of the
-loss and the gradients. On a CPU the values themselves are read in place
+(``timed.py``: cheaper than forward hooks; it keeps a reference to the
+step's input, the RNG state at its start, and the loss where the model
+returns one), a stand-in on each loss module (the loss, and the target it
+was given), and, at the optimizer's pre-hook, a finiteness check of the
+loss and the gradients. Nothing is put into autograd's graph: a tensor
+hook on the output, to keep the gradient that reaches it, cost the small
+MLP of bench/ 13-19 us a step by itself, rankscope's code or any other's.
+On a CPU the values themselves are read in place
 (``_native.FiniteCheck``, crates/rankscope-probe/src/finite.rs), at once.
 On a GPU their norms are taken in one fused kernel (``torch._foreach_norm``),
 and the check is copied out with a CUDA event and
@@ -24,10 +28,16 @@ ran with (the optimizer's pre-hook, before the update):
   module's inputs are non-finite before it ran, its parent's own code made
   them (stage ``forward``);
 * the loss: forward finite, loss not (stage ``loss``);
-* backward: the same forward again, then ``torch.autograd.grad`` from the
-  output with the gradient the real backward brought to it; the deepest
-  module whose output gradient was finite and whose input or parameter
-  gradients are not is the origin (stage ``backward``).
+* backward: the same forward again, then ``torch.autograd.grad``; the
+  deepest module whose output gradient was finite and whose input or
+  parameter gradients are not is the origin (stage ``backward``). The
+  backward starts from the loss where it can be made again exactly: the
+  model returns it, or a loss module was called on an output of the
+  model's shape (it is called again with the same target). Otherwise it
+  starts from ones at the model's output: a module whose backward turns a
+  finite gradient into a non-finite one (a square root at 0, a division
+  by 0) does so for ones too; one that overflows only at the real
+  gradient's size is then found from the parameters' gradients instead.
 
 The re-run touches nothing the program keeps: ``.grad`` is left alone
 (``autograd.grad`` returns its gradients), the RNG state and every buffer
@@ -39,6 +49,7 @@ backward NaNs and slows every step 1.5-3x.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -54,8 +65,6 @@ from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors
 
 # Events kept for `torch nan` (the table keeps them all).
 MAX_EVENTS = 16
-# The largest model output whose gradient is kept for the backward search.
-MAX_KEPT_GRAD = 1 << 20
 # Every step checks the loss and the gradients of each model's first
 # module with parameters (a non-finite gradient made anywhere after it
 # reaches them on its way back); every FULL_EVERY-th step checks every
@@ -64,6 +73,9 @@ FULL_EVERY = 8
 MAX_SENTINEL = 1 << 16
 # GPU checks waiting for their values (see `boundary`).
 MAX_PENDING = 4
+_rng_state, _cuda_initialized = torch.get_rng_state, torch.cuda.is_initialized
+# The backward search's start where the loss cannot be made again.
+ONES = "ones at the model's output (the loss function is not known here)"
 
 
 def _stats(tensors) -> tuple:
@@ -101,12 +113,14 @@ def _inputs_of(args, kwargs) -> list:
 class _Step:
     """What the root hooks keep of the step in progress."""
 
-    __slots__ = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "outputs", "out_grads")
+    __slots__ = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "loss_call")
 
-    def __init__(self):
-        self.model = self.args = self.kwargs = self.rng = self.cuda_rng = self.loss = None
-        self.outputs: list = []
-        self.out_grads: dict = {}
+    def __init__(self, model=None, args=None, kwargs=None, rng=None):
+        self.model, self.args, self.kwargs, self.rng = model, args, kwargs, rng
+        self.cuda_rng = self.loss = None
+        # (loss module ref, its first argument's shape, the other arguments,
+        # keyword arguments): the loss made again on a replay's output.
+        self.loss_call = None
 
 
 class NanWatch:
@@ -177,52 +191,58 @@ class NanWatch:
         for ref in TRACER.losses:
             module = ref()
             if module is not None:
-                entry = timed.put_on(module, lambda inner: timed.Tap(inner, [0, 0], 0, None, self._loss_post))
+                entry = timed.put_on(module, self._loss_stand_in(ref))
                 if entry is not None:
                     self.handles.append(entry)
 
     def _stand_in(self, model):
-        ref = weakref.ref(model)
-        return lambda inner: timed.Tap(inner, [0, 0], 0, lambda args, kwargs, now: self._root_pre(ref, args, kwargs), self._root_post)
+        # partial: called from C, one Python frame less a step.
+        before = functools.partial(self._root_pre, weakref.ref(model), _stochastic(model))
+        return lambda inner: timed.Seen(inner, before, self._root_post)
+
+    def _loss_stand_in(self, ref):
+        before = functools.partial(self._loss_pre, ref)
+        return lambda inner: timed.Seen(inner, before, self._loss_post)
 
     # ---- the cheap part: every step (training thread)
 
-    def _root_pre(self, model_ref, args, kwargs):
+    def _root_pre(self, model_ref, stochastic, args, kwargs):
         try:
             if self.searching:
                 return
-            # A new object each step: a GPU's check is read a step later,
-            # with the step it was made for.
-            step = self.step = _Step()
-            step.model = model_ref
-            step.args, step.kwargs = args, kwargs
-            step.rng = torch.get_rng_state()
+            # A new object where a GPU's check waits for its values: it is
+            # read a step later, with the step it was made for. The RNG
+            # state (a 5 kB copy, about 3 us) only where the forward draws
+            # from it.
+            if self.pending:
+                step = self.step = _Step(model_ref, args, kwargs, _rng_state() if stochastic else None)
+            else:
+                step = self.step
+                step.model, step.args, step.kwargs = model_ref, args, kwargs
+                step.rng = _rng_state() if stochastic else None
+                step.cuda_rng = step.loss = step.loss_call = None
             # Not while a CUDA graph is captured: reading a generator's
             # state then raises (the replay then runs without it).
-            if torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+            if stochastic and _cuda_initialized() and not torch.cuda.is_current_stream_capturing():
                 step.cuda_rng = torch.cuda.get_rng_state_all()
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root pre-hook failed: {type(exc).__name__}: {exc}")
 
     def _root_post(self, args, output):
         try:
-            if self.searching:
-                return
-            step = self.step
-            loss = _scalar_loss(output)
-            if loss is not None:
-                step.loss = loss.detach()
-            outputs = [t for t in _tensors(output) if t.is_floating_point()]
-            step.outputs = [weakref.ref(t) for t in outputs]
-            grads = step.out_grads
-            for index, tensor in enumerate(outputs):
-                # Kept until the next step: only where that costs little
-                # memory (logits of a language model are left out; the
-                # backward search then goes by the parameters' gradients).
-                if tensor.requires_grad and tensor.numel() <= MAX_KEPT_GRAD:
-                    tensor.register_hook(lambda grad, index=index, grads=grads: grads.__setitem__(index, grad))
+            if not self.searching:
+                loss = _scalar_loss(output)
+                if loss is not None:
+                    self.step.loss = loss.detach()
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root hook failed: {type(exc).__name__}: {exc}")
+
+    def _loss_pre(self, ref, args, kwargs):
+        try:
+            if not self.searching and args and isinstance(args[0], torch.Tensor):
+                self.step.loss_call = (ref, args[0].shape, args[1:], kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self.failed(f"the loss hook failed: {type(exc).__name__}: {exc}")
 
     def _loss_post(self, args, output):
         try:
@@ -244,11 +264,18 @@ class NanWatch:
         if cached is None or cached[0]() is not optimizer:
             mine = [p for group in optimizer.param_groups for p in group["params"] if id(p) in self.sentinels]
             cached = self.sentinel_params = (weakref.ref(optimizer), mine)
+        step = self.step
+        # On a CPU, read in place in one call (see finite.rs).
+        finite = _finite_check().check_grads(cached[1], step.loss)
+        if finite is not None:
+            self.checked_steps += 1
+            if not finite and self.tripped_at is None:
+                self._trip(step_number, step, models.params_with_grads(optimizer), late=False)
+            return
         grads = [p.grad for p in cached[1] if p.grad is not None]
         self._check(step_number, lambda: models.params_with_grads(optimizer), grads)
 
-    def optimizer_post(self, optimizer, step_number):
-        pass
+    optimizer_post = None  # not heard (see trace.EVENTS)
 
     def boundary(self, step_number):
         if not self.armed:
@@ -264,14 +291,15 @@ class NanWatch:
         # waiting, the oldest is waited for: it may be the first non-finite
         # step, and the program is then four steps ahead of its GPU, which
         # stays as busy (the wait ends when the GPU reaches that step).
-        pending, self.pending = self.pending, []
-        for entry in pending:
-            if not self._read_gpu_flag(*entry):
-                self.pending.append(entry)
-        while len(self.pending) > MAX_PENDING:
-            oldest = self.pending.pop(0)
-            oldest[4].synchronize()
-            self._read_gpu_flag(*oldest)
+        if self.pending:
+            pending, self.pending = self.pending, []
+            for entry in pending:
+                if not self._read_gpu_flag(*entry):
+                    self.pending.append(entry)
+            while len(self.pending) > MAX_PENDING:
+                oldest = self.pending.pop(0)
+                oldest[4].synchronize()
+                self._read_gpu_flag(*oldest)
         if TRACER.models is not self.models_seen:
             # The tracer found its models again: hooked anew where they changed.
             self.models_seen = TRACER.models
@@ -357,7 +385,8 @@ class NanWatch:
                 "weights": _stats(list(model.parameters())),
                 "loss": loss_value,
             }
-        found = _Replay(model, step).forward()
+        replay = _Replay(model, step)
+        found = replay.forward()
         if found is not None:
             found["loss"] = loss_value
             if late:
@@ -370,28 +399,25 @@ class NanWatch:
                 "module_type": None,
                 "what": "the loss (the model's outputs were finite)",
                 "nonfinite": 1,
-                "inputs": _stats([r() for r in step.outputs if r() is not None]),
+                "inputs": _stats(list(_tensors(replay.output))),
                 "weights": (None, None, None),
                 "loss": loss_value,
             }
-        grads = {i: g for i, g in step.out_grads.items()}
-        if grads and any(_nonfinite(g) for g in grads.values()):
-            return {
-                "stage": "backward",
-                "module": _loss_name(),
-                "module_type": None,
-                "what": "the gradient the loss sent back to the model's output",
-                "nonfinite": sum(_nonfinite(g) for g in grads.values()),
-                "inputs": _stats([r() for r in step.outputs if r() is not None]),
-                "weights": (None, None, None),
-                "loss": loss_value,
-            }
-        if grads:
-            found = _Replay(model, step).backward(grads)
-            if found is not None:
-                found["loss"] = loss_value
-                return found
-        return self._from_param_grads(params, loss_value, "the replay found no origin")
+        back = _Replay(model, step)
+        found = back.backward()
+        if found is not None:
+            found["loss"] = loss_value
+            if back.start is not None:
+                found["detail"] = f"backward replayed from {back.start}"
+            return found
+        if back.start == ONES:
+            why = (
+                "the replay's forward was finite, and so was its backward from ones at the model's output: the "
+                "non-finite values came with the gradient the loss sent back, or from that gradient's size"
+            )
+        else:
+            why = "the replay found no origin"
+        return self._from_param_grads(params, loss_value, why)
 
     def _from_param_grads(self, params, loss_value, why) -> dict:
         """The module nearest the output whose own parameters got non-finite
@@ -471,6 +497,24 @@ def _finite_check():
     return _FINITE[0]
 
 
+def _stochastic(model) -> bool:
+    """Whether the model's forward draws random numbers, as far as its
+    modules tell: dropout of any kind, RReLU, stochastic depth (timm's
+    DropPath), or a module that keeps a dropout rate. A forward that draws
+    them in its own code otherwise is replayed with other draws."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)):
+            return True
+        name = type(module).__name__.lower()
+        if "drop" in name or "stochastic" in name or "noise" in name:
+            return True
+        for attr in ("dropout", "dropout_p", "drop_prob", "attn_dropout", "p_drop"):
+            value = getattr(module, attr, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                return True
+    return False
+
+
 def _loss_name() -> str:
     for ref in TRACER.losses:
         module = ref()
@@ -489,6 +533,9 @@ class _Replay:
             self.names[id(module)] = name or models.root_name(model)
         self.found = None
         self.running: list = []  # modules whose forward is in progress
+        self.output = None
+        self.start = None  # where the backward replay started (see `backward`)
+        self.loss_module = None  # the loss module it started from
 
     def _module_entry(self, module, name, args):
         tensors = _inputs_of(args, {})
@@ -538,7 +585,8 @@ class _Replay:
             for module in self.model.modules():
                 handles.append(module.register_forward_pre_hook(pre))
                 handles.append(module.register_forward_hook(post))
-            torch.set_rng_state(step.rng)
+            if step.rng is not None:
+                torch.set_rng_state(step.rng)
             if step.cuda_rng is not None:
                 torch.cuda.set_rng_state_all(step.cuda_rng)
             with torch.set_grad_enabled(grad_enabled):
@@ -554,10 +602,30 @@ class _Replay:
                 torch.cuda.set_rng_state_all(cuda_now)
 
     def forward(self):
-        self._run(self._pre, self._post, grad_enabled=False)
+        self.output = self._run(self._pre, self._post, grad_enabled=False)
         return self.found
 
-    def backward(self, out_grads: dict):
+    def _roots(self, output) -> tuple:
+        """Where the backward starts: the loss, made again exactly where it
+        can be (the model returns it, or the step's loss module is called
+        again with its target), else ones at the model's floating outputs."""
+        loss = _scalar_loss(output)
+        if loss is not None and loss.requires_grad:
+            self.start = "the loss the model returned"
+            return [loss], [torch.ones_like(loss)]
+        call = self.step.loss_call
+        module = call[0]() if call is not None else None
+        if module is not None and isinstance(output, torch.Tensor) and output.shape == call[1]:
+            loss = module(output, *call[2], **(call[3] or {}))
+            if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
+                self.start = f"the loss ({type(module).__name__}, called again with the step's target)"
+                self.loss_module = module
+                return [loss], [torch.ones_like(loss)]
+        outputs = [t for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+        self.start = ONES if outputs else None
+        return outputs, [torch.ones_like(t) for t in outputs]
+
+    def backward(self):
         """Per module: was the gradient reaching its output finite, and
         the ones leaving it (to its inputs and its own parameters)?"""
         order = list(self.model.named_modules())
@@ -571,8 +639,10 @@ class _Replay:
             record_out.setdefault(id(module), []).extend(t for t in _tensors(out) if t.is_floating_point() and t.requires_grad)
 
         output = self._run(pre, post, grad_enabled=True)
-        outputs = [t for t in _tensors(output) if t.is_floating_point()]
-        pairs = [(outputs[i], g) for i, g in out_grads.items() if i < len(outputs) and outputs[i].requires_grad]
+        with torch.enable_grad():
+            roots, seeds = self._roots(output)
+        if not roots:
+            return None
         watched = []
         for key, tensors in record_out.items():
             for t in tensors:
@@ -582,17 +652,27 @@ class _Replay:
                 watched.append((key, "in", t))
         params = [(id(m), p) for _, m in order for p in m.parameters(recurse=False) if p.requires_grad]
         reach, leave = {}, {}
-        targets = [t for _, _, t in watched] + [p for _, p in params]
-        grads = torch.autograd.grad(
-            [o for o, _ in pairs], targets, grad_outputs=[g for _, g in pairs], allow_unused=True, retain_graph=False
-        )
+        # From a loss module: also the gradient it sent back to the output.
+        outs = [output] if self.loss_module is not None else []
+        targets = [t for _, _, t in watched] + [p for _, p in params] + outs
+        grads = torch.autograd.grad(roots, targets, grad_outputs=seeds, allow_unused=True, retain_graph=False)
+        if outs and grads[-1] is not None and _nonfinite(grads[-1]):
+            return {
+                "stage": "backward",
+                "module": type(self.loss_module).__name__,
+                "module_type": None,
+                "what": "the gradient the loss sent back to the model's output",
+                "nonfinite": _nonfinite(grads[-1]),
+                "inputs": _stats([output]),
+                "weights": (None, None, None),
+            }
         for (key, side, _), grad in zip(watched, grads[: len(watched)]):
             if grad is None:
                 continue
             bad = _nonfinite(grad)
             table = reach if side == "out" else leave
             table[key] = table.get(key, 0) + bad
-        for (key, _), grad in zip(params, grads[len(watched):]):
+        for (key, _), grad in zip(params, grads[len(watched):len(watched) + len(params)]):
             if grad is not None:
                 leave[key] = leave.get(key, 0) + _nonfinite(grad)
         candidates = [(name, m) for name, m in order if reach.get(id(m), 0) == 0 and leave.get(id(m), 0) > 0]

@@ -441,11 +441,8 @@ class ActivationStats:
         for handle in handles:
             handle.remove()
 
-    def optimizer_pre(self, optimizer, step):
-        pass
-
-    def optimizer_post(self, optimizer, step):
-        pass
+    # Not heard (see trace.EVENTS): the boundary is enough.
+    optimizer_pre = optimizer_post = None
 
     def boundary(self, step):
         """The step that ended gives its rows; the next one is hooked if sampled."""

@@ -54,6 +54,10 @@ MAX_REDISCOVERY_INTERVAL = 1024
 # Where CUDA is in use, telling the step also gives the timeline a row with
 # CUDA's figures (``memory.step_row``, itself at most every 100 ms).
 STEP_TOLD_NS = 20_000_000
+# What a listener (the NaN watch, gradient and activation statistics) may
+# hear of: optimizer_pre(optimizer, step), optimizer_post(optimizer, step)
+# and boundary(step).
+EVENTS = ("optimizer_pre", "optimizer_post", "boundary")
 # What the step is told as once the clock stops: no step (the native side's
 # i64::MIN), so that later memory rows and profile samples carry none.
 NO_STEP = -(1 << 63)
@@ -209,9 +213,12 @@ class Tracer:
         self.on = False
         self.tracing = False
         # Features that hear of each optimizer step and step boundary:
-        # objects with optimizer_pre(optimizer, step), optimizer_post(optimizer,
-        # step), boundary(step) and failed(reason).
+        # objects with a method (or None) for each of EVENTS, and failed(reason).
         self.listeners: list = []
+        # Each event's (listener, its bound method), made when the listeners
+        # change: a listener that has no use for an event sets it to None
+        # and is not called for it.
+        self.told: dict = {event: () for event in EVENTS}
         self.every, self.glob, self.backward = 1, "*", False
         self.models: list = []  # weakrefs to root modules
         self.losses: list = []  # weakrefs to loss modules
@@ -295,6 +302,7 @@ class Tracer:
                 self.plan = self._plan()
             if listener not in self.listeners:
                 self.listeners.append(listener)
+                self._listened()
         return self._start_clock(wait_s)
 
     def remove_listener(self, listener, wait_s: float = EDIT_WAIT_S) -> None:
@@ -302,6 +310,7 @@ class Tracer:
             self.quiet = False
             if listener in self.listeners:
                 self.listeners.remove(listener)
+                self._listened()
             idle = not self.tracing and not self.listeners
         if idle:
             self._stop_clock(wait_s)
@@ -314,14 +323,23 @@ class Tracer:
         completed = models.completed_steps(optimizer) if optimizer is not None else None
         return completed or 0
 
-    def _tell(self, method: str, *args) -> None:
-        for listener in list(self.listeners):
+    def _listened(self) -> None:
+        # Under the lock. A new dict: the training thread reads it without one.
+        told = {}
+        for event in EVENTS:
+            told[event] = tuple(
+                (listener, getattr(listener, event)) for listener in self.listeners if getattr(listener, event) is not None
+            )
+        self.told = told
+
+    def _tell(self, calls: tuple, *args) -> None:
+        for listener, call in calls:
             try:
-                getattr(listener, method)(*args)
+                call(*args)
             except Exception as exc:  # noqa: BLE001 - a feature that fails goes off, the program goes on
                 try:
                     self.remove_listener(listener, wait_s=0)
-                    listener.failed(f"{method} failed: {type(exc).__name__}: {exc}")
+                    listener.failed(f"{getattr(call, '__name__', 'a step hook')} failed: {type(exc).__name__}: {exc}")
                 except Exception:  # noqa: BLE001
                     pass
 
@@ -478,8 +496,9 @@ class Tracer:
     def _opt_pre(self, optimizer, args, kwargs):
         try:
             if self.on:
-                if self.listeners:
-                    self._tell("optimizer_pre", optimizer, self.current_step(optimizer))
+                calls = self.told["optimizer_pre"]
+                if calls:
+                    self._tell(calls, optimizer, self.current_step(optimizer))
                 self.opt_start = _perf()
         except Exception as exc:  # noqa: BLE001
             self._fail("the optimizer step pre-hook", exc)
@@ -492,8 +511,9 @@ class Tracer:
                     self.opt_ns += now - self.opt_start
                     self.opt_calls += 1
                     self.opt_start = None
-                if self.listeners:
-                    self._tell("optimizer_post", optimizer, self.current_step(optimizer))
+                calls = self.told["optimizer_post"]
+                if calls:
+                    self._tell(calls, optimizer, self.current_step(optimizer))
                 if self.marker != "rankscope.step()":
                     primary = self.primary() if self.primary is not None else None
                     new = primary is None
@@ -536,8 +556,9 @@ class Tracer:
                 _native.set_step(step + 1)
                 self.step_told = now
                 _timeline.step_row(now)
-            if self.listeners:
-                self._tell("boundary", step + 1)
+            calls = self.told["boundary"]
+            if calls:
+                self._tell(calls, step + 1)
             if now >= tables.due:
                 tables.flush()
             return
@@ -596,8 +617,9 @@ class Tracer:
                 and self.last_end is not None
                 and not tables.waiting
             )
-        if self.listeners:
-            self._tell("boundary", self.step)
+        calls = self.told["boundary"]
+        if calls:
+            self._tell(calls, self.step)
         tables.hand_over_if_due(now)
 
     def _finish_step(self, now):
