@@ -56,7 +56,7 @@ MAX_REDISCOVERY_INTERVAL = 1024
 STEP_TOLD_NS = 20_000_000
 # What a listener (the NaN watch, gradient and activation statistics) may
 # hear of: optimizer_pre(optimizer, step), optimizer_post(optimizer, step)
-# and boundary(step).
+# and boundary(step); when, see Tracer._tell.
 EVENTS = ("optimizer_pre", "optimizer_post", "boundary")
 # What the step is told as once the clock stops: no step (the native side's
 # i64::MIN), so that later memory rows and profile samples carry none.
@@ -327,15 +327,29 @@ class Tracer:
         # Under the lock. A new dict: the training thread reads it without one.
         told = {}
         for event in EVENTS:
-            told[event] = tuple(
-                (listener, getattr(listener, event)) for listener in self.listeners if getattr(listener, event) is not None
-            )
+            entries = []
+            for listener in self.listeners:
+                call = getattr(listener, event)
+                if call is not None:
+                    entries.append((listener, call, getattr(listener, "WHEN", {}).get(event)))
+            told[event] = tuple(entries)
         self.told = told
 
-    def _tell(self, calls: tuple, *args) -> None:
-        for listener, call in calls:
+    def _tell(self, calls: tuple, step: int, *args) -> None:
+        """Calls each listener's method for an event with ``(*args, step)``,
+        where its ``WHEN`` lets it: ``"sampled"``, only at the steps its
+        ``every`` samples; another name, only while that attribute of it is
+        true (a GPU's values waiting); none, always. An unsampled step then
+        costs a listener no call at all."""
+        for listener, call, when in calls:
+            if when is not None:
+                if when == "sampled":
+                    if step % listener.every:
+                        continue
+                elif not getattr(listener, when):
+                    continue
             try:
-                call(*args)
+                call(*args, step)
             except Exception as exc:  # noqa: BLE001 - a feature that fails goes off, the program goes on
                 try:
                     self.remove_listener(listener, wait_s=0)
@@ -498,7 +512,7 @@ class Tracer:
             if self.on:
                 calls = self.told["optimizer_pre"]
                 if calls:
-                    self._tell(calls, optimizer, self.current_step(optimizer))
+                    self._tell(calls, self.current_step(optimizer), optimizer)
                 self.opt_start = _perf()
         except Exception as exc:  # noqa: BLE001
             self._fail("the optimizer step pre-hook", exc)
@@ -513,7 +527,7 @@ class Tracer:
                     self.opt_start = None
                 calls = self.told["optimizer_post"]
                 if calls:
-                    self._tell(calls, optimizer, self.current_step(optimizer))
+                    self._tell(calls, self.current_step(optimizer), optimizer)
                 if self.marker != "rankscope.step()":
                     primary = self.primary() if self.primary is not None else None
                     new = primary is None
