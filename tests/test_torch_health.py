@@ -34,6 +34,7 @@ def flag(name):
 NAN_FORWARD, NAN_BACKWARD = flag("--nan-forward"), flag("--nan-backward")
 NAN_LOSS_GRAD = flag("--nan-loss-grad")
 LOSS = sys.argv[sys.argv.index("--loss") + 1] if "--loss" in sys.argv else "module"
+DROPOUT = "--dropout" in sys.argv
 done = 0
 
 
@@ -66,11 +67,18 @@ class BadLoss(nn.modules.loss._Loss):
         return BadGrad.apply(loss) if done == NAN_LOSS_GRAD else loss
 
 
+class NoisyLoss(nn.modules.loss._Loss):
+    # Draws from the RNG at each call (as sampled losses do); adds 0.
+    def forward(self, out, target):
+        return nn.functional.mse_loss(out, target) + 0.0 * torch.rand(())
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
         self.act1 = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.2) if DROPOUT else nn.Identity()
         self.boom = Boom()
         self.fc2 = nn.Linear(32, 32)
         self.back = Back()
@@ -78,11 +86,11 @@ class MLP(nn.Module):
         self.head = nn.Linear(32, 1)
 
     def forward(self, x):
-        return self.head(self.act2(self.back(self.fc2(self.boom(self.act1(self.fc1(x)))))))
+        return self.head(self.act2(self.back(self.fc2(self.boom(self.drop(self.act1(self.fc1(x))))))))
 
 
 model = MLP()
-criterion = {"module": nn.MSELoss(), "functional": nn.functional.mse_loss, "bad": BadLoss()}[LOSS]
+criterion = {"module": nn.MSELoss(), "functional": nn.functional.mse_loss, "bad": BadLoss(), "noisy": NoisyLoss()}[LOSS]
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 data = torch.Generator().manual_seed(1)
 losses = []
@@ -101,7 +109,7 @@ def train_step():
 
 
 def save(path):
-    torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}, path)
+    torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "rng": torch.get_rng_state()}, path)
 
 
 if "--steps" in sys.argv:
@@ -194,12 +202,50 @@ def sci(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def reference_run(python, tmp_path, steps: int) -> Path:
+def reference_run(python, tmp_path, steps: int, *flags: str) -> Path:
     script = tmp_path / "reference.py"
     script.write_text(textwrap.dedent(TRAIN))
     out = tmp_path / "reference.pt"
-    subprocess.run([python, str(script), "--steps", str(steps), "--save", str(out)], check=True, capture_output=True, timeout=120)
+    subprocess.run([python, str(script), *flags, "--steps", str(steps), "--save", str(out)], check=True, capture_output=True, timeout=120)
     return out
+
+
+# Bitwise, NaN included (a NaN's bits come out of the same computation).
+SAME_BITS = (
+    "import sys, torch; a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2]); "
+    "bits = lambda t: t.view(torch.int32) if t.dtype == torch.float32 else t; "
+    "same = lambda x, y: torch.equal(bits(x), bits(y)); "
+    "assert len(a['losses']) == len(b['losses']) == int(sys.argv[3]), 'step counts differ'; "
+    "assert all(same(x, y) for x, y in zip(a['losses'], b['losses'])), 'losses differ'; "
+    "assert all(same(a['params'][k], b['params'][k]) for k in a['params']), 'parameters differ'; "
+    "assert torch.equal(a['rng'], b['rng']), 'the RNG stream differs'; "
+    "print('EQUAL')"
+)
+
+
+def test_a_trip_and_its_replays_change_nothing_the_program_sees(torch_python, spawn, cli, tmp_path):
+    # Dropout (the step's RNG state is kept and replayed) and a loss module
+    # that draws random numbers (called again by the backward search): after
+    # the trip at step 2 and both replays, the losses, the parameters and
+    # the RNG state are bit for bit those of a run without rankscope.
+    flags = ["--nan-backward", "2", "--dropout", "--loss", "noisy"]
+    target = spawn(torch_python, TRAIN, args=flags)
+    on(cli, target.pid, "nan", "on")
+    on(cli, target.pid, "trace", "on")
+    run_steps(cli, target, 5, 5)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, detail FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "backward", "back")], rows
+    assert "the loss (NoisyLoss, called again with the step's target)" in rows[0]["detail"], rows
+    # The trace sampled that step too: the replays added no call to it.
+    calls = query_json(cli, target.pid, "SELECT step, calls FROM python.torch_trace WHERE module = 'fc1' AND stage = 'forward' ORDER BY step")
+    assert calls and all(r["calls"] == 1 for r in calls), calls
+    probed = tmp_path / "probed.pt"
+    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
+    result = subprocess.run(
+        [torch_python, "-c", SAME_BITS, str(probed), str(reference_run(torch_python, tmp_path, 5, *flags)), "5"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.stdout.strip() == "EQUAL", result.stderr
 
 
 def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python, spawn, cli, tmp_path):

@@ -188,7 +188,8 @@ impl FiniteCheck {
 
     /// `check` of the gradients of `params` (those that have one) and of
     /// `loss` (a tensor or None): the step's check in one call, without a
-    /// list of the gradients made in Python first.
+    /// list of the gradients made in Python first; None also where there
+    /// is nothing to read.
     fn check_grads(
         &self,
         params: &Bound<'_, PyAny>,
@@ -203,6 +204,10 @@ impl FiniteCheck {
             }
         }
         if !loss.is_none() && !self.add(&mut reads, loss.clone())? {
+            return Ok(None);
+        }
+        // Nothing to read is no check (None: the caller then counts none).
+        if reads.is_empty() {
             return Ok(None);
         }
         Ok(Some(finite(&reads)))
@@ -254,5 +259,32 @@ mod tests {
         assert!(unsafe { all_finite([0x3F80u16, 0x7F7F].as_ptr() as usize, 2, Float::BF16) });
         assert!(!unsafe { all_finite([0x7FC0u16].as_ptr() as usize, 1, Float::BF16) });
         assert!(!unsafe { all_finite([0xFF80u16].as_ptr() as usize, 1, Float::BF16) });
+    }
+
+    #[test]
+    fn a_bad_value_anywhere_in_a_long_tensor_is_found_on_both_paths() {
+        // Past the 1,024-element blocks, at each edge, and in the tail;
+        // the plain path always, the AVX2 one where the CPU has it.
+        for n in [1023usize, 1024, 1025, 4097] {
+            for at in [0, 1022, 1023, 1024, n - 1] {
+                if at >= n {
+                    continue;
+                }
+                let mut values = vec![1.5f32; n];
+                let ptr = values.as_ptr() as usize;
+                assert!(unsafe { all_finite_plain(ptr, n, Float::F32) });
+                values[at] = f32::INFINITY;
+                assert!(
+                    !unsafe { all_finite_plain(ptr, n, Float::F32) },
+                    "n {n}, at {at}"
+                );
+                assert!(!unsafe { all_finite(ptr, n, Float::F32) }, "n {n}, at {at}");
+                let mut wide = vec![-2.0f64; n];
+                wide[at] = f64::NAN;
+                let ptr = wide.as_ptr() as usize;
+                assert!(!unsafe { all_finite(ptr, n, Float::F64) }, "n {n}, at {at}");
+                assert!(unsafe { all_finite(ptr, at, Float::F64) });
+            }
+        }
     }
 }

@@ -385,11 +385,8 @@ class _StepSpan:
         self.first, self.last = first, last
         self.base = self.base_step = self.result = self.error = self.tensor_base = None
 
-    def optimizer_pre(self, optimizer, step):
-        pass
-
-    def optimizer_post(self, optimizer, step):
-        pass
+    # Not heard (see torch/trace.py, EVENTS): the boundary is enough.
+    optimizer_pre = optimizer_post = None
 
     def failed(self, reason: str) -> None:
         self.error = reason

@@ -3,10 +3,11 @@ appeared, into ``python.nan_events`` and a crash-style record.
 
 Armed, a step costs a stand-in for the ``forward`` of each model's root
 (``timed.py``: cheaper than forward hooks; it keeps a reference to the
-step's input, the RNG state at its start, and the loss where the model
-returns one), a stand-in on each loss module (the loss, and the target it
-was given), and, at the optimizer's pre-hook, a finiteness check of the
-loss and the gradients. Nothing is put into autograd's graph: a tensor
+step's input, the RNG state at its start for a model whose modules draw
+random numbers, and the loss where the model returns one), a stand-in on
+each loss module (the loss, and the other arguments of a call on the
+model's output), and, at the optimizer's pre-hook, a finiteness check of
+the loss and the gradients. Nothing is put into autograd's graph: a tensor
 hook on the output, to keep the gradient that reaches it, cost the small
 MLP of bench/ 13-19 us a step by itself, rankscope's code or any other's.
 On a CPU the values themselves are read in place
@@ -22,8 +23,8 @@ On a trip, the step is searched while its weights are still the ones it
 ran with (the optimizer's pre-hook, before the update):
 
 * its input: non-finite already (stage ``input``);
-* forward: the step's forward is run again on the same input, from the
-  same RNG state, with a hook on every module; the first module whose
+* forward: the step's forward is run again on the same input (from the
+  same RNG state, where it was kept), with a hook on every module; the first module whose
   output is non-finite while its inputs were finite is the origin. When a
   module's inputs are non-finite before it ran, its parent's own code made
   them (stage ``forward``);
@@ -31,17 +32,19 @@ ran with (the optimizer's pre-hook, before the update):
 * backward: the same forward again, then ``torch.autograd.grad``; the
   deepest module whose output gradient was finite and whose input or
   parameter gradients are not is the origin (stage ``backward``). The
-  backward starts from the loss where it can be made again exactly: the
-  model returns it, or a loss module was called on an output of the
-  model's shape (it is called again with the same target). Otherwise it
+  backward starts from the loss where it can be made again: the model
+  returns it, or a loss module was called on the model's output itself
+  (it is called again with the same other arguments). Otherwise it
   starts from ones at the model's output: a module whose backward turns a
   finite gradient into a non-finite one (a square root at 0, a division
   by 0) does so for ones too; one that overflows only at the real
   gradient's size is then found from the parameters' gradients instead.
 
 The re-run touches nothing the program keeps: ``.grad`` is left alone
-(``autograd.grad`` returns its gradients), the RNG state and every buffer
-(BatchNorm's running statistics) are put back as they were. Python side
+(``autograd.grad`` returns its gradients), the RNG states (CPU, and CUDA
+where it is in use) and every buffer that changed (BatchNorm's running
+statistics) are put back as they were, and what the trace's stand-ins
+counted during it is taken back. Python side
 effects of a model's own ``forward`` code (a counter it bumps) do happen
 twice; ``torch.autograd.detect_anomaly``, the alternative, catches only
 backward NaNs and slows every step 1.5-3x.
@@ -68,7 +71,9 @@ MAX_EVENTS = 16
 # Every step checks the loss and the gradients of each model's first
 # module with parameters (a non-finite gradient made anywhere after it
 # reaches them on its way back); every FULL_EVERY-th step checks every
-# gradient. Reading all gradients every step costs a small CPU model 2-3 %.
+# gradient (one that never reaches them: a second input branch, or a
+# gradient the model's code replaced). Reading all gradients every step
+# costs a small CPU model 2-3 %; every 8th, about 0.3 %.
 FULL_EVERY = 8
 MAX_SENTINEL = 1 << 16
 # GPU checks waiting for their values (see `boundary`).
@@ -113,13 +118,15 @@ def _inputs_of(args, kwargs) -> list:
 class _Step:
     """What the root hooks keep of the step in progress."""
 
-    __slots__ = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "loss_call")
+    __slots__ = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "output", "loss_call")
 
     def __init__(self, model=None, args=None, kwargs=None, rng=None):
         self.model, self.args, self.kwargs, self.rng = model, args, kwargs, rng
-        self.cuda_rng = self.loss = None
-        # (loss module ref, its first argument's shape, the other arguments,
-        # keyword arguments): the loss made again on a replay's output.
+        self.cuda_rng = self.loss = self.output = None
+        # (loss module ref, the other arguments, keyword arguments) of a
+        # loss module called on the model's output itself (`output`: a
+        # weakref to it, kept only while a loss module is watched): the
+        # loss made again on a replay's output.
         self.loss_call = None
 
 
@@ -138,6 +145,7 @@ class NanWatch:
         self.models_seen = None  # TRACER.models when last compared with `hooked`
         self.sentinels: set = set()
         self.sentinel_params = None  # (optimizer weakref, its sentinel parameters)
+        self.loss_modules = False  # a loss module has a stand-in
 
     # ---- on and off (probe thread)
 
@@ -188,12 +196,14 @@ class NanWatch:
             entry = timed.put_on(model, self._stand_in(model))
             if entry is not None:
                 self.handles.append(entry)
+        self.loss_modules = False
         for ref in TRACER.losses:
             module = ref()
             if module is not None:
                 entry = timed.put_on(module, self._loss_stand_in(ref))
                 if entry is not None:
                     self.handles.append(entry)
+                    self.loss_modules = True
 
     def _stand_in(self, model):
         # partial: called from C, one Python frame less a step.
@@ -220,7 +230,7 @@ class NanWatch:
                 step = self.step
                 step.model, step.args, step.kwargs = model_ref, args, kwargs
                 step.rng = _rng_state() if stochastic else None
-                step.cuda_rng = step.loss = step.loss_call = None
+                step.cuda_rng = step.loss = step.output = step.loss_call = None
             # Not while a CUDA graph is captured: reading a generator's
             # state then raises (the replay then runs without it).
             if stochastic and _cuda_initialized() and not torch.cuda.is_current_stream_capturing():
@@ -234,13 +244,22 @@ class NanWatch:
                 loss = _scalar_loss(output)
                 if loss is not None:
                     self.step.loss = loss.detach()
+                elif self.loss_modules and isinstance(output, torch.Tensor):
+                    # Which tensor the loss module must be given to be
+                    # called again (a weakref: a temporary's address may be
+                    # reused by another tensor).
+                    self.step.output = weakref.ref(output)
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root hook failed: {type(exc).__name__}: {exc}")
 
     def _loss_pre(self, ref, args, kwargs):
         try:
-            if not self.searching and args and isinstance(args[0], torch.Tensor):
-                self.step.loss_call = (ref, args[0].shape, args[1:], kwargs)
+            step = self.step
+            # Only a call on the model's output itself: a loss given
+            # sigmoid(output), or another output of the model, cannot be
+            # made again from the replayed output.
+            if not self.searching and step.output is not None and args and args[0] is step.output():
+                step.loss_call = (ref, args[1:], kwargs)
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the loss hook failed: {type(exc).__name__}: {exc}")
 
@@ -358,12 +377,16 @@ class NanWatch:
         if callable(params):
             params = params()
         self.searching = True
+        # The replay runs inside a step the trace may be sampling: what its
+        # stand-ins count during it is taken back.
+        held = TRACER.held()
         try:
             event = self._search(step, params, late)
         except Exception as exc:  # noqa: BLE001 - the event is still recorded, with why the search stopped
             event = {"stage": "unknown", "module": None, "what": f"the search failed: {type(exc).__name__}: {exc}"}
         finally:
             self.searching = False
+            TRACER.restore(held)
         self._record(step_number, event)
 
     def _search(self, step, params, late) -> dict:
@@ -501,14 +524,23 @@ def _stochastic(model) -> bool:
     """Whether the model's forward draws random numbers, as far as its
     modules tell: dropout of any kind, RReLU, stochastic depth (timm's
     DropPath), or a module that keeps a dropout rate. A forward that draws
-    them in its own code otherwise is replayed with other draws."""
+    them in its own code otherwise is replayed with other draws (the
+    program's own RNG state is put back after a replay all the same). A
+    module that cannot be asked counts as random."""
+    try:
+        return _draws(model)
+    except Exception:  # noqa: BLE001 - a property of the program's that raises
+        return True
+
+
+def _draws(model) -> bool:
     for module in model.modules():
         if isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)):
             return True
         name = type(module).__name__.lower()
         if "drop" in name or "stochastic" in name or "noise" in name:
             return True
-        for attr in ("dropout", "dropout_p", "drop_prob", "attn_dropout", "p_drop"):
+        for attr in ("dropout", "dropout_p", "drop_prob", "drop_rate", "attn_dropout", "attention_dropout", "p_drop"):
             value = getattr(module, attr, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 return True
@@ -572,14 +604,25 @@ class _Replay:
                 found.update(stage="forward", what="its output", nonfinite=bad)
                 self.found = found
 
-    def _run(self, pre, post, grad_enabled: bool):
-        """The forward, as the step ran it (its input, its RNG state), with
-        `pre` and `post` on every module; the RNG state and every buffer
-        are put back as they were."""
+    def _run(self, pre, post, grad_enabled: bool, then=None):
+        """The forward, as the step ran it (its input, and its RNG state
+        where it was kept), with `pre` and `post` on every module, and then
+        `then(output)` under the same grad mode; returns what `then`
+        returns (or the output). After it all, the program's RNG states
+        (CPU, and CUDA where it is in use) are put back, and every buffer
+        that changed (of the model, and of the loss module called again):
+        after `then`, since putting back a buffer that autograd saved
+        would make `then`'s backward fail, and only the changed ones, so
+        that the others' versions stay as they were."""
         step = self.step
         rng_now = torch.get_rng_state()
-        cuda_now = torch.cuda.get_rng_state_all() if step.cuda_rng is not None else None
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        cuda_now = None
+        if torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+            cuda_now = torch.cuda.get_rng_state_all()
+        call = step.loss_call
+        loss_module = call[0]() if call is not None else None
+        owners = [self.model] if loss_module is None else [self.model, loss_module]
+        buffers = [(b, b._version, b.detach().clone()) for owner in owners for b in owner.buffers()]
         handles = []
         try:
             for module in self.model.modules():
@@ -590,13 +633,17 @@ class _Replay:
             if step.cuda_rng is not None:
                 torch.cuda.set_rng_state_all(step.cuda_rng)
             with torch.set_grad_enabled(grad_enabled):
-                return self.model(*step.args, **(step.kwargs or {}))
+                output = self.model(*step.args, **(step.kwargs or {}))
+                for handle in handles:
+                    handle.remove()
+                return then(output) if then is not None else output
         finally:
             for handle in handles:
                 handle.remove()
             with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+                for buffer, version, saved in buffers:
+                    if buffer._version != version:
+                        buffer.copy_(saved)
             torch.set_rng_state(rng_now)
             if cuda_now is not None:
                 torch.cuda.set_rng_state_all(cuda_now)
@@ -606,17 +653,25 @@ class _Replay:
         return self.found
 
     def _roots(self, output) -> tuple:
-        """Where the backward starts: the loss, made again exactly where it
-        can be (the model returns it, or the step's loss module is called
-        again with its target), else ones at the model's floating outputs."""
+        """Where the backward starts: the loss, made again where it can be
+        (the model returns it, or the step's loss module was called on the
+        model's output itself and is called again with the same other
+        arguments), else ones at the model's floating outputs."""
         loss = _scalar_loss(output)
         if loss is not None and loss.requires_grad:
             self.start = "the loss the model returned"
             return [loss], [torch.ones_like(loss)]
         call = self.step.loss_call
         module = call[0]() if call is not None else None
-        if module is not None and isinstance(output, torch.Tensor) and output.shape == call[1]:
-            loss = module(output, *call[2], **(call[3] or {}))
+        if module is not None and isinstance(output, torch.Tensor):
+            # The other arguments detached: the program's backward freed
+            # the graph they were part of.
+            rest = [a.detach() if isinstance(a, torch.Tensor) else a for a in call[1]]
+            named = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in (call[2] or {}).items()}
+            try:
+                loss = module(output, *rest, **named)
+            except Exception:  # noqa: BLE001 - the search goes on from ones
+                loss = None
             if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad:
                 self.start = f"the loss ({type(module).__name__}, called again with the step's target)"
                 self.loss_module = module
@@ -629,7 +684,6 @@ class _Replay:
         """Per module: was the gradient reaching its output finite, and
         the ones leaving it (to its inputs and its own parameters)?"""
         order = list(self.model.named_modules())
-        position = {id(m): i for i, (_, m) in enumerate(order)}
         record_in, record_out = {}, {}
 
         def pre(module, args):
@@ -638,9 +692,11 @@ class _Replay:
         def post(module, args, out):
             record_out.setdefault(id(module), []).extend(t for t in _tensors(out) if t.is_floating_point() and t.requires_grad)
 
-        output = self._run(pre, post, grad_enabled=True)
-        with torch.enable_grad():
-            roots, seeds = self._roots(output)
+        return self._run(pre, post, grad_enabled=True, then=lambda output: self._backward(output, order, record_in, record_out))
+
+    def _backward(self, output, order, record_in, record_out):
+        position = {id(m): i for i, (_, m) in enumerate(order)}
+        roots, seeds = self._roots(output)
         if not roots:
             return None
         watched = []

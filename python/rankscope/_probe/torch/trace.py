@@ -215,9 +215,9 @@ class Tracer:
         # Features that hear of each optimizer step and step boundary:
         # objects with a method (or None) for each of EVENTS, and failed(reason).
         self.listeners: list = []
-        # Each event's (listener, its bound method), made when the listeners
-        # change: a listener that has no use for an event sets it to None
-        # and is not called for it.
+        # Each event's (listener, its bound method, when), made when the
+        # listeners change: a listener that has no use for an event sets it
+        # to None and is not called for it (see `_tell`).
         self.told: dict = {event: () for event in EVENTS}
         self.every, self.glob, self.backward = 1, "*", False
         self.models: list = []  # weakrefs to root modules
@@ -329,7 +329,7 @@ class Tracer:
         for event in EVENTS:
             entries = []
             for listener in self.listeners:
-                call = getattr(listener, event)
+                call = getattr(listener, event, None)
                 if call is not None:
                     entries.append((listener, call, getattr(listener, "WHEN", {}).get(event)))
             told[event] = tuple(entries)
@@ -342,13 +342,13 @@ class Tracer:
         true (a GPU's values waiting); none, always. An unsampled step then
         costs a listener no call at all."""
         for listener, call, when in calls:
-            if when is not None:
-                if when == "sampled":
-                    if step % listener.every:
-                        continue
-                elif not getattr(listener, when):
-                    continue
             try:
+                if when is not None:
+                    if when == "sampled":
+                        if step % listener.every:
+                            continue
+                    elif not getattr(listener, when):
+                        continue
                 call(*args, step)
             except Exception as exc:  # noqa: BLE001 - a feature that fails goes off, the program goes on
                 try:
@@ -501,6 +501,29 @@ class Tracer:
         self.plan = self._plan()
         if self.handles:
             self._detach()
+
+    def held(self) -> tuple:
+        """The sampled step's figures as they are now, for `restore`: the
+        NaN watch's replay runs the model inside a step the trace may be
+        sampling, and must leave no time, call, sample, loss or GPU event
+        in its rows."""
+        slots = [
+            (slot, list(slot.open_events), list(slot.events), list(slot.mem_starts), slot.alloc_delta,
+             slot.peak_delta, slot.bwd_ns, slot.bwd_calls, slot.bwd_start, slot.bwd_end)
+            for slot in self.full
+        ]
+        return (list(self.acc), self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples,
+                self.loss, self.loss_event, slots)
+
+    def restore(self, held: tuple) -> None:
+        acc, self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples, self.loss, self.loss_event, slots = held
+        if len(acc) == len(self.acc):
+            self.acc[:] = acc
+        for slot, open_events, events, mem_starts, *rest in slots:
+            slot.open_events[:] = open_events
+            slot.events = events
+            slot.mem_starts[:] = mem_starts
+            slot.alloc_delta, slot.peak_delta, slot.bwd_ns, slot.bwd_calls, slot.bwd_start, slot.bwd_end = rest
 
     def live_models(self) -> list:
         return [m for m in (ref() for ref in self.models) if m is not None]
