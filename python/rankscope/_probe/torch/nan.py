@@ -120,8 +120,8 @@ class _Step:
 
     __slots__ = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "output", "loss_call")
 
-    def __init__(self, model=None, args=None, kwargs=None, rng=None):
-        self.model, self.args, self.kwargs, self.rng = model, args, kwargs, rng
+    def __init__(self):
+        self.model = self.args = self.kwargs = self.rng = None
         self.cuda_rng = self.loss = self.output = None
         # (loss module ref, the other arguments, keyword arguments) of a
         # loss module called on the model's output itself (`output`: a
@@ -224,13 +224,10 @@ class NanWatch:
             # read a step later, with the step it was made for. The RNG
             # state (a 5 kB copy, about 3 us) only where the forward draws
             # from it.
-            if self.pending:
-                step = self.step = _Step(model_ref, args, kwargs, _rng_state() if stochastic else None)
-            else:
-                step = self.step
-                step.model, step.args, step.kwargs = model_ref, args, kwargs
-                step.rng = _rng_state() if stochastic else None
-                step.cuda_rng = step.loss = step.output = step.loss_call = None
+            step = self.step = _Step() if self.pending else self.step
+            step.model, step.args, step.kwargs = model_ref, args, kwargs
+            step.rng = _rng_state() if stochastic else None
+            step.cuda_rng = step.loss = step.output = step.loss_call = None
             # Not while a CUDA graph is captured: reading a generator's
             # state then raises (the replay then runs without it).
             if stochastic and _cuda_initialized() and not torch.cuda.is_current_stream_capturing():
@@ -292,7 +289,7 @@ class NanWatch:
                 self._trip(step_number, step, models.params_with_grads(optimizer), late=False)
             return
         grads = [p.grad for p in cached[1] if p.grad is not None]
-        self._check(step_number, lambda: models.params_with_grads(optimizer), grads)
+        self._check(step_number, lambda: models.params_with_grads(optimizer), grads, native=False)
 
     optimizer_post = None  # not heard (see trace.EVENTS)
 
@@ -325,11 +322,12 @@ class NanWatch:
             if {id(m) for m in TRACER.live_models()} != self.hooked:
                 self._hook_roots()
 
-    def _check(self, step_number, params, grads):
+    def _check(self, step_number, params, grads, native=True):
         """`params`: the step's parameters with gradients, or a function
-        that lists them (called only on a trip)."""
+        that lists them (called only on a trip); `native`: whether to try
+        the read in place first (False: the caller just did)."""
         loss = self.step.loss
-        if grads or loss is not None:
+        if native and (grads or loss is not None):
             # On a CPU the values themselves, read in place (see finite.rs):
             # a NaN or an Inf element, not a norm that overflowed.
             finite = _finite_check().check([*grads, loss] if loss is not None else grads)
@@ -634,8 +632,6 @@ class _Replay:
                 torch.cuda.set_rng_state_all(step.cuda_rng)
             with torch.set_grad_enabled(grad_enabled):
                 output = self.model(*step.args, **(step.kwargs or {}))
-                for handle in handles:
-                    handle.remove()
                 return then(output) if then is not None else output
         finally:
             for handle in handles:

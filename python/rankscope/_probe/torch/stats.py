@@ -176,7 +176,8 @@ class GradStats:
         self.params = len(names)
 
     def optimizer_pre(self, optimizer, step):
-        if not self.on or step % self.every:
+        # Called at sampled steps only (WHEN).
+        if not self.on:
             return
         params = models.params_with_grads(optimizer)
         if not params:
