@@ -20,6 +20,8 @@ mod profile_self;
 mod pyjson;
 mod quiet_edit;
 mod registry;
+mod stand_in;
+mod step_clock;
 mod store;
 mod tensor_scan;
 
@@ -286,6 +288,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory::memory_watch_cuda, m)?)?;
     m.add_class::<tensor_scan::TensorScan>()?;
     m.add_class::<finite::FiniteCheck>()?;
+    m.add_class::<step_clock::StepClock>()?;
+    m.add_class::<stand_in::StandIn>()?;
     m.add_class::<grad_read::GradRead>()?;
     Ok(())
 }

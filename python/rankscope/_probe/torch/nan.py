@@ -208,11 +208,11 @@ class NanWatch:
     def _stand_in(self, model):
         # partial: called from C, one Python frame less a step.
         before = functools.partial(self._root_pre, weakref.ref(model), _stochastic(model))
-        return lambda inner: timed.Seen(inner, before, self._root_post)
+        return lambda inner: timed.seen(inner, before, self._root_post)
 
     def _loss_stand_in(self, ref):
         before = functools.partial(self._loss_pre, ref)
-        return lambda inner: timed.Seen(inner, before, self._loss_post)
+        return lambda inner: timed.seen(inner, before, self._loss_post)
 
     # ---- the cheap part: every step (training thread)
 

@@ -123,7 +123,7 @@ def _drain(waiting: list, rows) -> list:
 
 class GradStats:
     # Heard only at sampled steps, after a pre-hook that kept something, and
-    # while a GPU's values are on their way (see trace.Tracer._tell).
+    # while a GPU's values are on their way (see `tell` in step_clock.rs).
     WHEN = {"optimizer_pre": "sampled", "optimizer_post": "before", "boundary": "waiting"}
 
     def __init__(self):

@@ -31,92 +31,37 @@ pass-through whose counts nobody reads.
 
 from __future__ import annotations
 
-import copy
-import time
+from rankscope._native import StandIn
 
-_perf = time.perf_counter_ns
 _MISSING = object()
 
+# The stand-in itself is native (``stand_in.rs``): it runs on every module
+# call of a sampled step, and on every step's root call while the NaN
+# watch is armed, where a Python ``__call__`` cost a frame and the
+# arguments packed again.
 
-class Timed:
+
+def timed(inner, acc: list, at: int) -> StandIn:
     """Adds each call's time (ns) and count into ``acc[at]`` and
     ``acc[at + 1]``: the step's figures are read from that one list."""
-
-    __slots__ = ("__wrapped__", "acc", "at", "previous")
-
-    def __init__(self, inner, acc: list, at: int):
-        self.__wrapped__, self.acc, self.at = inner, acc, at
-        # The module's own `forward` attribute before this one (_MISSING:
-        # none; __wrapped__ is then its class's forward, bound).
-        self.previous = _MISSING
-
-    def __call__(self, *args, **kwargs):
-        start = _perf()
-        out = self.__wrapped__(*args, **kwargs)
-        acc, at = self.acc, self.at
-        acc[at] += _perf() - start
-        acc[at + 1] += 1
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.__wrapped__, name)
-
-    def __deepcopy__(self, memo):
-        # A bound method copies as the same function bound to the copy.
-        return copy.deepcopy(self.__wrapped__, memo)
-
-    def __reduce_ex__(self, protocol):
-        return self.__wrapped__.__reduce_ex__(protocol)
-
-    def __repr__(self):
-        return repr(self.__wrapped__)
+    return StandIn(inner, acc, at)
 
 
-class Tap(Timed):
-    """A stand-in that also calls ``before(args, kwargs, start)`` and
+def tap(inner, acc: list, at: int, before, after) -> StandIn:
+    """A timed stand-in that also calls ``before(args, kwargs, start)`` and
     ``after(args, output)``, for the modules whose calls need more than a
     time: a model's root (its input and loss), and every module under
     ``--backward`` or on a GPU. They must not raise (they catch their own
-    errors)."""
-
-    __slots__ = ("before", "after")
-
-    def __init__(self, inner, acc: list, at: int, before, after):
-        super().__init__(inner, acc, at)
-        self.before, self.after = before, after
-
-    def __call__(self, *args, **kwargs):
-        if self.before is not None:
-            self.before(args, kwargs, _perf())
-        # After `before`: the module's time is its own, not the probe's
-        # (a GPU module's event and counters are read there).
-        start = _perf()
-        out = self.__wrapped__(*args, **kwargs)
-        end = _perf()
-        acc, at = self.acc, self.at
-        acc[at] += end - start
-        acc[at + 1] += 1
-        if self.after is not None:
-            self.after(args, out)
-        return out
+    errors). The module's time starts after ``before``: it is its own, not
+    the probe's."""
+    return StandIn(inner, acc, at, before, after)
 
 
-class Seen(Timed):
+def seen(inner, before, after) -> StandIn:
     """A stand-in that times nothing: it calls ``before(args, kwargs)`` and
     ``after(args, output)`` around each call (the NaN watch's, on every
-    step: two clock reads fewer). They must not raise."""
-
-    __slots__ = ("before", "after")
-
-    def __init__(self, inner, before, after):
-        super().__init__(inner, None, 0)
-        self.before, self.after = before, after
-
-    def __call__(self, *args, **kwargs):
-        self.before(args, kwargs)
-        out = self.__wrapped__(*args, **kwargs)
-        self.after(args, out)
-        return out
+    step: no clock read). They must not raise."""
+    return StandIn(inner, None, 0, before, after, timing=False)
 
 
 def boundary(attrs: dict) -> str:
@@ -154,7 +99,7 @@ def take_off(entry) -> None:
             attrs[name] = stand_in.previous
         return
     # Under another stand-in: the one above takes over what this one had.
-    while isinstance(outer, Timed):
+    while isinstance(outer, StandIn):
         if outer.__wrapped__ is stand_in:
             outer.__wrapped__, outer.previous = stand_in.__wrapped__, stand_in.previous
             return
@@ -162,4 +107,4 @@ def take_off(entry) -> None:
 
 
 def is_stand_in(value) -> bool:
-    return isinstance(value, Timed)
+    return isinstance(value, StandIn)

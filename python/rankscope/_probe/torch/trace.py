@@ -4,8 +4,9 @@ per step (``python.torch_steps``).
 Imported only once the program has imported torch. Three kinds of hook,
 all removed when the trace goes off:
 
-* torch's global optimizer step hooks (pre and post): the post hook marks
-  the step boundary and the pre hook times the optimizer. They are on for
+* torch's global optimizer step hooks (pre and post, native:
+  ``step_clock.rs``): the post hook marks the step boundary and the pre
+  hook times the optimizer. They are on for
   as long as the trace is. torch iterates those dictionaries live, so they
   are edited from a probe thread only while no thread is inside an
   optimizer step (``_native.edit_unless_running``), and from the training
@@ -56,7 +57,7 @@ MAX_REDISCOVERY_INTERVAL = 1024
 STEP_TOLD_NS = 20_000_000
 # What a listener (the NaN watch, gradient and activation statistics) may
 # hear of: optimizer_pre(optimizer, step), optimizer_post(optimizer, step)
-# and boundary(step); when, see Tracer._tell.
+# and boundary(step); when, see `tell` in step_clock.rs.
 EVENTS = ("optimizer_pre", "optimizer_post", "boundary")
 # What the step is told as once the clock stops: no step (the native side's
 # i64::MIN), so that later memory rows and profile samples carry none.
@@ -201,12 +202,18 @@ def _step_wrapper_code():
     return None
 
 
-class Tracer:
+class Tracer(_native.StepClock):
     """The step clock (the optimizer's step hooks, or ``rankscope.step()``)
     and the trace. The clock runs while the trace or any other feature
     (``listeners``: the NaN watch, gradient and activation statistics)
     needs steps; ``on`` says whether it runs, ``tracing`` whether the trace
-    is on."""
+    is on.
+
+    The clock's state (``on``, ``quiet``, ``tracing``, ``every``, ``step``,
+    ``last_end``, ``step_told``, ``opt_start``, ``opt_ns``, ``opt_calls``,
+    ``marker``, ``primary``, ``told``) lives in the native base class, with
+    the hooks torch calls at every step and the short way through a step
+    boundary (``step_clock.rs``); the rest is here."""
 
     def __init__(self):
         self.lock = _thread.RLock()
@@ -217,7 +224,7 @@ class Tracer:
         self.listeners: list = []
         # Each event's (listener, its bound method, when), made when the
         # listeners change: a listener that has no use for an event sets it
-        # to None and is not called for it (see `_tell`).
+        # to None and is not called for it (see `tell`, step_clock.rs).
         self.told: dict = {event: () for event in EVENTS}
         self.every, self.glob, self.backward = 1, "*", False
         self.models: list = []  # weakrefs to root modules
@@ -250,6 +257,7 @@ class Tracer:
         self.next_rediscovery = 1
         self.partial = True
         self._reset_step()
+        self.wire(tables, _timeline.step_row, STEP_TOLD_NS)
 
     def _reset_step(self):
         self.first_fwd = self.pass_start = self.opt_start = None
@@ -335,27 +343,14 @@ class Tracer:
             told[event] = tuple(entries)
         self.told = told
 
-    def _tell(self, calls: tuple, step: int, *args) -> None:
-        """Calls each listener's method for an event with ``(*args, step)``,
-        where its ``WHEN`` lets it: ``"sampled"``, only at the steps its
-        ``every`` samples; another name, only while that attribute of it is
-        true (a GPU's values waiting); none, always. An unsampled step then
-        costs a listener no call at all."""
-        for listener, call, when in calls:
-            try:
-                if when is not None:
-                    if when == "sampled":
-                        if step % listener.every:
-                            continue
-                    elif not getattr(listener, when):
-                        continue
-                call(*args, step)
-            except Exception as exc:  # noqa: BLE001 - a feature that fails goes off, the program goes on
-                try:
-                    self.remove_listener(listener, wait_s=0)
-                    listener.failed(f"{getattr(call, '__name__', 'a step hook')} failed: {type(exc).__name__}: {exc}")
-                except Exception:  # noqa: BLE001
-                    pass
+    def _listener_failed(self, listener, call, exc) -> None:
+        """A listener's call raised: that feature goes off, the others and
+        the program go on."""
+        try:
+            self.remove_listener(listener, wait_s=0)
+            listener.failed(f"{getattr(call, '__name__', 'a step hook')} failed: {type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001
+            pass
 
     def turn_off(self, reason: str | None = None, wait_s: float = EDIT_WAIT_S) -> dict:
         with self.lock:
@@ -421,7 +416,7 @@ class Tracer:
 
         pre_dict, post_dict = opt_module._global_optimizer_pre_hooks, opt_module._global_optimizer_post_hooks
         pre, post = RemovableHandle(pre_dict), RemovableHandle(post_dict)
-        sets = [(pre_dict, pre.id, self._opt_pre), (post_dict, post.id, self._opt_post)]
+        sets = [(pre_dict, pre.id, self.pre), (post_dict, post.id, self.post)]
         if not self._edit_optimizer_hooks(sets, [], wait_s):
             return False
         self.opt_hooks = [(pre_dict, pre.id), (post_dict, post.id)]
@@ -530,75 +525,19 @@ class Tracer:
 
     # ---- the step boundary (training thread)
 
-    def _opt_pre(self, optimizer, args, kwargs):
-        try:
-            if self.on:
-                calls = self.told["optimizer_pre"]
-                if calls:
-                    self._tell(calls, self.current_step(optimizer), optimizer)
-                self.opt_start = _perf()
-        except Exception as exc:  # noqa: BLE001
-            self._fail("the optimizer step pre-hook", exc)
-
-    def _opt_post(self, optimizer, args, kwargs):
-        try:
-            now = _perf()
-            if self.on:
-                if self.opt_start is not None:
-                    self.opt_ns += now - self.opt_start
-                    self.opt_calls += 1
-                    self.opt_start = None
-                calls = self.told["optimizer_post"]
-                if calls:
-                    self._tell(calls, self.current_step(optimizer), optimizer)
-                if self.marker != "rankscope.step()":
-                    primary = self.primary() if self.primary is not None else None
-                    new = primary is None
-                    if new:
-                        self.primary, primary = weakref.ref(optimizer), optimizer
-                    if optimizer is primary:
-                        self.marker = "optimizer"
-                        self._boundary(now, optimizer, new and optimizer not in self.known_optimizers)
-        except Exception as exc:  # noqa: BLE001
-            self._fail("the optimizer step hook", exc)
-        try:
-            if not self.on:
-                self._unhook_from_post()
-        except Exception:  # noqa: BLE001
-            pass
-
     def mark_step(self):
         """``rankscope.step()``: the end of a step, for programs whose
         optimizer does not mark it; once called, it alone marks steps."""
         try:
             now = _perf()
             self.marker = "rankscope.step()"
-            self._boundary(now, None, False)
+            self.boundary(now, None, False)
         except Exception as exc:  # noqa: BLE001
             self._fail("rankscope.step()", exc)
 
     def _boundary(self, now, optimizer, unknown_optimizer):
-        step = self.step
-        if self.quiet and self.on and not unknown_optimizer and not (self.tracing and (step + 1) % self.every == 0):
-            # A step that needs no stand-in after one that had none: its
-            # row while the trace is on, the listeners told, and nothing
-            # else (see `quiet`).
-            if self.tracing:
-                opt_ms = self.opt_ns / 1e6 if self.opt_calls else None
-                self.opt_ns = self.opt_calls = 0
-                tables.post_step((time.time(), step, False, (now - self.last_end) / 1e6, None, None, None, opt_ms, None, None, None))
-            self.step = step + 1
-            self.last_end = now
-            if now - self.step_told >= STEP_TOLD_NS:
-                _native.set_step(step + 1)
-                self.step_told = now
-                _timeline.step_row(now)
-            calls = self.told["boundary"]
-            if calls:
-                self._tell(calls, step + 1)
-            if now >= tables.due:
-                tables.flush()
-            return
+        """The long way through a step boundary; the short way, taken while
+        `quiet`, is ``StepHooks.boundary_at`` (step_clock.rs)."""
         with self.lock:
             self.quiet = False
             if not self.on:
@@ -654,9 +593,9 @@ class Tracer:
                 and self.last_end is not None
                 and not tables.waiting
             )
-        calls = self.told["boundary"]
-        if calls:
-            self._tell(calls, self.step)
+        # Each listener's `boundary(step)`, where its WHEN lets it: see
+        # `tell` (step_clock.rs), which says when a listener is called.
+        self.tell("boundary", self.step)
         tables.hand_over_if_due(now)
 
     def _finish_step(self, now):
@@ -775,7 +714,7 @@ class Tracer:
             at = len(acc)  # its own counters: the loss module is not traced
             acc += (0, 0)
             fixed.append(None)
-            entries.append((ref, lambda inner, at=at: timed.Tap(inner, acc, at, None, self._loss_out), 0))
+            entries.append((ref, lambda inner, at=at: timed.tap(inner, acc, at, None, self._loss_out), 0))
         return entries, slots, full, acc, [0] * len(acc), fixed
 
     def _detach(self):
@@ -791,7 +730,7 @@ class Tracer:
         at = slot.at
         backward, cuda = self.backward, slot.cuda
         if not (is_root or backward or cuda is not None):
-            return lambda inner: timed.Timed(inner, acc, at)
+            return lambda inner: timed.timed(inner, acc, at)
         tracer = self
         if backward:
             slot.start_hook, slot.end_hook = self._gradient_hooks(slot)
@@ -828,7 +767,7 @@ class Tracer:
             except Exception as exc:  # noqa: BLE001
                 tracer._fail(f"the trace's end of {slot.name}", exc)
 
-        return lambda inner: timed.Tap(inner, acc, at, before, after)
+        return lambda inner: timed.tap(inner, acc, at, before, after)
 
     def _root_input(self, now, args, kwargs):
         if self.first_fwd is None:

@@ -1,0 +1,177 @@
+//! The stand-in for a module's `forward` (timed.py says where it goes on
+//! and what it must not change): it adds each call's time and count into a
+//! list of counters, and may call `before` and `after` around the call.
+//!
+//! Native because it runs on every module call of a sampled step (the
+//! trace), and on every step's root call while the NaN watch is armed. As
+//! a Python class its `__call__` was a frame, an argument tuple and dict
+//! made again, and two clock reads through `time`, cold in the middle of
+//! the step's kernels. Here the call passes the argument tuple and dict it
+//! was given straight to the inner forward.
+//!
+//! Nothing of the program's changes: an exception from the inner forward
+//! goes through untouched (the call then counts nothing); any attribute
+//! that is not the stand-in's own is the inner forward's; `deepcopy` gives
+//! the inner forward's copy and pickling saves the inner forward.
+
+use pyo3::gc::PyVisit;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::{intern, PyTraverseError};
+
+use crate::step_clock::perf_ns;
+
+/// `StandIn(inner, acc, at, before=None, after=None, timing=True)`: calls
+/// `inner`; with `timing`, adds the call's ns and 1 into `acc[at]` and
+/// `acc[at + 1]`, and calls `before(args, kwargs, start_ns)`; without,
+/// `before(args, kwargs)` (no clock read). `after(args, output)` follows
+/// the call. `before` and `after` catch their own errors.
+#[pyclass(module = "rankscope._native")]
+pub struct StandIn {
+    wrapped: Py<PyAny>,
+    acc: Option<Py<PyList>>,
+    at: usize,
+    before: Option<Py<PyAny>>,
+    after: Option<Py<PyAny>>,
+    timing: bool,
+    /// The module's own attribute before this one (timed.put_on sets it).
+    previous: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl StandIn {
+    #[new]
+    #[pyo3(signature = (inner, acc, at, before=None, after=None, timing=true))]
+    fn new(
+        inner: Py<PyAny>,
+        acc: Option<Py<PyList>>,
+        at: usize,
+        before: Option<Py<PyAny>>,
+        after: Option<Py<PyAny>>,
+        timing: bool,
+    ) -> Self {
+        StandIn {
+            wrapped: inner,
+            acc,
+            at,
+            before,
+            after,
+            timing,
+            previous: None,
+        }
+    }
+
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__<'py>(
+        slf: &Bound<'py, Self>,
+        args: &Bound<'py, PyTuple>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        // Copied out, so that nothing is borrowed while Python runs: the
+        // inner forward may be anything, and a probe thread may take this
+        // stand-in off meanwhile.
+        let (inner, acc, at, before, after, timing) = {
+            let me = slf.borrow();
+            (
+                me.wrapped.clone_ref(py),
+                me.acc.as_ref().map(|a| a.clone_ref(py)),
+                me.at,
+                me.before.as_ref().map(|b| b.clone_ref(py)),
+                me.after.as_ref().map(|a| a.clone_ref(py)),
+                me.timing,
+            )
+        };
+        if let Some(before) = before {
+            // The Python stand-ins gave a dict, empty or not.
+            let kwargs = kwargs.cloned().unwrap_or_else(|| PyDict::new(py));
+            if timing {
+                before.bind(py).call1((args, kwargs, perf_ns()))?;
+            } else {
+                before.bind(py).call1((args, kwargs))?;
+            }
+        }
+        // After `before`: the module's time is its own, not the probe's.
+        let start = if timing { perf_ns() } else { 0 };
+        let out = inner.bind(py).call(args, kwargs)?;
+        if timing {
+            let spent = perf_ns() - start;
+            if let Some(acc) = acc {
+                let acc = acc.bind(py);
+                add(acc, at, spent)?;
+                add(acc, at + 1, 1)?;
+            }
+        }
+        if let Some(after) = after {
+            after.bind(py).call1((args, &out))?;
+        }
+        Ok(out)
+    }
+
+    #[getter(__wrapped__)]
+    fn get_wrapped(&self, py: Python<'_>) -> Py<PyAny> {
+        self.wrapped.clone_ref(py)
+    }
+    #[setter(__wrapped__)]
+    fn set_wrapped(&mut self, value: Py<PyAny>) {
+        self.wrapped = value;
+    }
+    #[getter]
+    fn get_previous(&self, py: Python<'_>) -> Py<PyAny> {
+        self.previous
+            .as_ref()
+            .map_or_else(|| py.None(), |p| p.clone_ref(py))
+    }
+    #[setter]
+    fn set_previous(&mut self, value: Py<PyAny>) {
+        self.previous = Some(value);
+    }
+
+    /// Anything else is the inner forward's (`__self__`, `__func__`,
+    /// `__name__`, ...).
+    fn __getattr__<'py>(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
+        self.wrapped.bind(name.py()).getattr(name)
+    }
+
+    /// A bound method copies as the same function bound to the copy.
+    fn __deepcopy__<'py>(&self, memo: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let py = memo.py();
+        py.import(intern!(py, "copy"))?
+            .call_method1(intern!(py, "deepcopy"), (self.wrapped.bind(py), memo))
+    }
+
+    fn __reduce_ex__<'py>(&self, protocol: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let py = protocol.py();
+        self.wrapped
+            .bind(py)
+            .call_method1(intern!(py, "__reduce_ex__"), (protocol,))
+    }
+
+    fn __repr__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyString>> {
+        self.wrapped.bind(py).repr()
+    }
+
+    // The stand-in sits in its module's __dict__ and holds the module's
+    // bound forward: a cycle the collector must be able to break (a model
+    // dropped while the NaN watch's stand-in is on it).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.wrapped)?;
+        visit.call(&self.acc)?;
+        visit.call(&self.before)?;
+        visit.call(&self.after)?;
+        visit.call(&self.previous)?;
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.acc = None;
+        self.before = None;
+        self.after = None;
+        self.previous = None;
+    }
+}
+
+fn add(acc: &Bound<'_, PyList>, at: usize, value: i64) -> PyResult<()> {
+    let now: i64 = acc.get_item(at)?.extract()?;
+    acc.set_item(at, now + value)
+}

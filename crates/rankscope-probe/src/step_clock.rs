@@ -1,0 +1,481 @@
+//! The torch step clock's state and its hooks on the training thread:
+//! torch's global optimizer pre and post hooks, the short way through a
+//! step boundary, and the calls to the features that listen for steps.
+//!
+//! They run at every optimizer step for as long as any torch feature is on,
+//! so their cost is paid by every step, sampled or not. `StepClock` is the
+//! base class of trace.py's `Tracer`: the clock's state is in its fields
+//! here, read by the hooks without a dictionary lookup, and by the Tracer's
+//! Python (its long way through a boundary: a sampled step, a setting
+//! changed, models found again) as attributes. A first version kept the
+//! state in the Tracer's `__dict__` and read it from here by name: that
+//! cost more than the Python hooks (CPython 3.11 specialises an attribute
+//! read in bytecode to an indexed load; a read through the C API hashes
+//! and looks up the name every time).
+//!
+//! Nothing may reach the program: an `Exception` turns the clock off with
+//! its reason (`Tracer._fail`), or takes one listener off
+//! (`Tracer._listener_failed`). A `BaseException` that is not an
+//! `Exception` (KeyboardInterrupt from the program's own signal handler)
+//! goes on to the program, as it would through a Python hook.
+
+use std::sync::OnceLock;
+
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString, PyTuple, PyWeakrefReference};
+
+/// The events listeners hear of, in trace.py's EVENTS order.
+const EVENTS: [&str; 3] = ["optimizer_pre", "optimizer_post", "boundary"];
+const PRE: usize = 0;
+const POST: usize = 1;
+const BOUNDARY: usize = 2;
+
+/// The marker a program's `rankscope.step()` sets: from then on only it
+/// marks steps (the other marker is "optimizer").
+const MARKER_CALL: &str = "rankscope.step()";
+
+/// `time.perf_counter_ns()`: the same clock, so that the Python side's
+/// readings and these subtract.
+pub(crate) fn perf_ns() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+}
+
+/// `time.time()`.
+fn wall_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// What the short way calls into Python, given once (`StepClock.wire`).
+struct Wired {
+    /// trace.py's `tables` module: `post_step(row)`, `due`, `flush()`.
+    tables: Py<PyAny>,
+    /// `memory.step_row(now_ns)`: the timeline's CUDA row as the step is told.
+    step_row: Py<PyAny>,
+    step_told_ns: i64,
+}
+
+/// The clock's state, read and written by the Tracer's Python as
+/// attributes. A borrow of it is never held across a call into Python,
+/// which may come back here (a listener that fails turns a feature off).
+#[pyclass(module = "rankscope._native", subclass)]
+pub struct StepClock {
+    /// The clock runs (some feature needs steps).
+    #[pyo3(get, set)]
+    on: bool,
+    /// The next boundary may take the short way (set by the long way).
+    #[pyo3(get, set)]
+    quiet: bool,
+    /// The trace is on, sampling every `every` steps.
+    #[pyo3(get, set)]
+    tracing: bool,
+    #[pyo3(get, set)]
+    every: i64,
+    /// The step in progress; the last boundary's time; when the step was
+    /// last told to the memory timeline (perf_counter_ns).
+    #[pyo3(get, set)]
+    step: Option<i64>,
+    #[pyo3(get, set)]
+    last_end: Option<i64>,
+    #[pyo3(get, set)]
+    step_told: i64,
+    /// The optimizer's phase: its start, and this step's time and calls.
+    #[pyo3(get, set)]
+    opt_start: Option<i64>,
+    #[pyo3(get, set)]
+    opt_ns: i64,
+    #[pyo3(get, set)]
+    opt_calls: i64,
+    /// Who marks steps: None yet, "optimizer" or "rankscope.step()".
+    #[pyo3(get, set)]
+    marker: Option<String>,
+    /// A weakref to the optimizer whose step ends a step.
+    #[pyo3(get, set)]
+    primary: Option<Py<PyAny>>,
+    /// Each event's (listener, method, when) tuples, non-empty or None.
+    told: [Option<Py<PyTuple>>; 3],
+    wired: OnceLock<Wired>,
+}
+
+#[pymethods]
+impl StepClock {
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
+        StepClock {
+            on: false,
+            quiet: false,
+            tracing: false,
+            every: 1,
+            step: None,
+            last_end: None,
+            step_told: 0,
+            opt_start: None,
+            opt_ns: 0,
+            opt_calls: 0,
+            marker: None,
+            primary: None,
+            told: [None, None, None],
+            wired: OnceLock::new(),
+        }
+    }
+
+    /// What the short way calls: trace.py's `tables` module, the memory
+    /// timeline's `step_row`, and how often the step is told (ns).
+    fn wire(&self, tables: Py<PyAny>, step_row: Py<PyAny>, step_told_ns: i64) -> PyResult<()> {
+        self.wired
+            .set(Wired {
+                tables,
+                step_row,
+                step_told_ns,
+            })
+            .map_err(|_| PyValueError::new_err("the step clock is wired once"))
+    }
+
+    /// `{event: ((listener, method, when), ...)}` for each of EVENTS.
+    #[getter]
+    fn get_told<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let dict = PyDict::new(py);
+        for (event, calls) in EVENTS.iter().zip(&self.told) {
+            match calls {
+                Some(calls) => dict.set_item(event, calls.bind(py))?,
+                None => dict.set_item(event, PyTuple::empty(py))?,
+            }
+        }
+        Ok(dict)
+    }
+    #[setter]
+    fn set_told(slf: &Bound<'_, Self>, value: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut told: [Option<Py<PyTuple>>; 3] = [None, None, None];
+        for (slot, event) in told.iter_mut().zip(EVENTS) {
+            if let Some(calls) = value.get_item(event)? {
+                let calls = calls.cast_into::<PyTuple>()?;
+                if !calls.is_empty() {
+                    *slot = Some(calls.unbind());
+                }
+            }
+        }
+        // The old tuples are released after the borrow: that may free a
+        // listener, whose code must find the clock free.
+        let old = std::mem::replace(&mut slf.borrow_mut().told, told);
+        drop(old);
+        Ok(())
+    }
+
+    /// torch's pre hook: the listeners told, and the optimizer's time starts.
+    fn pre(
+        slf: &Bound<'_, Self>,
+        optimizer: &Bound<'_, PyAny>,
+        _args: &Bound<'_, PyAny>,
+        _kwargs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let (on, calls) = {
+            let clock = slf.borrow();
+            (clock.on, clock.calls(py, PRE))
+        };
+        if !on {
+            return Ok(());
+        }
+        let result = (|| -> PyResult<()> {
+            if let Some(calls) = calls {
+                let step = current_step(slf, Some(optimizer))?;
+                tell(slf.as_any(), &calls, step, std::slice::from_ref(optimizer))?;
+            }
+            slf.borrow_mut().opt_start = Some(perf_ns());
+            Ok(())
+        })();
+        guard(slf.as_any(), "the optimizer step pre-hook", result)
+    }
+
+    /// torch's post hook: the optimizer's time, the listeners told, and
+    /// the step boundary where this optimizer marks steps.
+    fn post(
+        slf: &Bound<'_, Self>,
+        optimizer: &Bound<'_, PyAny>,
+        _args: &Bound<'_, PyAny>,
+        _kwargs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let now = perf_ns();
+        if slf.borrow().on {
+            let result = post_on(slf, optimizer, now);
+            guard(slf.as_any(), "the optimizer step hook", result)?;
+        }
+        if !slf.borrow().on {
+            // Turned off in the step: the hooks come off from here (see
+            // Tracer._unhook_from_post).
+            let py = slf.py();
+            if let Err(err) = slf.call_method0(intern!(py, "_unhook_from_post")) {
+                if !err.is_instance_of::<PyException>(py) {
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A step boundary at `now` (perf_counter_ns), from the optimizer's
+    /// post hook or `rankscope.step()` (`optimizer` None). Raises what the
+    /// long way raises: the caller turns the clock off with it.
+    fn boundary(
+        slf: &Bound<'_, Self>,
+        now: i64,
+        optimizer: &Bound<'_, PyAny>,
+        unknown: bool,
+    ) -> PyResult<()> {
+        boundary_at(slf, now, optimizer, unknown)
+    }
+
+    /// The listeners of `event` (one of EVENTS) told at `step`, with
+    /// `args` before the step; see `tell`.
+    #[pyo3(signature = (event, step, *args))]
+    fn tell(
+        slf: &Bound<'_, Self>,
+        event: &str,
+        step: i64,
+        args: &Bound<'_, PyTuple>,
+    ) -> PyResult<()> {
+        let Some(index) = EVENTS.iter().position(|e| *e == event) else {
+            return Err(PyValueError::new_err(format!("no step event {event:?}")));
+        };
+        let Some(calls) = slf.borrow().calls(slf.py(), index) else {
+            return Ok(());
+        };
+        let args: Vec<Bound<'_, PyAny>> = args.iter().collect();
+        tell(slf.as_any(), &calls, step, &args)
+    }
+}
+
+impl StepClock {
+    /// The listeners of EVENTS[index], where there are any.
+    fn calls<'py>(&self, py: Python<'py>, index: usize) -> Option<Bound<'py, PyTuple>> {
+        self.told[index].as_ref().map(|c| c.bind(py).clone())
+    }
+}
+
+/// The step in progress: the clock's, or the Tracer's answer before its
+/// first boundary.
+fn current_step(slf: &Bound<'_, StepClock>, optimizer: Option<&Bound<'_, PyAny>>) -> PyResult<i64> {
+    let step = slf.borrow().step;
+    match step {
+        Some(step) => Ok(step),
+        None => slf
+            .call_method1(intern!(slf.py(), "current_step"), (optimizer,))?
+            .extract(),
+    }
+}
+
+fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -> PyResult<()> {
+    let py = slf.py();
+    let (calls, by_call, held) = {
+        let mut clock = slf.borrow_mut();
+        if let Some(start) = clock.opt_start.take() {
+            clock.opt_ns += now - start;
+            clock.opt_calls += 1;
+        }
+        (
+            clock.calls(py, POST),
+            clock.marker.as_deref() == Some(MARKER_CALL),
+            clock.primary.as_ref().map(|p| p.clone_ref(py)),
+        )
+    };
+    if let Some(calls) = calls {
+        let step = current_step(slf, Some(optimizer))?;
+        tell(slf.as_any(), &calls, step, std::slice::from_ref(optimizer))?;
+    }
+    if by_call {
+        return Ok(());
+    }
+    // The first optimizer seen stepping marks steps (the primary); others
+    // (a GAN's second) are timed, not counted.
+    let primary = match held {
+        Some(weak) => weak.bind(py).call0()?,
+        None => py.None().into_bound(py),
+    };
+    let new = primary.is_none();
+    if new {
+        let weak = PyWeakrefReference::new(optimizer)?.into_any().unbind();
+        let old = slf.borrow_mut().primary.replace(weak);
+        drop(old);
+    } else if !primary.is(optimizer) {
+        return Ok(());
+    }
+    slf.borrow_mut().marker = Some("optimizer".to_owned());
+    let unknown = new
+        && !slf
+            .getattr(intern!(py, "known_optimizers"))?
+            .contains(optimizer)?;
+    boundary_at(slf, now, optimizer, unknown)
+}
+
+/// The short way through a boundary, where the last long one left the
+/// clock `quiet` and this step needs no stand-in: the step's row while the
+/// trace is on, the step counted and told, and the listeners told.
+/// Anything else is the Tracer's long way (`Tracer._boundary`).
+fn boundary_at(
+    slf: &Bound<'_, StepClock>,
+    now: i64,
+    optimizer: &Bound<'_, PyAny>,
+    unknown: bool,
+) -> PyResult<()> {
+    let py = slf.py();
+    // What the short way needs, taken under one borrow, and the clock moved
+    // on: the step counted, its end kept, its optimizer time taken.
+    let short = {
+        let mut clock = slf.borrow_mut();
+        match (clock.step, clock.last_end, clock.wired.get()) {
+            (Some(step), Some(last_end), Some(_))
+                if !unknown
+                    && clock.quiet
+                    && clock.on
+                    && !(clock.tracing && (step + 1) % clock.every.max(1) == 0) =>
+            {
+                let opt = (clock.opt_calls > 0).then_some(clock.opt_ns);
+                let tracing = clock.tracing;
+                if tracing {
+                    clock.opt_ns = 0;
+                    clock.opt_calls = 0;
+                }
+                clock.step = Some(step + 1);
+                clock.last_end = Some(now);
+                let wired = clock.wired.get().expect("matched above");
+                let tell_step = now - clock.step_told >= wired.step_told_ns;
+                let tables = wired.tables.clone_ref(py);
+                let step_row = tell_step.then(|| wired.step_row.clone_ref(py));
+                if tell_step {
+                    clock.step_told = now;
+                }
+                Some((
+                    step,
+                    last_end,
+                    tracing,
+                    opt,
+                    tables,
+                    step_row,
+                    clock.calls(py, BOUNDARY),
+                ))
+            }
+            _ => None,
+        }
+    };
+    let Some((step, last_end, tracing, opt, tables, step_row, calls)) = short else {
+        slf.call_method1(intern!(py, "_boundary"), (now, optimizer, unknown))?;
+        return Ok(());
+    };
+    let tables = tables.bind(py);
+    if tracing {
+        let none = || py.None().into_bound(py);
+        let row = PyTuple::new(
+            py,
+            [
+                wall_s().into_pyobject(py)?.into_any(),
+                step.into_pyobject(py)?.into_any(),
+                false.into_pyobject(py)?.to_owned().into_any(),
+                ((now - last_end) as f64 / 1e6)
+                    .into_pyobject(py)?
+                    .into_any(),
+                none(),
+                none(),
+                none(),
+                opt.map(|ns| ns as f64 / 1e6).into_pyobject(py)?.into_any(),
+                none(),
+                none(),
+                none(),
+            ],
+        )?;
+        tables.call_method1(intern!(py, "post_step"), (row,))?;
+    }
+    if let Some(step_row) = step_row {
+        crate::memory::set_step(step + 1);
+        step_row.bind(py).call1((now,))?;
+    }
+    if let Some(calls) = calls {
+        tell(slf.as_any(), &calls, step + 1, &[])?;
+    }
+    let due: i64 = tables.getattr(intern!(py, "due"))?.extract()?;
+    if now >= due {
+        tables.call_method0(intern!(py, "flush"))?;
+    }
+    Ok(())
+}
+
+/// Calls each listener's method with `(*args, step)` where its `when` lets
+/// it: None, always; "sampled", at the steps its `every` samples; another
+/// name, while that attribute of the listener is true (a GPU's values
+/// waiting). A listener whose call raises an `Exception` is taken off
+/// (`Tracer._listener_failed`); the others are still told.
+fn tell(
+    tracer: &Bound<'_, PyAny>,
+    calls: &Bound<'_, PyTuple>,
+    step: i64,
+    args: &[Bound<'_, PyAny>],
+) -> PyResult<()> {
+    let py = tracer.py();
+    for entry in calls.iter() {
+        let entry = entry.cast_into::<PyTuple>()?;
+        let listener = entry.get_item(0)?;
+        let call = entry.get_item(1)?;
+        let when = entry.get_item(2)?;
+        let result = (|| -> PyResult<()> {
+            if !when.is_none() {
+                if when.eq(intern!(py, "sampled"))? {
+                    let every: i64 = listener.getattr(intern!(py, "every"))?.extract()?;
+                    if every > 0 && step % every != 0 {
+                        return Ok(());
+                    }
+                } else if !listener.getattr(when.cast::<PyString>()?)?.is_truthy()? {
+                    return Ok(());
+                }
+            }
+            let mut all: Vec<Bound<'_, PyAny>> = Vec::with_capacity(args.len() + 1);
+            all.extend(args.iter().cloned());
+            all.push(step.into_pyobject(py)?.into_any());
+            call.call1(PyTuple::new(py, all)?)?;
+            Ok(())
+        })();
+        if let Err(err) = result {
+            if !err.is_instance_of::<PyException>(py) {
+                return Err(err);
+            }
+            if let Err(err) = tracer.call_method1(
+                intern!(py, "_listener_failed"),
+                (listener, call, err.into_value(py)),
+            ) {
+                if !err.is_instance_of::<PyException>(py) {
+                    return Err(err);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What a hook returns to torch: nothing, whatever happened, but for a
+/// `BaseException` of the program's own (see the module's comment).
+fn guard(tracer: &Bound<'_, PyAny>, place: &str, result: PyResult<()>) -> PyResult<()> {
+    let py = tracer.py();
+    let Err(err) = result else {
+        return Ok(());
+    };
+    if !err.is_instance_of::<PyException>(py) {
+        return Err(err);
+    }
+    if tracer
+        .call_method1(intern!(py, "_fail"), (place, err.into_value(py)))
+        .is_err()
+    {
+        // The last resort: the clock stops (its hooks then do nothing).
+        let _ = tracer.setattr(intern!(py, "quiet"), false);
+        let _ = tracer.setattr(intern!(py, "on"), false);
+    }
+    Ok(())
+}
