@@ -6,10 +6,11 @@
 //! The baseline, measured in the same run, is what a sampler receives
 //! before any fold: each sample's frames as owned strings, made and
 //! dropped. The fold's figure is net of the bench's own making of each
-//! sample's borrowed frames, timed alone in the same run and printed.
+//! sample's borrowed frames, timed alone in the same run and printed; each
+//! is the median of several rounds.
 //! Targets (issue 13): fold <= 200 ms, SVG <= 1 s.
 //!
-//!     bash -c 'source scripts/env.sh; cargo run --release --locked -p rankscope-profile --example fold_bench'
+//!     bash -c 'source scripts/env.sh; cargo run --release --locked -p rankscope-profile --example fold_bench [-- --rounds 5]'
 
 use std::time::Instant;
 
@@ -87,37 +88,55 @@ fn main() {
     // What the fold's timing holds that is the bench's own: making each
     // sample's borrowed frames from its stack, a likely cache miss per
     // sample over 12 MB of stacks (py-spy hands over frames it has just
-    // written, in the cache).
-    let started = Instant::now();
+    // written, in the cache). Timed alone, in turns with the fold, and
+    // taken off the fold's time. Each is timed `rounds` times and the
+    // medians are compared: this machine's speed moves by a third from
+    // one run to the next, and one timing of each was mostly that.
+    let rounds: usize = std::env::args()
+        .skip_while(|a| a != "--rounds")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(5);
     let mut frames: Vec<FrameRef<'_>> = Vec::with_capacity(64);
-    let mut lines = 0i64;
-    for &pick in &picks {
-        frames.clear();
-        frames.extend(stacks[pick].iter().map(|&f| FrameRef {
-            func: &functions[f].0,
-            file: &functions[f].1,
-            line: functions[f].2,
-        }));
-        lines += std::hint::black_box(&frames).last().map_or(0, |f| f.line);
-    }
-    let making = started.elapsed();
-    std::hint::black_box(lines);
+    let (mut makings, mut folds) = (Vec::new(), Vec::new());
+    let mut profile = Profile::default();
+    for _ in 0..rounds.max(1) {
+        let started = Instant::now();
+        let mut lines = 0i64;
+        for &pick in &picks {
+            frames.clear();
+            frames.extend(stacks[pick].iter().map(|&f| FrameRef {
+                func: &functions[f].0,
+                file: &functions[f].1,
+                line: functions[f].2,
+            }));
+            lines += std::hint::black_box(&frames).last().map_or(0, |f| f.line);
+        }
+        makings.push(started.elapsed().as_secs_f64() * 1e3);
+        std::hint::black_box(lines);
 
-    // The fold: the frames as the sampler passes them, borrowed.
-    let started = Instant::now();
-    let mut profile = Profile::new(1, 1000.0, 0.0);
-    let thread = profile.thread(1, "MainThread");
-    for (i, &pick) in picks.iter().enumerate() {
-        frames.clear();
-        frames.extend(stacks[pick].iter().map(|&f| FrameRef {
-            func: &functions[f].0,
-            file: &functions[f].1,
-            line: functions[f].2,
-        }));
-        profile.add_sample(thread, &frames, false, true, i as f64 / 1000.0);
+        // The fold: the frames as the sampler passes them, borrowed.
+        drop(std::mem::take(&mut profile));
+        let started = Instant::now();
+        profile = Profile::new(1, 1000.0, 0.0);
+        let thread = profile.thread(1, "MainThread");
+        for (i, &pick) in picks.iter().enumerate() {
+            frames.clear();
+            frames.extend(stacks[pick].iter().map(|&f| FrameRef {
+                func: &functions[f].0,
+                file: &functions[f].1,
+                line: functions[f].2,
+            }));
+            profile.add_sample(thread, &frames, false, true, i as f64 / 1000.0);
+        }
+        profile.finish(SAMPLES as f64 / 1000.0);
+        folds.push(started.elapsed().as_secs_f64() * 1e3);
     }
-    profile.finish(SAMPLES as f64 / 1000.0);
-    let fold = started.elapsed();
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (making, fold) = (median(&mut makings), median(&mut folds));
 
     let options = WriteOptions::default();
     let started = Instant::now();
@@ -133,13 +152,18 @@ fn main() {
         profile.stacks.len()
     );
     println!("baseline (the samples' keys made): {:8.1} ms", ms(baseline));
-    let net = ms(fold) - ms(making);
+    let net = fold - making;
+    println!("medians of {} rounds:", folds.len());
     println!(
-        "fold, with the bench's making:     {:8.1} ms ({:.2}x the baseline)",
-        ms(fold),
-        ms(fold) / ms(baseline),
+        "fold, with the bench's making:     {:8.1} ms ({:.2}x the baseline; fastest {:.1})",
+        fold,
+        fold / ms(baseline),
+        folds[0],
     );
-    println!("the making of the frames alone:    {:8.1} ms", ms(making));
+    println!(
+        "the making of the frames alone:    {:8.1} ms (fastest {:.1})",
+        making, makings[0]
+    );
     println!(
         "fold:                              {:8.1} ms  target <= 200 ms: {}",
         net,

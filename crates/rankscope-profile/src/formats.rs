@@ -277,7 +277,7 @@ fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
     let gap = 1.5 / p.rate_hz.max(0.001);
     let mut by_thread: BTreeMap<usize, Vec<&crate::profile::Slice>> = BTreeMap::new();
     for s in &p.slices {
-        by_thread.entry(s.thread).or_default().push(s);
+        by_thread.entry(s.key().thread).or_default().push(s);
     }
     for (thread, mut slices) in by_thread {
         slices.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
@@ -299,12 +299,7 @@ fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
             if s.start_s - last_end > gap {
                 close(&mut open, 0, last_end, events);
             }
-            let key = StackKey {
-                thread,
-                stack: s.stack,
-                idle: s.idle,
-                gil: s.gil,
-            };
+            let key = s.key();
             let names = labels(p, &key, options.lines);
             let common = open
                 .iter()

@@ -21,7 +21,7 @@ pub fn to_json(p: &Profile) -> Value {
         "stacks": p.stacks,
         "threads": p.threads.iter().map(|t| json!([t.id, t.name])).collect::<Vec<_>>(),
         "counts": p.counts.iter().map(|(k, n)| json!([key_json(k), n])).collect::<Vec<_>>(),
-        "slices": p.slices.iter().map(|s| json!([s.thread, s.stack, s.idle, s.gil, s.start_s, s.end_s])).collect::<Vec<_>>(),
+        "slices": p.slices.iter().map(|s| { let k = s.key(); json!([k.thread, k.stack, k.idle, k.gil, s.start_s, s.end_s]) }).collect::<Vec<_>>(),
         "ticks": p.ticks,
         "missed": p.missed,
         "errors": p.errors,
@@ -119,14 +119,14 @@ pub fn from_json(v: &Value) -> Result<Profile, ProfileError> {
         p.counts.insert(key, uint(&c[1], "counts")?);
     }
     for s in rows(v, "slices")? {
-        p.slices.push(Slice {
+        let key = StackKey {
             thread: index(&s[0], "slices", p.threads.len())?,
             stack: index(&s[1], "slices", p.stacks.len())?,
             idle: flag(&s[2], "slices")?,
             gil: flag(&s[3], "slices")?,
-            start_s: float(&s[4], "slices")?,
-            end_s: float(&s[5], "slices")?,
-        });
+        };
+        let slice = Slice::new(key, float(&s[4], "slices")?, float(&s[5], "slices")?);
+        p.slices.push(slice.ok_or_else(|| bad("slices"))?);
     }
     for s in rows(v, "steps")? {
         let key = key_from(&s[0], &p)?;
