@@ -6,6 +6,7 @@ their tables, and none of it changes what the model computes."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -314,6 +315,66 @@ def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python
     )
     result = subprocess.run([torch_python, "-c", check, str(probed), str(reference_run(torch_python, tmp_path, 8))], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "EQUAL", result.stderr
+
+
+# A program that drops its model and builds another (a sweep, a fresh
+# model for evaluation): each model, its optimizer, a parameter and the last
+# batch must be freed the moment the program lets go of them, as without
+# rankscope, and nothing may be left for the cyclic collector.
+DROP = """
+import gc, json, sys, time, weakref
+import torch
+from torch import nn
+
+print("READY", flush=True)
+torch.manual_seed(0)
+gc.disable()  # what the collector would free is not freed here: only refcounts
+
+
+def train(steps):
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+    x, y = torch.randn(16, 32), torch.randn(16, 1)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return [weakref.ref(model), weakref.ref(opt), weakref.ref(next(model.parameters())), weakref.ref(x)]
+
+
+freed = []
+for steps in (12, 7):
+    refs = train(steps)
+    freed.append([r() is None for r in refs])
+print("RESULT " + json.dumps(freed), flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("features", ["trace,every=1", "nan", "nan,grads,trace,every=2"])
+def test_a_dropped_model_is_freed_at_once_with_every_feature_on(torch_python, spawn, cli, tmp_path, features):
+    script = tmp_path / "drop.py"
+    script.write_text(textwrap.dedent(DROP))
+    alone = subprocess.Popen([torch_python, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        want = next(line for line in alone.stdout if line.startswith("RESULT "))
+    finally:
+        alone.kill()
+        alone.wait()
+    # The premise: without rankscope everything goes at once.
+    assert json.loads(want[len("RESULT ") :]) == [[True] * 4] * 2, want
+    target = spawn(torch_python, DROP, env={"RANKSCOPE_TORCH": features})
+    got = target.wait_for_line("RESULT")
+    assert got.strip() == want.strip(), f"{features}: freed at once (model, optimizer, a parameter, the batch) {got}"
+    # The features were on for both models.
+    steps = query_json(cli, target.pid, "SELECT count(*) AS n FROM python.torch_steps") if "trace" in features else None
+    assert steps is None or steps[0]["n"] >= 18, steps
+    if "nan" in features:
+        text = on(cli, target.pid, "nan")
+        checked = re.search(r"nan watch: armed \((\d+) steps checked", text)
+        assert checked and int(checked.group(1)) >= 18, text
 
 
 def test_bad_requests_say_what_to_do(torch_python, spawn, cli):

@@ -14,10 +14,21 @@
 //! goes through untouched (the call then counts nothing); any attribute
 //! that is not the stand-in's own is the inner forward's; `deepcopy` gives
 //! the inner forward's copy and pickling saves the inner forward.
+//!
+//! Nor does when a module is freed. The stand-in sits in its module's
+//! `__dict__`; holding the module's bound `forward` would make a cycle
+//! (module, its dict, the stand-in, the bound method, the module), and a
+//! model the program drops would wait for the cyclic collector, or stay
+//! alive for good while anything held the stand-in. So once `owner` is set
+//! (timed.put_on does), a bound method of that module is kept as its
+//! function and a weak reference to the module, and bound again at each
+//! call: the model is freed the moment the program lets go of it, as
+//! without rankscope.
 
+use pyo3::exceptions::PyReferenceError;
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyWeakrefReference};
 use pyo3::{intern, PyTraverseError};
 
 use crate::step_clock::perf_ns;
@@ -27,9 +38,13 @@ use crate::step_clock::perf_ns;
 /// `acc[at + 1]`, and calls `before(args, kwargs, start_ns)`; without,
 /// `before(args, kwargs)` (no clock read). `after(args, output)` follows
 /// the call. `before` and `after` catch their own errors.
-#[pyclass(module = "rankscope._native")]
+#[pyclass(module = "rankscope._native", weakref)]
 pub struct StandIn {
+    /// The inner forward; with `bound`, its function, called with the
+    /// module (`owner`) first.
     wrapped: Py<PyAny>,
+    owner: Option<Py<PyWeakrefReference>>,
+    bound: bool,
     acc: Option<Py<PyList>>,
     at: usize,
     before: Option<Py<PyAny>>,
@@ -53,6 +68,8 @@ impl StandIn {
     ) -> Self {
         StandIn {
             wrapped: inner,
+            owner: None,
+            bound: false,
             acc,
             at,
             before,
@@ -72,10 +89,13 @@ impl StandIn {
         // Copied out, so that nothing is borrowed while Python runs: the
         // inner forward may be anything, and a probe thread may take this
         // stand-in off meanwhile.
-        let (inner, acc, at, before, after, timing) = {
+        let (inner, owner, acc, at, before, after, timing) = {
             let me = slf.borrow();
             (
                 me.wrapped.clone_ref(py),
+                me.bound
+                    .then(|| me.owner.as_ref().map(|o| o.clone_ref(py)))
+                    .flatten(),
                 me.acc.as_ref().map(|a| a.clone_ref(py)),
                 me.at,
                 me.before.as_ref().map(|b| b.clone_ref(py)),
@@ -94,7 +114,17 @@ impl StandIn {
         }
         // After `before`: the module's time is its own, not the probe's.
         let start = if timing { perf_ns() } else { 0 };
-        let out = inner.bind(py).call(args, kwargs)?;
+        let out = match owner {
+            None => inner.bind(py).call(args, kwargs)?,
+            Some(owner) => {
+                let module = alive(owner.bind(py))?;
+                let mut all = Vec::with_capacity(args.len() + 1);
+                all.push(module);
+                all.extend(args.iter());
+                let with_self = PyTuple::new(py, all)?;
+                inner.bind(py).call(with_self, kwargs)?
+            }
+        };
         if timing {
             let spent = perf_ns() - start;
             if let Some(acc) = acc {
@@ -110,12 +140,24 @@ impl StandIn {
     }
 
     #[getter(__wrapped__)]
-    fn get_wrapped(&self, py: Python<'_>) -> Py<PyAny> {
-        self.wrapped.clone_ref(py)
+    fn get_wrapped<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.inner(py)
     }
     #[setter(__wrapped__)]
-    fn set_wrapped(&mut self, value: Py<PyAny>) {
-        self.wrapped = value;
+    fn set_wrapped(&mut self, value: Bound<'_, PyAny>) -> PyResult<()> {
+        let py = value.py();
+        self.wrapped = value.unbind();
+        self.bound = false;
+        self.bind_weakly(py)
+    }
+    /// The module this stands in on: from now on its bound methods are
+    /// held through a weak reference to it (see the module's comment).
+    #[setter]
+    fn set_owner(&mut self, module: Bound<'_, PyAny>) -> PyResult<()> {
+        let py = module.py();
+        // A module that takes no weak reference keeps the strong one.
+        self.owner = PyWeakrefReference::new(&module).ok().map(Bound::unbind);
+        self.bind_weakly(py)
     }
     #[getter]
     fn get_previous(&self, py: Python<'_>) -> Py<PyAny> {
@@ -131,32 +173,32 @@ impl StandIn {
     /// Anything else is the inner forward's (`__self__`, `__func__`,
     /// `__name__`, ...).
     fn __getattr__<'py>(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
-        self.wrapped.bind(name.py()).getattr(name)
+        self.inner(name.py())?.getattr(name)
     }
 
     /// A bound method copies as the same function bound to the copy.
     fn __deepcopy__<'py>(&self, memo: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let py = memo.py();
         py.import(intern!(py, "copy"))?
-            .call_method1(intern!(py, "deepcopy"), (self.wrapped.bind(py), memo))
+            .call_method1(intern!(py, "deepcopy"), (self.inner(py)?, memo))
     }
 
     fn __reduce_ex__<'py>(&self, protocol: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let py = protocol.py();
-        self.wrapped
-            .bind(py)
+        self.inner(py)?
             .call_method1(intern!(py, "__reduce_ex__"), (protocol,))
     }
 
     fn __repr__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyString>> {
-        self.wrapped.bind(py).repr()
+        self.inner(py)?.repr()
     }
 
-    // The stand-in sits in its module's __dict__ and holds the module's
-    // bound forward: a cycle the collector must be able to break (a model
-    // dropped while the NaN watch's stand-in is on it).
+    // What the stand-in holds strongly: an inner forward that is not its
+    // module's own bound method (a compiled call, a program's wrapper) may
+    // still lead back to the module, in a cycle the program had already.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.wrapped)?;
+        visit.call(&self.owner)?;
         visit.call(&self.acc)?;
         visit.call(&self.before)?;
         visit.call(&self.after)?;
@@ -170,6 +212,54 @@ impl StandIn {
         self.after = None;
         self.previous = None;
     }
+}
+
+impl StandIn {
+    /// The inner forward as the program would see it: bound to its module
+    /// again where only its function is held.
+    fn inner<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let wrapped = self.wrapped.bind(py);
+        match (&self.owner, self.bound) {
+            (Some(owner), true) => {
+                let module = alive(owner.bind(py))?;
+                let class = module.get_type();
+                wrapped.call_method1(intern!(py, "__get__"), (module, class))
+            }
+            _ => Ok(wrapped.clone()),
+        }
+    }
+
+    /// Keeps `wrapped` as its function alone where it is a method bound to
+    /// the owner (`module.forward`); anything else stays as it is.
+    fn bind_weakly(&mut self, py: Python<'_>) -> PyResult<()> {
+        let Some(owner) = &self.owner else {
+            return Ok(());
+        };
+        let Some(module) = owner.bind(py).upgrade() else {
+            return Ok(());
+        };
+        let wrapped = self.wrapped.bind(py);
+        let method_type = py
+            .import(intern!(py, "types"))?
+            .getattr(intern!(py, "MethodType"))?;
+        if !self.bound
+            && wrapped.get_type().is(&method_type)
+            && wrapped.getattr(intern!(py, "__self__"))?.is(&module)
+        {
+            self.wrapped = wrapped.getattr(intern!(py, "__func__"))?.unbind();
+            self.bound = true;
+        }
+        Ok(())
+    }
+}
+
+/// The module a stand-in belongs to, or the error a call gets once it is
+/// gone (a forward the program took from the module while the stand-in was
+/// on, called after the program dropped the module).
+fn alive<'py>(owner: &Bound<'py, PyWeakrefReference>) -> PyResult<Bound<'py, PyAny>> {
+    owner.upgrade().ok_or_else(|| {
+        PyReferenceError::new_err("the module this forward belongs to no longer exists")
+    })
 }
 
 fn add(acc: &Bound<'_, PyList>, at: usize, value: i64) -> PyResult<()> {

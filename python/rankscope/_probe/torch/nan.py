@@ -129,6 +129,10 @@ class _Step:
         # loss made again on a replay's output.
         self.loss_call = None
 
+    def clear(self):
+        self.args = self.kwargs = self.rng = self.cuda_rng = None
+        self.loss = self.output = self.loss_call = None
+
 
 class NanWatch:
     def __init__(self):
@@ -279,7 +283,8 @@ class NanWatch:
         cached = self.sentinel_params
         if cached is None or cached[0]() is not optimizer:
             mine = [p for group in optimizer.param_groups for p in group["params"] if id(p) in self.sentinels]
-            cached = self.sentinel_params = (weakref.ref(optimizer), mine)
+            # Forgotten with the optimizer: the parameters are the program's.
+            cached = self.sentinel_params = (weakref.ref(optimizer, self._forget_sentinels), mine)
         step = self.step
         # On a CPU, read in place in one call (see finite.rs).
         finite = _finite_check().check_grads(cached[1], step.loss)
@@ -292,6 +297,11 @@ class NanWatch:
         self._check(step_number, lambda: models.params_with_grads(optimizer), grads, native=False)
 
     optimizer_post = None  # not heard (see trace.EVENTS)
+
+    def _forget_sentinels(self, gone):
+        cached = self.sentinel_params
+        if cached is not None and cached[0] is gone:
+            self.sentinel_params = None
 
     def boundary(self, step_number):
         if not self.armed:
@@ -321,6 +331,11 @@ class NanWatch:
             self.models_seen = TRACER.models
             if {id(m) for m in TRACER.live_models()} != self.hooked:
                 self._hook_roots()
+        if not self.pending:
+            # Checked, and no GPU check waits on it: the step's input and
+            # loss go, so that nothing of the program's lives longer than it
+            # would have (the last batch of a training loop, say).
+            self.step.clear()
 
     def _check(self, step_number, params, grads, native=True):
         """`params`: the step's parameters with gradients, or a function

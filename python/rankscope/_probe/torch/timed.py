@@ -31,6 +31,8 @@ pass-through whose counts nobody reads.
 
 from __future__ import annotations
 
+import weakref
+
 from rankscope._native import StandIn
 
 _MISSING = object()
@@ -76,21 +78,29 @@ def boundary(attrs: dict) -> str:
 def put_on(module, stand_in_of) -> tuple | None:
     """Puts ``stand_in_of(forward)`` on `module` (or of its compiled call,
     see ``boundary``); returns what ``take_off`` needs, or None where the
-    module cannot take one."""
+    module cannot take one. Neither the stand-in (see ``stand_in.rs``) nor
+    what is returned keeps the module alive: a model the program drops is
+    freed at once, stand-in and all."""
     try:
         attrs = module.__dict__
-    except AttributeError:
+        module_ref = weakref.ref(module)
+    except (AttributeError, TypeError):
         return None
     name = boundary(attrs)
     previous = attrs.get(name, _MISSING)
     stand_in = stand_in_of(module.forward if name == "forward" else previous)
     stand_in.previous = previous
+    stand_in.owner = module
     attrs[name] = stand_in
-    return (attrs, stand_in, name)
+    return (module_ref, weakref.ref(stand_in), name)
 
 
 def take_off(entry) -> None:
-    attrs, stand_in, name = entry
+    module_ref, stand_in_ref, name = entry
+    module, stand_in = module_ref(), stand_in_ref()
+    if module is None or stand_in is None:
+        return  # gone with its module, or replaced by the program's own
+    attrs = module.__dict__
     outer = attrs.get(name)
     if outer is stand_in:
         if stand_in.previous is _MISSING:
