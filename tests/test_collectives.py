@@ -214,3 +214,36 @@ def test_flight_recorder_names_ddps_collective_issued_from_cpp(default_python, c
     finally:
         kill_tree(proc.pid)
         proc.wait()
+
+
+# A group the program destroys is freed as without rankscope (its sockets,
+# on a GPU its NCCL communicators): the recorder keeps only a weak reference.
+DESTROY = """
+import gc, json, os, tempfile, time, weakref
+import torch
+import torch.distributed as dist
+
+print("READY", flush=True)
+gc.disable()
+init = os.path.join(tempfile.mkdtemp(), "init")
+dist.init_process_group("gloo", init_method="file://" + init, rank=0, world_size=1)
+group = dist.new_group([0])
+dist.all_reduce(torch.ones(3), group=group)
+ref = weakref.ref(group)
+dist.destroy_process_group(group)
+del group
+print("RESULT " + json.dumps(ref() is None), flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_destroyed_group_is_freed_while_collectives_are_recorded(default_python, spawn, cli):
+    require_torch(default_python)
+    alone = spawn(default_python, DESTROY, probe=False)
+    assert alone.wait_for_line("RESULT").strip() == "RESULT true"  # the premise
+    target = spawn(default_python, DESTROY)
+    assert target.wait_for_line("RESULT").strip() == "RESULT true"
+    result = cli(target.pid, "query", "SELECT op, shapes FROM python.collectives", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert {"op": "all_reduce", "shapes": "3"} in json.loads(result.stdout), result.stdout

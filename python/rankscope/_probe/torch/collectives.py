@@ -37,6 +37,7 @@ import itertools
 import os
 import sys
 import time
+import weakref
 
 from rankscope import _native
 
@@ -71,9 +72,13 @@ class _Group:
     __slots__ = ("of", "name", "members", "size", "rank", "seq", "last_op", "count")
 
     def __init__(self, of, name, members, size, rank):
-        # `of`: the group itself, so that a new group at a freed one's id is
-        # not taken for it (the groups a job makes live as long as it).
-        self.of = of
+        # `of`: the group itself, weakly, so that a new group at a freed
+        # one's id is not taken for it, and a group the program destroys is
+        # freed (its sockets, its NCCL communicators) as without rankscope.
+        try:
+            self.of = weakref.ref(of)
+        except TypeError:
+            self.of = lambda: of
         self.name, self.members, self.size, self.rank = name, members, size, rank
         self.seq = 0
         self.last_op = None
@@ -177,7 +182,7 @@ class Recorder:
             # default group (after destroy_process_group) is a new object.
             group = sys.modules[_C10D].GroupMember.WORLD
         found = self.groups.get(id(group))
-        if found is None or found.of is not group:
+        if found is None or found.of() is not group:
             found = self._new_group(group)
         return group, found
 
