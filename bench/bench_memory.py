@@ -66,13 +66,13 @@ def timeline(rounds, steps, endpoint):
     for label, interval in (("sampler off", "0"), ("sampler on", "1")):
         env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"),
                        OMP_NUM_THREADS="1", RANKSCOPE_MEMORY_INTERVAL_S=interval)
-        procs[label], _ = start_target(MLP, env, ("256", "4"))
+        procs[label], _ = start_target(MLP, env, ("256", "4", "mlp"))
     times = {label: [] for label in procs}
     try:
         for _ in range(rounds):
             for label, proc in procs.items():
                 ask(proc, 20)
-                times[label].append(ask(proc, steps))
+                times[label].append(ask(proc, steps)[0])  # (wall, thread CPU) a step
         # What one sample costs, whoever pays: the two reads of /proc, for a
         # process as big as this one (torch imported).
         pid = procs["sampler off"].pid

@@ -321,6 +321,68 @@ while True:
 """
 
 
+# A step paused between forward and backward: the activations autograd saved
+# have no Python object, and are most of the step's memory. A second graph
+# runs under saved_tensors_hooks (as offloading and checkpointing do): the
+# scan must not run its unpack hook.
+BETWEEN = """
+import time
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 1))
+unpacked = 0
+go = False
+
+
+def unpack(t):
+    global unpacked
+    unpacked += 1
+    return t
+
+
+def train_step(x):
+    out = model(x)
+    loss = out.square().mean()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        hooked = torch.randn(300, 100, requires_grad=True).exp().sum()
+    print("READY", flush=True)
+    while not go:
+        time.sleep(0.02)
+    loss.backward()
+    hooked.backward()
+    print("BACKWARD", flush=True)
+    while True:
+        time.sleep(0.05)
+
+
+train_step(torch.randn(512, 256))
+"""
+
+
+def test_tensors_saved_for_backward_are_found_and_named_by_their_node(torch_python, spawn, cli):
+    target = spawn(torch_python, BETWEEN)
+    rows = query_json(cli, target.pid, "SELECT holder, kind, shape, bytes, views FROM python.tensors WHERE kind = 'saved for backward' ORDER BY bytes DESC")
+    # ReLU's output, saved by ReLU and by the second Linear (one storage),
+    # in the graph of the loss (made after `out`, from it).
+    top = rows[0]
+    assert top["shape"] == "512x4096" and top["bytes"] == 512 * 4096 * 4 and top["views"] == 2, rows
+    assert top["holder"] == "AddmmBackward0.mat1, ReluBackward0.result in the graph of train_step:loss", rows
+    # The hooked graph's saved tensor, as it is kept; its unpack hook never ran.
+    assert {"holder": "ExpBackward0.result in the graph of train_step:hooked", "kind": "saved for backward", "shape": "300x100",
+            "bytes": 120000, "views": 1} in rows, rows
+    assert cli(target.pid, "eval", "unpacked").stdout.strip() == "0"
+    # The input the first Linear saved is the program's local: its name wins.
+    x = query_json(cli, target.pid, "SELECT holder, kind FROM python.tensors WHERE shape = '512x256'")
+    assert x == [{"holder": "train_step:x", "kind": "local"}], x
+    # After backward autograd has let them go: no row is left.
+    assert cli(target.pid, "eval", "go = True").returncode == 0
+    target.wait_for_line("BACKWARD")
+    after = query_json(cli, target.pid, "SELECT count(*) AS n FROM python.tensors WHERE kind = 'saved for backward'")
+    assert after == [{"n": 0}], after
+
+
 def test_odd_tensors_get_rows_and_the_scan_goes_on(torch_python, spawn, cli):
     """Sparse, meta, nested, quantized and subclassed tensors: each gets a
     row (a nested tensor has no single shape), and none ends the scan."""

@@ -321,6 +321,53 @@ impl TensorScan {
         })
     }
 
+    /// The held tensors that have a `grad_fn`: where autograd's graphs,
+    /// and the tensors they saved for backward, are reached from.
+    fn with_grad_fn(&self, py: Python<'_>) -> Vec<Py<PyAny>> {
+        let none = py.None();
+        self.entries
+            .iter()
+            .filter(|e| e.obj & DONE == 0)
+            .filter_map(|e| {
+                let tensor = unsafe { Bound::from_borrowed_ptr(py, e.ptr()) };
+                let grad_fn = tensor.getattr(pyo3::intern!(py, "grad_fn")).ok()?;
+                (!grad_fn.is(&none)).then(|| tensor.unbind())
+            })
+            .collect()
+    }
+
+    /// Holds more tensors (those no collector list has: saved for
+    /// backward, made from autograd's graph); before `key`. One already
+    /// held is not taken twice.
+    fn add(&mut self, tensors: &Bound<'_, PyList>) -> PyResult<()> {
+        if self.grouped {
+            return Err(PyValueError::new_err("add() before key() and group()"));
+        }
+        if tensors.is_empty() {
+            return Ok(());
+        }
+        // A set of the new ones only (not of the 100 k held: megabytes of
+        // the probe's heap), less those held already.
+        let mut new: std::collections::HashSet<usize> = tensors
+            .iter()
+            .map(|t| t.as_ptr() as usize)
+            .filter(|addr| addr & FLAGS == 0)
+            .collect();
+        for entry in &self.entries {
+            new.remove(&entry.addr());
+        }
+        for tensor in tensors.iter() {
+            if new.remove(&(tensor.as_ptr() as usize)) {
+                unsafe { ffi::Py_IncRef(tensor.as_ptr()) };
+                self.entries.push(Entry {
+                    obj: tensor.as_ptr() as usize,
+                    key: 0,
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn __len__(&self) -> usize {
         self.entries.iter().filter(|e| e.obj & DONE == 0).count()
     }

@@ -15,6 +15,18 @@ tuples and dicts), and ``__main__``'s globals (``losses[3]``). A tensor none
 of those reach gets the type of an object that refers to it (``referrer:
 list``), for the largest ones only (``gc.get_referrers`` walks the heap).
 The scan stops at its time budget and says so (``scan_complete``).
+
+Tensors saved for backward (a training step's activations, most of its
+memory between forward and backward) have no Python object the collector
+knows of: autograd's graph holds them in C++. They are reached from every
+live tensor with a ``grad_fn``: each node of its graph, each of the node's
+``_raw_saved_*`` tensors read through ``SavedTensor.data``, which hands the
+tensor as it is kept and never runs a ``saved_tensors_hooks`` unpack hook
+(that could copy it back to a GPU, or recompute a checkpointed forward);
+under a pack hook (offloading) that is the packed copy, where the memory
+is. Their kind is ``saved for backward``; their holder says which node
+saved it and whose graph it is (``MmBackward0.self in the graph of
+train_step:loss``).
 """
 
 from __future__ import annotations
@@ -31,6 +43,9 @@ from rankscope._probe.torch import models
 
 # Unnamed tensors whose referrer's type is looked up (largest first).
 MAX_REFERRER_LOOKUPS = 20
+# Nodes of autograd's graphs looked into for saved tensors, at most.
+MAX_GRAPH_NODES = 200_000
+SAVED = "saved for backward"
 
 
 def _label_in_main(obj) -> str | None:
@@ -174,12 +189,23 @@ def scan_rows(budget_s: float = 2.0):
     found = _native.TensorScan(torch.Tensor)
     containers: list = []
     names = _names(containers)
+    saved_names: dict = {}
+    saved, walked = _saved_tensors(found.with_grad_fn(), names, saved_names, deadline)
+    found.add(saved)
+    del saved
     complete = found.key(max(0.0, deadline - time.monotonic()), getattr(torch._C, "_storage_address", None))
+    complete = complete and walked
+    # Grouped before the saved tensors are named: a storage the program
+    # also names (`train_step:out`) keeps the program's name.
     found.group(names, [container for _, _, container in containers])
+    for key, value in saved_names.items():
+        names.setdefault(key, value)
     # The largest unnamed tensors get the type of an object that refers to them.
     referred: dict = {}
     if time.monotonic() < deadline:
-        targets = found.largest_unnamed(MAX_REFERRER_LOOKUPS, _nbytes)
+        # (Saved tensors are named, by their node: no referrer to look for.)
+        targets = found.largest_unnamed(MAX_REFERRER_LOOKUPS + len(saved_names), _nbytes)
+        targets = [t for t in targets if id(t) not in saved_names][:MAX_REFERRER_LOOKUPS]
         if targets:
             # The scan's own list refers to each: not an answer.
             referred = _referrers(targets, {id(targets)})
@@ -257,6 +283,93 @@ def _rows(found, names: dict, containers: list, referred: dict, complete: bool):
         ]
         # The scan let the tensor go as it handed it out: the row's hold goes here.
         del tensor
+
+
+def _saved_raw_names(node_type, node, cache: dict) -> tuple:
+    names = cache.get(node_type)
+    if names is None:
+        try:
+            names = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+        except Exception:  # noqa: BLE001 - a node that cannot list itself
+            names = ()
+        cache[node_type] = names
+    return names
+
+
+def _sequence(tensor) -> int:
+    try:
+        return tensor.grad_fn._sequence_nr()
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+def _saved_tensors(roots: list, names: dict, saved_names: dict, deadline: float) -> tuple[list, bool]:
+    """The tensors autograd's graphs saved for backward, reached from
+    `roots` (live tensors with a ``grad_fn``), as they are kept (see the
+    module's docstring); each named in `saved_names` as ``NODE.WHAT, ... in
+    the graph of ROOT``: every node that saved its storage, and the name of
+    the first root that reaches it. Named roots go first, the latest made
+    first (the loss before the output it was computed from), so that a
+    training step's graph is the loss's. Also whether the walk was whole
+    (False: out of time, or of nodes)."""
+    out: list = []
+    seen: set = set()
+    nodes: list = []  # held while walked: an id seen stays that node's
+    raw_names: dict = {}
+    address = getattr(torch._C, "_storage_address", None)
+    # storage -> (the nodes' labels, the graph's name)
+    by_storage: dict = {}
+    whole = True
+    roots.sort(key=lambda t: (id(t) not in names, -_sequence(t)))
+    for root in roots:
+        if time.monotonic() > deadline or len(nodes) > MAX_GRAPH_NODES:
+            whole = False
+            break
+        named = names.get(id(root))
+        graph = f" in the graph of {named[0]}" if named else ""
+        try:
+            stack = [root.grad_fn]
+        except Exception:  # noqa: BLE001
+            continue
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            nodes.append(node)
+            if len(nodes) % 256 == 0 and (time.monotonic() > deadline or len(nodes) > MAX_GRAPH_NODES):
+                whole = False
+                break
+            node_type = type(node)
+            for attr in _saved_raw_names(node_type, node, raw_names):
+                try:
+                    raw = getattr(node, attr)
+                    values = raw if isinstance(raw, (list, tuple)) else (raw,)
+                    for i, value in enumerate(values):
+                        # .data: the tensor as kept, no unpack hook run.
+                        # Freed by a backward already: it raises.
+                        data = value.data
+                        if not _is_tensor(data):
+                            continue
+                        what = attr[len("_raw_saved_") :] + (f"[{i}]" if raw is values else "")
+                        key = address(data) if address is not None else (str(data.device), data.data_ptr())
+                        labels = by_storage.get(key)
+                        if labels is None:
+                            labels = by_storage[key] = (set(), graph)
+                        labels[0].add(f"{node_type.__name__}.{what}")
+                        out.append((data, key))
+                except Exception:  # noqa: BLE001 - released, or a torch without SavedTensor.data
+                    continue
+            try:
+                stack.extend(f for f, _ in node.next_functions if f is not None)
+            except Exception:  # noqa: BLE001
+                pass
+        if not whole:
+            break
+    for data, key in out:
+        labels, graph = by_storage[key]
+        saved_names.setdefault(id(data), (", ".join(sorted(labels)) + graph, SAVED))
+    return [data for data, _ in out], whole
 
 
 def _referrers(targets: list, own: set) -> dict:
