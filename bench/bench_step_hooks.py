@@ -6,19 +6,29 @@ module call.
 The CLI benches (bench_torch_trace.py, bench_torch_health.py) switch
 features through the installed CLI in a separate target; this one runs
 the MLP (4 x Linear(256) + ReLU, batch 64, Adam, 1 thread) in its own
-process and switches each feature with the probe's own handler between
-blocks of 100 steps, alternating which goes first, so that the per-step
-figure and each phase of the step (zero_grad, forward, backward,
-optimizer) come from the training thread's CPU time with no second
-process in the way. A mode's figure is the median of its paired
-differences against nothing on in the same round.
+process and switches each feature with the probe's own handler, so that
+the per-step figure and each phase of the step (zero_grad, forward,
+backward, optimizer) come from the training thread's CPU time with no
+second process in the way.
+
+Each round runs the feature off and on (alternating which goes first):
+40 steps to settle (a sampled step's one-time costs, the first copies, go
+there), then 40 steps timed one by one. A timed step's excess is its time
+less the median step of the same round's block with the feature off, and
+it is filed by the step's place in the sampling cycle (the clock's step
+mod 40: sampled steps, and the steps before them, cost more); a mode's
+figure is the mean over the 40 places of each place's median. Medians of
+single steps shed the machine's interruptions, which swung the means of
+whole blocks (the first version of this bench) by 5-15 us a step. The
+`none` mode switches nothing: its figure is the harness's own error, in
+the same run.
 
 To compare two builds in the same session, install one into a folder
 (`pip install --no-deps --target DIR WHEEL`) and run this again with
 `PYTHONPATH=DIR`, alternating: the machine's own speed moves by more than
 10 % within minutes.
 
-    .venv/bin/python bench/bench_step_hooks.py [--rounds 40] [--modes clock,trace1,trace20,nan,grads]
+    .venv/bin/python bench/bench_step_hooks.py [--rounds 60] [--modes none,clock,trace1,trace20,nan,grads]
 """
 
 from __future__ import annotations
@@ -30,15 +40,16 @@ import time
 
 from _common import machine, run_main
 
-BLOCK = 100
-WARM = 20
+BLOCK = 40
+WARM = 40
+CYCLE = 40  # a multiple of every sampling period here (1, 8, 10, 20)
 PHASES = ("zero_grad", "forward", "backward", "optimizer")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--modes", default="clock,trace1,trace20,nan,grads")
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--modes", default="none,clock,trace1,trace20,nan,grads")
     args = ap.parse_args()
     import torch
 
@@ -65,6 +76,7 @@ def main() -> int:
             raise SystemExit(f"{request}: {answer['error']}")
 
     switches = {
+        "none": (lambda: None, lambda: None),
         "clock": (lambda: trace.TRACER.add_listener(silent), lambda: trace.TRACER.remove_listener(silent)),
         "trace1": (lambda: ask({"action": "trace_on", "every": 1}), lambda: ask({"action": "trace_off"})),
         "trace20": (lambda: ask({"action": "trace_on", "every": 20}), lambda: ask({"action": "trace_off"})),
@@ -83,7 +95,13 @@ def main() -> int:
     loss_fn = torch.nn.MSELoss()
     clock = time.perf_counter_ns
 
-    def step(phases=None):
+    cpu = time.thread_time_ns
+    own_step = [0]
+
+    def step():
+        """The step's CPU ns, and each phase's ns (zero_grad, forward,
+        backward, optimizer)."""
+        whole = cpu()
         a = clock()
         opt.zero_grad()
         b = clock()
@@ -93,34 +111,45 @@ def main() -> int:
         d = clock()
         opt.step()
         e = clock()
-        if phases is not None:
-            for name, spent in zip(PHASES, (b - a, c - b, d - c, e - d)):
-                phases[name] += spent
+        own_step[0] += 1
+        return (cpu() - whole, b - a, c - b, d - c, e - d)
 
     for _ in range(300):
         step()
 
     print(f"machine: {machine()}")
-    print(f"MLP 4 x Linear(256) + ReLU, batch 64, Adam, 1 thread; {args.rounds} rounds x {BLOCK} steps per state")
+    print(f"MLP 4 x Linear(256) + ReLU, batch 64, Adam, 1 thread; {args.rounds} rounds x {BLOCK} steps timed per state")
     for mode in modes:
         on, off = switches[mode]
-        per = {True: [], False: []}
-        phases = {state: dict.fromkeys(PHASES, 0) for state in (True, False)}
+        # place in the cycle -> [excess ns of the whole step, then of each phase]
+        places: list = [[[] for _ in range(1 + len(PHASES))] for _ in range(CYCLE)]
+        base = []
         for r in range(args.rounds):
+            timed_steps = {}
             for state in (False, True) if r % 2 == 0 else (True, False):
                 (on if state else off)()
                 for _ in range(WARM):
                     step()
-                started = time.thread_time_ns()
+                steps = []
                 for _ in range(BLOCK):
-                    step(phases[state])
-                per[state].append((time.thread_time_ns() - started) / BLOCK)
+                    told = trace.TRACER.step if state else None
+                    place = (told if told is not None else own_step[0]) % CYCLE
+                    steps.append((place, step()))
+                timed_steps[state] = steps
+            medians = [statistics.median(times[i] for _, times in timed_steps[False]) for i in range(1 + len(PHASES))]
+            base.append(medians[0])
+            for place, times in timed_steps[True]:
+                for i, spent in enumerate(times):
+                    places[place][i].append(spent - medians[i])
         off()
-        base = statistics.median(per[False])
-        excess = statistics.median(b - a for a, b in zip(per[False], per[True]))
-        n = args.rounds * BLOCK
-        split = ", ".join(f"{name} {(phases[True][name] - phases[False][name]) / n / 1e3:+.1f}" for name in PHASES)
-        print(f"{mode:8s} {excess / 1e3:+7.2f} us a step ({excess / base * 100:+.2f} % of {base / 1e3:.0f} us); by phase (us): {split}")
+        figure = [statistics.mean(statistics.median(p[i]) for p in places if p[i]) for i in range(1 + len(PHASES))]
+        step_base = statistics.median(base)
+        worst = max(range(CYCLE), key=lambda k: statistics.median(places[k][0]) if places[k][0] else float("-inf"))
+        split = ", ".join(f"{name} {figure[1 + i] / 1e3:+.1f}" for i, name in enumerate(PHASES))
+        print(
+            f"{mode:8s} {figure[0] / 1e3:+7.2f} us a step ({figure[0] / step_base * 100:+.2f} % of {step_base / 1e3:.0f} us); "
+            f"by phase (us): {split}; dearest place {worst}: {statistics.median(places[worst][0]) / 1e3:+.0f} us"
+        )
 
     # Warm: the clock's hooks per optimizer step, and a stand-in per call.
     tiny = torch.nn.Linear(4, 4)
