@@ -371,6 +371,12 @@ def test_a_dropped_model_is_freed_at_once_with_every_feature_on(torch_python, sp
     # The features were on for both models.
     steps = query_json(cli, target.pid, "SELECT count(*) AS n FROM python.torch_steps") if "trace" in features else None
     assert steps is None or steps[0]["n"] >= 18, steps
+    if "grads" in features:
+        # The probe's own copies of the weights (for the update ratio) went
+        # with the optimizers.
+        kept = cli(target.pid, "eval", "import rankscope._probe.torch.stats as s\n"
+                   "sum(r.kept_bytes for _, r in s.GRADS.readers.values()) + (s.GRADS.kept is not None)")
+        assert kept.returncode == 0 and kept.stdout.strip() == "0", (kept.stdout, kept.stderr)
     if "nan" in features:
         text = on(cli, target.pid, "nan")
         checked = re.search(r"nan watch: armed \((\d+) steps checked", text)

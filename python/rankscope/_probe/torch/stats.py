@@ -213,7 +213,9 @@ class GradStats:
         if reader is None or reader[0]() is not optimizer:
             for key in [k for k, entry in self.readers.items() if entry[0]() is None]:
                 del self.readers[key]
-            reader = self.readers[id(optimizer)] = (weakref.ref(optimizer), _native.GradRead(FLOATS))
+            # Its copies of the weights (up to 16 MB kept between sampled
+            # steps) go with the optimizer.
+            reader = self.readers[id(optimizer)] = (weakref.ref(optimizer, self._optimizer_gone), _native.GradRead(FLOATS))
         read = reader[1]
         got = read.norms(grads)
         if got is None:
@@ -223,6 +225,17 @@ class GradStats:
             return False
         self.before[id(optimizer)] = (step, params, (got[0], got[1], weight_norms), read)
         return True
+
+    def _optimizer_gone(self, gone) -> None:
+        """An optimizer was freed: what was kept for it goes too (the
+        program's memory is then what it would be without rankscope)."""
+        for key, (ref, read) in list(self.readers.items()):
+            if ref is gone:
+                self.readers.pop(key, None)
+                read.release()
+        kept = self.kept
+        if kept is not None and kept[0] is gone:
+            self.kept = None
 
     def _meta(self, step, params, have_update, read_now) -> tuple:
         """What a step's rows are made with besides its values. Read later
@@ -253,7 +266,7 @@ class GradStats:
                     buffer.copy_(weight)
             return kept[1]
         copies = [w.clone() for w in weights]
-        self.kept = (weakref.ref(optimizer), copies)
+        self.kept = (weakref.ref(optimizer, self._optimizer_gone), copies)
         return copies
 
     def optimizer_post(self, optimizer, step):
