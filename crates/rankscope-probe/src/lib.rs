@@ -16,6 +16,7 @@ mod handler;
 mod injected;
 mod memory;
 mod meta;
+mod on_main;
 mod profile_self;
 mod pyjson;
 mod quiet_edit;
@@ -290,6 +291,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<finite::FiniteCheck>()?;
     m.add_class::<step_clock::StepClock>()?;
     m.add_class::<stand_in::StandIn>()?;
+    m.add_function(wrap_pyfunction!(on_main::on_main_thread, m)?)?;
     m.add_class::<grad_read::GradRead>()?;
     Ok(())
 }

@@ -28,8 +28,13 @@
 use pyo3::exceptions::PyReferenceError;
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyWeakrefReference};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType, PyWeakrefReference};
 use pyo3::{intern, PyTraverseError};
+
+/// `types.MethodType`, imported when the first stand-in is made: never
+/// later, under a borrow of one (an import may run the program's code).
+static METHOD_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 use crate::step_clock::perf_ns;
 
@@ -59,14 +64,16 @@ impl StandIn {
     #[new]
     #[pyo3(signature = (inner, acc, at, before=None, after=None, timing=true))]
     fn new(
+        py: Python<'_>,
         inner: Py<PyAny>,
         acc: Option<Py<PyList>>,
         at: usize,
         before: Option<Py<PyAny>>,
         after: Option<Py<PyAny>>,
         timing: bool,
-    ) -> Self {
-        StandIn {
+    ) -> PyResult<Self> {
+        METHOD_TYPE.import(py, "types", "MethodType")?;
+        Ok(StandIn {
             wrapped: inner,
             owner: None,
             bound: false,
@@ -76,7 +83,7 @@ impl StandIn {
             after,
             timing,
             previous: None,
-        }
+        })
     }
 
     #[pyo3(signature = (*args, **kwargs))]
@@ -221,9 +228,10 @@ impl StandIn {
         let wrapped = self.wrapped.bind(py);
         match (&self.owner, self.bound) {
             (Some(owner), true) => {
+                // What was there: a method of this function on the module
+                // (whatever the function is, as types.MethodType took it).
                 let module = alive(owner.bind(py))?;
-                let class = module.get_type();
-                wrapped.call_method1(intern!(py, "__get__"), (module, class))
+                method_type(py)?.call1((wrapped, module))
             }
             _ => Ok(wrapped.clone()),
         }
@@ -251,6 +259,10 @@ impl StandIn {
         }
         Ok(())
     }
+}
+
+fn method_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    METHOD_TYPE.import(py, "types", "MethodType")
 }
 
 /// The module a stand-in belongs to, or the error a call gets once it is

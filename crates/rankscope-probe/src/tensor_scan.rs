@@ -74,6 +74,7 @@ enum Phase {
 pub struct TensorScan {
     entries: Vec<Entry>,
     devices: Vec<String>,
+    keyed: bool,
     grouped: bool,
     containers: Vec<Py<PyAny>>,
     phase: Phase,
@@ -313,6 +314,7 @@ impl TensorScan {
         Ok(TensorScan {
             entries,
             devices: Vec::new(),
+            keyed: false,
             grouped: false,
             containers: Vec::new(),
             phase: Phase::Named,
@@ -340,7 +342,7 @@ impl TensorScan {
     /// backward, made from autograd's graph); before `key`. One already
     /// held is not taken twice.
     fn add(&mut self, tensors: &Bound<'_, PyList>) -> PyResult<()> {
-        if self.grouped {
+        if self.keyed || self.grouped {
             return Err(PyValueError::new_err("add() before key() and group()"));
         }
         if tensors.is_empty() {
@@ -376,6 +378,7 @@ impl TensorScan {
     /// the budget ran out first (the tensors not reached are let go).
     #[pyo3(signature = (budget_s, address=None))]
     fn key(&mut self, py: Python<'_>, budget_s: f64, address: Option<Bound<'_, PyAny>>) -> bool {
+        self.keyed = true;
         let deadline = Instant::now() + Duration::from_secs_f64(budget_s.clamp(0.0, 3600.0));
         for i in 0..self.entries.len() {
             if i % CHECK_EVERY == 0 && Instant::now() > deadline {

@@ -176,9 +176,9 @@ fn frame_hash(frame: &FrameRef<'_>, h: u64) -> u64 {
 /// A stack's key: its frames folded in order, outermost first, into four
 /// lanes (frame i into lane i mod 4) joined at the end with the depth.
 /// One chain made each frame wait for the multiplies of the frame before;
-/// with four, four frames' multiplies run at once. Two different stacks
-/// get the same key with odds of about n^2 / 2^64 for n distinct stacks
-/// (1e-10 for 100 k), so a key found is taken without comparing the
+/// with four, four frames' multiplies run at once. Two different samples'
+/// keys meet with odds of about n^2 / 2^65 for n distinct keys (a stack on
+/// a thread, idle or not: 3e-10 for 100 k), so a key found is taken without comparing the
 /// sample's names with the stack's: that comparison, of every byte of
 /// every frame (each sample's names are fresh strings from py-spy), was
 /// most of the fold's time.

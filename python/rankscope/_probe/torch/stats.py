@@ -211,8 +211,8 @@ class GradStats:
         goes through autograd)."""
         reader = self.readers.get(id(optimizer))
         if reader is None or reader[0]() is not optimizer:
-            for key in [k for k, entry in self.readers.items() if entry[0]() is None]:
-                del self.readers[key]
+            for key in [k for k, entry in list(self.readers.items()) if entry[0]() is None]:
+                self.readers.pop(key, None)
             # Its copies of the weights (up to 16 MB kept between sampled
             # steps) go with the optimizer.
             reader = self.readers[id(optimizer)] = (weakref.ref(optimizer, self._optimizer_gone), _native.GradRead(FLOATS))
@@ -229,13 +229,21 @@ class GradStats:
     def _optimizer_gone(self, gone) -> None:
         """An optimizer was freed: what was kept for it goes too (the
         program's memory is then what it would be without rankscope)."""
-        for key, (ref, read) in list(self.readers.items()):
-            if ref is gone:
-                self.readers.pop(key, None)
-                read.release()
-        kept = self.kept
-        if kept is not None and kept[0] is gone:
-            self.kept = None
+        # On whichever thread let the optimizer go: the dict is replaced,
+        # never changed in place (a step may be iterating it), and nothing
+        # raises (it would be printed, in the program's stderr).
+        try:
+            entries = list(self.readers.items())  # one C call: a consistent copy
+            if any(entry[0] is gone for _, entry in entries):
+                self.readers = {key: entry for key, entry in entries if entry[0] is not gone}
+                for _, (ref, read) in entries:
+                    if ref is gone:
+                        read.release()
+            kept = self.kept
+            if kept is not None and kept[0] is gone:
+                self.kept = None
+        except Exception:  # noqa: BLE001
+            pass
 
     def _meta(self, step, params, have_update, read_now) -> tuple:
         """What a step's rows are made with besides its values. Read later

@@ -18,8 +18,10 @@ The scan stops at its time budget and says so (``scan_complete``).
 
 Tensors saved for backward (a training step's activations, most of its
 memory between forward and backward) have no Python object the collector
-knows of: autograd's graph holds them in C++. They are reached from every
-live tensor with a ``grad_fn``: each node of its graph, each of the node's
+knows of: autograd's graph holds them in C++. They are reached, on the main
+thread at its next safe point (``_native.on_main_thread``: within 0.1 s, or
+not at all for a main thread blocked in C), from every live tensor with a
+``grad_fn``: each node of its graph, each of the node's
 ``_raw_saved_*`` tensors read through ``SavedTensor.data``, which hands the
 tensor as it is kept and never runs a ``saved_tensors_hooks`` unpack hook
 (that could copy it back to a GPU, or recompute a checkpointed forward);
@@ -46,6 +48,8 @@ MAX_REFERRER_LOOKUPS = 20
 # Nodes of autograd's graphs looked into for saved tensors, at most.
 MAX_GRAPH_NODES = 200_000
 SAVED = "saved for backward"
+# How long the main thread is given to reach a safe point for the walk.
+MAIN_THREAD_WAIT_S = 0.1
 
 
 def _label_in_main(obj) -> str | None:
@@ -190,9 +194,16 @@ def scan_rows(budget_s: float = 2.0):
     containers: list = []
     names = _names(containers)
     saved_names: dict = {}
-    saved, walked = _saved_tensors(found.with_grad_fn(), names, saved_names, deadline)
+    # Autograd's graph is read on the main thread between two bytecodes,
+    # where no op and no backward runs (see on_main.rs); a main thread that
+    # gets to none in time (blocked in C) is not waited for.
+    walk = _native.on_main_thread(
+        lambda: _saved_tensors(found.with_grad_fn(), names, saved_names, deadline),
+        min(MAIN_THREAD_WAIT_S, max(0.0, deadline - time.monotonic())),
+    )
+    saved, walked = walk if walk is not None else ([], True)
     found.add(saved)
-    del saved
+    del saved, walk
     complete = found.key(max(0.0, deadline - time.monotonic()), getattr(torch._C, "_storage_address", None))
     complete = complete and walked
     # Grouped before the saved tensors are named: a storage the program
