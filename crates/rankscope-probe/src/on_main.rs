@@ -38,15 +38,12 @@ pub fn on_main_thread(
     func: Py<PyAny>,
     timeout_s: f64,
 ) -> PyResult<Option<Py<PyAny>>> {
-    let main = py
-        .import("threading")?
+    let threading = py.import("threading")?;
+    let main = threading
         .call_method0("main_thread")?
         .getattr("ident")?
         .extract::<u64>()?;
-    let me = py
-        .import("threading")?
-        .call_method0("get_ident")?
-        .extract::<u64>()?;
+    let me = threading.call_method0("get_ident")?.extract::<u64>()?;
     if me == main {
         return func.call0(py).map(Some);
     }
