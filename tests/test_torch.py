@@ -425,25 +425,48 @@ def test_module_glob_and_a_bad_glob(torch_python, spawn, cli):
 
 
 def test_steps_between_samples_each_get_their_row(torch_python, spawn, cli):
-    # --every 4: steps 1, 2, 5, 6 end by the short way (nothing on but
-    # the step clock), 3 and 7 attach the stand-ins, 4 and 8 are sampled.
+    # --every 4: steps 1, 2, 5, 6, 9, 10 end by the short way (nothing on
+    # but the step clock); 3 attaches the stand-ins by the long way, which
+    # hands them to the short way; 7 and 11 put the same stand-ins on again
+    # by the short way, and 8 and 12 end there, rows and all.
     target = spawn(torch_python, TRAIN)
     assert cli(target.pid, "torch", "trace", "on", "--every", "4").returncode == 0
-    run_steps(cli, target, 9, 9)
+    run_steps(cli, target, 8, 8)
+    timed = "sum('forward' in vars(m) for m in model.modules()), sum(len(m._forward_hooks) for m in model.modules())"
+    assert cli(target.pid, "eval", timed).stdout.strip() == "(6, 0)"  # step 8, put on by the short way
+    run_steps(cli, target, 5, 13)
     assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1)"
-    per_step = query_json(cli, target.pid, "SELECT step, sampled, step_ms, optimizer_ms, forward_ms FROM python.torch_steps ORDER BY step")
-    assert [r["step"] for r in per_step] == list(range(1, 9)), per_step
+    per_step = query_json(
+        cli,
+        target.pid,
+        "SELECT step, sampled, step_ms, optimizer_ms, forward_ms, dataloader_wait_ms, loss, samples, samples_per_s "
+        "FROM python.torch_steps ORDER BY step",
+    )
+    assert [r["step"] for r in per_step] == list(range(1, 13)), per_step
+    # The loss in a sampled step's row is the program's own, to the bit
+    # (step N is the program's N+1th: the trace came on during its first).
+    losses = cli(target.pid, "eval", "[float(l) for l in losses]")
+    program_losses = eval(losses.stdout.strip())  # a list of floats, from repr
     for r in per_step:
         assert r["step_ms"] > 0 and r["optimizer_ms"] > 0, r
         assert r["sampled"] == (r["step"] % 4 == 0), r
-        assert (r["forward_ms"] is not None) == r["sampled"], r
-    traced = query_json(cli, target.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
-    assert [r["step"] for r in traced] == [4, 8]
+        if r["sampled"]:
+            assert r["forward_ms"] > 0 and r["dataloader_wait_ms"] >= 0, r
+            assert r["samples"] == 8 and r["samples_per_s"] > 0, r
+            assert r["loss"] == program_losses[r["step"]], (r, program_losses)
+        else:
+            assert r["forward_ms"] is None and r["loss"] is None and r["samples"] is None, r
+    traced = query_json(
+        cli, target.pid, "SELECT step, count(*) AS modules, min(calls) AS lo, max(calls) AS hi, min(duration_ms) AS ms FROM python.torch_trace GROUP BY step ORDER BY step"
+    )
+    assert [(r["step"], r["modules"], r["lo"], r["hi"]) for r in traced] == [(4, 6, 1, 1), (8, 6, 1, 1), (12, 6, 1, 1)], traced
+    assert all(r["ms"] > 0 for r in traced), traced
+    assert torch_json(cli, target.pid)["trace"]["sampled_steps"] == 3
     # Off from the short way: no hook is left, and no more rows come.
     assert cli(target.pid, "torch", "trace", "off").returncode == 0
-    run_steps(cli, target, 2, 11)
+    run_steps(cli, target, 2, 15)
     assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
-    assert query_json(cli, target.pid, "SELECT max(step) AS s FROM python.torch_steps") == [{"s": 8}]
+    assert query_json(cli, target.pid, "SELECT max(step) AS s FROM python.torch_steps") == [{"s": 12}]
 
 
 def test_rankscope_step_marks_steps_without_an_optimizer(torch_python, spawn, cli):

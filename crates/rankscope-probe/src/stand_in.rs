@@ -222,6 +222,14 @@ impl StandIn {
 }
 
 impl StandIn {
+    /// Whether this stand-in, made for a module's own `forward` (bound
+    /// weakly), still stands for `forward`, the function its module's
+    /// class has now: the short way puts such a stand-in on again at the
+    /// next sampled step (step_clock.rs, `Lean`).
+    pub(crate) fn stands_for(&self, forward: &Bound<'_, PyAny>) -> bool {
+        self.bound && self.owner.is_some() && self.wrapped.bind(forward.py()).is(forward)
+    }
+
     /// The inner forward as the program would see it: bound to its module
     /// again where only its function is held.
     fn inner<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

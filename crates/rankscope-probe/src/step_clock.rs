@@ -27,7 +27,11 @@ use std::sync::OnceLock;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple, PyWeakrefReference};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyWeakrefReference};
+
+use rankscope_store::Cell;
+
+use crate::stand_in::StandIn;
 
 /// The events listeners hear of, in trace.py's EVENTS order.
 const EVENTS: [&str; 3] = ["optimizer_pre", "optimizer_post", "boundary"];
@@ -67,6 +71,52 @@ struct Wired {
     step_told_ns: i64,
 }
 
+/// The stand-ins of a plan whose every stand-in sits on its module's own
+/// `forward` with nothing under it, and whose sampled steps need no more
+/// than the stand-ins' times, a CPU loss and the step's row: the trace's
+/// usual case. `Tracer._attach` hands them over once it has put them on;
+/// from then on the short way puts the same stand-ins on at the boundary
+/// before each sampled step, makes the sampled step's rows and takes them
+/// off again, where the long way's Python, cold after nineteen steps of
+/// kernels, took about 65 us at each of those two boundaries on a small
+/// MLP (docs/performance.md, "Sampled steps by the short way"). Anything
+/// not as it was left (a module gone, an attribute of the program's on
+/// `forward`, a class whose `forward` changed, a loss on a GPU) sends the
+/// boundary the long way, which makes its stand-ins anew.
+struct Lean {
+    /// The Tracer's `plan` these were made for: a new plan is a new list.
+    plan: Py<PyAny>,
+    /// The Tracer's `handles` (timed.take_off's entries, in `entries`'
+    /// order) while these are on.
+    handles: Py<PyList>,
+    entries: Vec<(Py<PyWeakrefReference>, Py<StandIn>)>,
+    /// The stand-ins' counters, and as many zeros.
+    acc: Py<PyList>,
+    zeros: Py<PyList>,
+    /// The counters of the models' roots: the step's forward time.
+    roots: Vec<usize>,
+    /// The store's plan for the step's trace rows (`_native.trace_plan`).
+    plan_id: i64,
+}
+
+impl Lean {
+    fn clone_ref(&self, py: Python<'_>) -> Lean {
+        Lean {
+            plan: self.plan.clone_ref(py),
+            handles: self.handles.clone_ref(py),
+            entries: self
+                .entries
+                .iter()
+                .map(|(m, s)| (m.clone_ref(py), s.clone_ref(py)))
+                .collect(),
+            acc: self.acc.clone_ref(py),
+            zeros: self.zeros.clone_ref(py),
+            roots: self.roots.clone(),
+            plan_id: self.plan_id,
+        }
+    }
+}
+
 /// The clock's state, read and written by the Tracer's Python as
 /// attributes. A borrow of it is never held across a call into Python,
 /// which may come back here (a listener that fails turns a feature off).
@@ -104,9 +154,13 @@ pub struct StepClock {
     /// A weakref to the optimizer whose step ends a step.
     #[pyo3(get, set)]
     primary: Option<Py<PyAny>>,
+    /// Stand-ins are on for the step in progress (it is sampled).
+    #[pyo3(get, set)]
+    sampling: bool,
     /// Each event's (listener, method, when) tuples, non-empty or None.
     told: [Option<Py<PyTuple>>; 3],
     wired: OnceLock<Wired>,
+    lean: Option<Lean>,
 }
 
 #[pymethods]
@@ -127,9 +181,43 @@ impl StepClock {
             opt_calls: 0,
             marker: None,
             primary: None,
+            sampling: false,
             told: [None, None, None],
             wired: OnceLock::new(),
+            lean: None,
         }
+    }
+
+    /// Hands the short way the stand-ins `Tracer._attach` has just put on
+    /// (see `Lean`): `(plan, handles, entries, acc, zeros, roots,
+    /// plan_id)`, where `entries` are (module weakref, stand-in) pairs in
+    /// the order of `handles`, the list the Tracer keeps as its `handles`.
+    fn lean_set(slf: &Bound<'_, Self>, given: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let (plan, handles, entries, acc, zeros, roots, plan_id) = given.extract()?;
+        let lean = Lean {
+            plan,
+            handles,
+            entries,
+            acc,
+            zeros,
+            roots,
+            plan_id,
+        };
+        let old = slf.borrow_mut().lean.replace(lean);
+        drop(old); // after the borrow: see set_told
+        Ok(())
+    }
+
+    fn lean_clear(slf: &Bound<'_, Self>) {
+        let old = slf.borrow_mut().lean.take();
+        drop(old);
+    }
+
+    /// The list the Tracer's `handles` is while the short way's stand-ins
+    /// are on, or None.
+    #[getter]
+    fn lean_handles(&self, py: Python<'_>) -> Option<Py<PyList>> {
+        self.lean.as_ref().map(|l| l.handles.clone_ref(py))
     }
 
     /// What the short way calls: trace.py's `tables` module, the memory
@@ -321,9 +409,16 @@ fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -
 }
 
 /// The short way through a boundary, where the last long one left the
-/// clock `quiet` and this step needs no stand-in: the step's row while the
-/// trace is on, the step counted and told, and the listeners told.
-/// Anything else is the Tracer's long way (`Tracer._boundary`).
+/// clock `quiet`: the step's row while the trace is on, the step counted
+/// and told, and the listeners told; and, where the short way holds the
+/// trace's stand-ins (`Lean`), putting them on before a sampled step and
+/// the sampled step's rows. Anything else is the Tracer's long way
+/// (`Tracer._boundary`).
+///
+/// Everything up to the clock's moving on runs no Python code (weak
+/// references, dictionaries keyed by strings, attributes of the Tracer's
+/// own), so that a probe thread that turns the trace off, which first
+/// clears `quiet`, finds either the boundary before or the boundary after.
 fn boundary_at(
     slf: &Bound<'_, StepClock>,
     now: i64,
@@ -331,71 +426,141 @@ fn boundary_at(
     unknown: bool,
 ) -> PyResult<()> {
     let py = slf.py();
-    // What the short way needs, taken under one borrow, and the clock moved
-    // on: the step counted, its end kept, its optimizer time taken.
-    let short = {
-        let mut clock = slf.borrow_mut();
+    // Whether the short way may take this boundary, and with which stand-ins.
+    let checked = {
+        let clock = slf.borrow();
         match (clock.step, clock.last_end, clock.wired.get()) {
-            (Some(step), Some(last_end), Some(_))
-                if !unknown
-                    && clock.quiet
-                    && clock.on
-                    && !(clock.tracing && (step + 1) % clock.every.max(1) == 0) =>
-            {
-                let opt = (clock.opt_calls > 0).then_some(clock.opt_ns);
-                let tracing = clock.tracing;
-                if tracing {
-                    clock.opt_ns = 0;
-                    clock.opt_calls = 0;
+            (Some(step), Some(_), Some(_)) if !unknown && clock.quiet && clock.on => {
+                let next_sampled = clock.tracing && (step + 1) % clock.every.max(1) == 0;
+                let sampled_now = clock.sampling;
+                if !(next_sampled || sampled_now) {
+                    Some(None)
+                } else {
+                    clock
+                        .lean
+                        .as_ref()
+                        .map(|lean| Some((lean.clone_ref(py), sampled_now, next_sampled)))
                 }
-                clock.step = Some(step + 1);
-                clock.last_end = Some(now);
-                let wired = clock.wired.get().expect("matched above");
-                let tell_step = now - clock.step_told >= wired.step_told_ns;
-                let tables = wired.tables.clone_ref(py);
-                let step_row = tell_step.then(|| wired.step_row.clone_ref(py));
-                if tell_step {
-                    clock.step_told = now;
-                }
-                Some((
-                    step,
-                    last_end,
-                    tracing,
-                    opt,
-                    tables,
-                    step_row,
-                    clock.calls(py, BOUNDARY),
-                ))
             }
             _ => None,
         }
     };
-    let Some((step, last_end, tracing, opt, tables, step_row, calls)) = short else {
+    let lean_step = match checked {
+        None => None,
+        Some(None) => Some(None),
+        Some(Some((lean, sampled_now, next_sampled))) => {
+            lean_turn(slf, &lean, sampled_now, next_sampled)?.map(|taken| Some((lean, taken)))
+        }
+    };
+    let Some(lean_step) = lean_step else {
         slf.call_method1(intern!(py, "_boundary"), (now, optimizer, unknown))?;
         return Ok(());
     };
+    // The clock moved on: the step counted, its end kept, its optimizer
+    // time taken.
+    let (step, last_end, tracing, opt, tables, step_row, calls) = {
+        let mut clock = slf.borrow_mut();
+        let (step, last_end) = (
+            clock.step.expect("checked above"),
+            clock.last_end.expect("checked above"),
+        );
+        let opt = (clock.opt_calls > 0).then_some(clock.opt_ns);
+        let tracing = clock.tracing;
+        if tracing {
+            clock.opt_ns = 0;
+            clock.opt_calls = 0;
+        }
+        if let Some((_, taken)) = &lean_step {
+            clock.sampling = taken.on_next;
+        }
+        clock.step = Some(step + 1);
+        clock.last_end = Some(now);
+        let wired = clock.wired.get().expect("checked above");
+        let tell_step = now - clock.step_told >= wired.step_told_ns;
+        let tables = wired.tables.clone_ref(py);
+        let step_row = tell_step.then(|| wired.step_row.clone_ref(py));
+        if tell_step {
+            clock.step_told = now;
+        }
+        (
+            step,
+            last_end,
+            tracing,
+            opt,
+            tables,
+            step_row,
+            clock.calls(py, BOUNDARY),
+        )
+    };
     let tables = tables.bind(py);
     if tracing {
-        let none = || py.None().into_bound(py);
-        let row = PyTuple::new(
-            py,
-            [
-                wall_s().into_pyobject(py)?.into_any(),
-                step.into_pyobject(py)?.into_any(),
-                false.into_pyobject(py)?.to_owned().into_any(),
-                ((now - last_end) as f64 / 1e6)
-                    .into_pyobject(py)?
-                    .into_any(),
-                none(),
-                none(),
-                none(),
-                opt.map(|ns| ns as f64 / 1e6).into_pyobject(py)?.into_any(),
-                none(),
-                none(),
-                none(),
-            ],
-        )?;
-        tables.call_method1(intern!(py, "post_step"), (row,))?;
+        let duration = now - last_end;
+        let ms = |ns: i64| Cell::Float(ns as f64 / 1e6);
+        let sampled = lean_step
+            .as_ref()
+            .and_then(|(lean, taken)| taken.sampled.as_ref().map(|s| (lean, s)));
+        // COLUMNS["torch_steps"] after ts.
+        let mut cells = vec![
+            Cell::Int(step),
+            Cell::Bool(sampled.is_some()),
+            ms(duration),
+            Cell::Null,
+            Cell::Null,
+            Cell::Null,
+            opt.map_or(Cell::Null, ms),
+            Cell::Null,
+            Cell::Null,
+            Cell::Null,
+        ];
+        let ts = wall_s();
+        if let Some((lean, figures)) = sampled {
+            // What Tracer._finish_step puts in a sampled step's row.
+            if let Some(first) = figures.first_fwd {
+                cells[3] = ms(first - last_end);
+            }
+            let acc = figures.acc.bind(py);
+            let (mut ns, mut calls) = (0i64, 0i64);
+            for &at in &lean.roots {
+                ns += acc.get_item(at)?.extract::<i64>()?;
+                calls += acc.get_item(at + 1)?.extract::<i64>()?;
+            }
+            if calls > 0 {
+                cells[4] = ms(ns);
+            }
+            if let Some(loss) = &figures.loss {
+                // A loss on the CPU (one on a GPU goes the long way).
+                if let Ok(value) = loss
+                    .bind(py)
+                    .call_method0(intern!(py, "item"))
+                    .and_then(|v| v.extract::<f64>())
+                {
+                    cells[7] = Cell::Float(value);
+                }
+            }
+            if figures.samples > 0 {
+                cells[8] = Cell::Int(figures.samples);
+                if duration > 0 {
+                    cells[9] = Cell::Float(figures.samples as f64 / (duration as f64 / 1e9));
+                }
+            }
+            tables.call_method1(intern!(py, "post_trace"), (lean.plan_id, (ts, step, acc)))?;
+        }
+        if crate::store::keep_step_row(ts, cells) {
+            tables.call_method0(intern!(py, "steps_waiting"))?;
+        }
+    }
+    if let Some((lean, taken)) = &lean_step {
+        // The stand-ins the program had stood something on meanwhile come
+        // off the Python way, which takes one out of a chain.
+        if !taken.left.is_empty() {
+            let take_off = py
+                .import(intern!(py, "rankscope._probe.torch.timed"))?
+                .getattr(intern!(py, "take_off"))?;
+            let handles = lean.handles.bind(py);
+            for &i in &taken.left {
+                take_off.call1((handles.get_item(i)?,))?;
+            }
+        }
     }
     if let Some(step_row) = step_row {
         crate::memory::set_step(step + 1);
@@ -409,6 +574,129 @@ fn boundary_at(
         tables.call_method0(intern!(py, "flush"))?;
     }
     Ok(())
+}
+
+/// What `lean_turn` did at a boundary.
+struct LeanTurn {
+    /// The stand-ins are on for the next step.
+    on_next: bool,
+    /// The step that ended was sampled: its figures.
+    sampled: Option<Sampled>,
+    /// Indexes of the stand-ins that could not come off here (something
+    /// stood on them): taken off the Python way once the clock has moved.
+    left: Vec<usize>,
+}
+
+struct Sampled {
+    /// A copy of the stand-ins' counters for the step.
+    acc: Py<PyList>,
+    first_fwd: Option<i64>,
+    samples: i64,
+    loss: Option<Py<PyAny>>,
+}
+
+/// The short way's part in a boundary where the step that ended was
+/// sampled, or the next one is: the sampled step's figures read and the
+/// Tracer's step state reset, the stand-ins taken off or put on. None
+/// where the long way must take the boundary; it has then changed nothing.
+/// Runs no Python code (see `boundary_at`).
+fn lean_turn(
+    slf: &Bound<'_, StepClock>,
+    lean: &Lean,
+    sampled_now: bool,
+    next_sampled: bool,
+) -> PyResult<Option<LeanTurn>> {
+    let py = slf.py();
+    let tracer = slf.as_any();
+    let handles = tracer.getattr(intern!(py, "handles"))?;
+    if !tracer.getattr(intern!(py, "plan"))?.is(&lean.plan) {
+        return Ok(None);
+    }
+    let ours = handles.is(&lean.handles);
+    if sampled_now != ours || (!ours && !handles.cast::<PyList>().is_ok_and(|h| h.is_empty())) {
+        return Ok(None);
+    }
+    let mut taken = LeanTurn {
+        on_next: next_sampled,
+        sampled: None,
+        left: Vec::new(),
+    };
+    if sampled_now {
+        if !tracer.getattr(intern!(py, "loss_event"))?.is_none() {
+            return Ok(None); // a loss on its way from a GPU
+        }
+        let first_fwd: Option<i64> = tracer.getattr(intern!(py, "first_fwd"))?.extract()?;
+        let samples: i64 = tracer.getattr(intern!(py, "samples"))?.extract()?;
+        let loss = tracer.getattr(intern!(py, "loss"))?;
+        let acc = lean.acc.bind(py);
+        let copy = acc.get_slice(0, acc.len());
+        taken.sampled = Some(Sampled {
+            acc: copy.unbind(),
+            first_fwd,
+            samples,
+            loss: (!loss.is_none()).then(|| loss.unbind()),
+        });
+        // Tracer._reset_step's part that the stand-ins wrote.
+        let none = py.None();
+        tracer.setattr(intern!(py, "first_fwd"), &none)?;
+        tracer.setattr(intern!(py, "samples"), 0)?;
+        tracer.setattr(intern!(py, "loss"), &none)?;
+        let count: i64 = tracer.getattr(intern!(py, "sampled_steps"))?.extract()?;
+        tracer.setattr(intern!(py, "sampled_steps"), count + 1)?;
+        if next_sampled {
+            reset_counters(py, lean)?;
+        } else {
+            for (i, (module, stand_in)) in lean.entries.iter().enumerate() {
+                let Some(module) = module.bind(py).upgrade() else {
+                    continue;
+                };
+                let attrs = module.getattr(intern!(py, "__dict__"))?;
+                let attrs = attrs.cast::<PyDict>()?;
+                match attrs.get_item(intern!(py, "forward"))? {
+                    Some(on) if on.is(stand_in) => attrs.del_item(intern!(py, "forward"))?,
+                    _ => taken.left.push(i),
+                }
+            }
+            tracer.setattr(intern!(py, "handles"), PyList::empty(py))?;
+        }
+    } else if next_sampled {
+        // All as the last sampled step left them, or the long way.
+        let mut dicts = Vec::with_capacity(lean.entries.len());
+        for (module, stand_in) in &lean.entries {
+            let Some(module) = module.bind(py).upgrade() else {
+                return Ok(None);
+            };
+            let Ok(attrs) = module
+                .getattr(intern!(py, "__dict__"))?
+                .cast_into::<PyDict>()
+            else {
+                return Ok(None);
+            };
+            if attrs.contains(intern!(py, "forward"))?
+                || attrs
+                    .get_item(intern!(py, "_compiled_call_impl"))?
+                    .is_some_and(|c| !c.is_none())
+            {
+                return Ok(None);
+            }
+            let forward = module.get_type().getattr(intern!(py, "forward"))?;
+            if !stand_in.bind(py).borrow().stands_for(&forward) {
+                return Ok(None);
+            }
+            dicts.push(attrs);
+        }
+        reset_counters(py, lean)?;
+        for (attrs, (_, stand_in)) in dicts.iter().zip(&lean.entries) {
+            attrs.set_item(intern!(py, "forward"), stand_in)?;
+        }
+        tracer.setattr(intern!(py, "handles"), &lean.handles)?;
+    }
+    Ok(Some(taken))
+}
+
+fn reset_counters(py: Python<'_>, lean: &Lean) -> PyResult<()> {
+    let acc = lean.acc.bind(py);
+    acc.set_slice(0, acc.len(), lean.zeros.bind(py))
 }
 
 /// Calls each listener's method with `(*args, step)` where its `when` lets

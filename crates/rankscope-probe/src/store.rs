@@ -161,6 +161,43 @@ pub fn table_extend(name: &str, rows: &Bound<'_, PyAny>) -> PyResult<()> {
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// The step clock's `torch_steps` rows, one a step, kept as cells until
+/// the next hand-over (tables.py's `flush`). A row made by the short way
+/// never becomes a Python object: a tuple of eleven values made at every
+/// step and converted at the hand-over cost about 3 us a step on a small
+/// MLP's 1.5 ms step, most of what a step the trace does not sample paid
+/// beyond the clock (docs/performance.md, "Sampled steps by the short way").
+static STEP_ROWS: Mutex<Vec<(f64, Vec<Cell>)>> = Mutex::new(Vec::new());
+
+/// Keeps one `torch_steps` row; true where it is the first since the
+/// last hand-over (the caller then says when the batch goes).
+pub(crate) fn keep_step_row(ts: f64, cells: Vec<Cell>) -> bool {
+    let mut rows = STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner());
+    rows.push((ts, cells));
+    rows.len() == 1
+}
+
+/// `step_row(row)`: a `torch_steps` row made in Python (a sampled step's,
+/// by the long way), kept with the others; true as `keep_step_row`.
+#[pyfunction]
+pub fn step_row(row: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let (ts, cells) = ts_and_cells(row)?;
+    Ok(keep_step_row(ts, cells))
+}
+
+/// Hands the kept `torch_steps` rows to the store; how many there were.
+#[pyfunction]
+pub fn step_rows_hand_over() -> PyResult<usize> {
+    let rows = std::mem::take(&mut *STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner()));
+    let n = rows.len();
+    if n > 0 {
+        store()
+            .append_rows("torch_steps", rows)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    }
+    Ok(n)
+}
+
 /// The trace's timed modules, by plan: the cells of their rows that do
 /// not change from step to step (module, type, depth, stage), or None for
 /// a module timed for the step's figures only. A plan is made when the

@@ -53,10 +53,10 @@ _flush_at_exit = False
 # perf_counter_ns), far off while there are none.
 OUTBOX_TABLES = frozenset(("torch_steps", "torch_trace", "grad_stats", "activation_stats"))
 outbox: dict = {}
-# The step clock's one row a step, apart: appended without a lock (a deque's
-# append and popleft are atomic), since it is the only cost of a step that is
-# not sampled.
-steps: collections.deque = collections.deque()
+# The step clock's one row a step is kept apart, natively
+# (`_native.step_row`; the clock's short way keeps its own there without
+# making a Python object), since it is the only cost of a step that is not
+# sampled.
 NEVER = 1 << 62
 due = NEVER
 # A reader's hand-over runs on a probe thread while the training thread may post.
@@ -103,11 +103,15 @@ def post(table: str, rows: list) -> None:
 
 def post_step(row) -> None:
     """A ``torch_steps`` row (a list or tuple)."""
-    steps.append(row)
+    if _native.step_row(row):
+        steps_waiting()
+
+
+def steps_waiting() -> None:
+    """The first ``torch_steps`` row since the last hand-over was kept."""
     if due == NEVER:
         with _outbox_lock:
-            if steps:
-                _waiting()
+            _waiting()
 
 
 def _waiting() -> None:
@@ -138,17 +142,18 @@ def flush() -> None:
         # since the last step boundary. Never from a probe thread: a CUDA
         # call there would break a CUDA graph the program is capturing.
         resolve_pending()
-    if due == NEVER and not steps:
+    if due == NEVER:
         return
     with _outbox_lock:
         # Handed over under the lock: batches reach the store in order.
         due = NEVER
         tables = list(outbox.items())
         outbox.clear()
-        if steps:
-            take = steps.popleft
-            tables.append(("torch_steps", [take() for _ in range(len(steps))]))
         failed = None
+        try:
+            _native.step_rows_hand_over()
+        except Exception as exc:  # noqa: BLE001 - the other tables' rows still go
+            failed = exc
         for table, rows in tables:
             try:
                 if not rows:
@@ -160,9 +165,6 @@ def flush() -> None:
             except Exception as exc:  # noqa: BLE001 - the other tables' rows still go
                 failed = exc
         _native.table_rows_waiting(False)
-        if steps:
-            # Posted while the batch was taken: the next batch's first.
-            _waiting()
         if failed is not None:
             raise failed
 

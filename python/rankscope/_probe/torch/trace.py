@@ -240,7 +240,7 @@ class Tracer(_native.StepClock):
         self.step = None  # the step in progress
         self.last_end = None
         self.step_told = 0
-        self.sampling = False
+        self.sampling = False  # stand-ins are on for the step in progress
         self.sampled_steps = 0
         self.slots: list = []
         self.hooked = 0  # slots with a stand-in on now
@@ -361,6 +361,7 @@ class Tracer(_native.StepClock):
                 self.disabled = reason
             removed = len(self.handles)
             self._detach()
+            self.lean_clear()
             idle = not self.listeners
         done = self._stop_clock(wait_s) if idle else True
         try:
@@ -587,7 +588,7 @@ class Tracer(_native.StepClock):
                 self.on
                 and (self.tracing or bool(self.listeners))
                 and not self.partial
-                and not self.handles
+                and (not self.handles or self.handles is self.lean_handles)
                 and bool(self.models)
                 and self.step is not None
                 and self.last_end is not None
@@ -693,6 +694,27 @@ class Tracer(_native.StepClock):
                 # plan (the store keeps a few; rows wait for it in the outbox).
                 self.plan_fixed = fixed
                 self.plan_id = _native.trace_plan(fixed) if any(fixed) else None
+        self._hand_to_short_way(entries, handles)
+
+    def _hand_to_short_way(self, entries, handles):
+        """Where every stand-in just put on sits on its module's own
+        forward, nothing under it, and a sampled step needs only their
+        times: the short way puts these same stand-ins on and takes them
+        off from now on (``Lean``, step_clock.rs)."""
+        stand_ins = [entry[1]() for entry in handles]
+        if (
+            len(handles) == len(entries)
+            and handles
+            and not self.full
+            and not self.backward
+            and self.plan_id is not None
+            and all(name == "forward" and s is not None and s.previous is timed._MISSING for (_, _, name), s in zip(handles, stand_ins))
+        ):
+            roots = [slot.at for slot in self.slots if slot.depth == 0]
+            pairs = [(entry[0], s) for entry, s in zip(handles, stand_ins)]
+            self.lean_set((self.plan, handles, pairs, self.acc, self.zeros, roots, self.plan_id))
+        else:
+            self.lean_clear()
 
     def _prepare(self):
         """What each sampled step of this plan puts on: made once per plan,
