@@ -1,7 +1,9 @@
 """SQL over the live process: python.backtrace, python.threads, process.*."""
 
 import json
+import os
 import socket
+import subprocess
 
 from conftest import line_of, query_json
 
@@ -126,3 +128,34 @@ def test_pushed_down_scans_agree_with_full_ones(python, spawn, cli):
     assert shallow == [r for r in full if r["depth"] < 3 and r["thread_name"] == "worker"]
     assert len(shallow) == 3 and shallow[0]["func"] == "wait"
     assert rows("SELECT count(*) AS n FROM python.backtrace WHERE depth <= 1")[0]["n"] == 2 * len({r["thread_name"] for r in full})
+
+
+FORKS = """
+import json, os
+from rankscope import _native
+
+def step_row(step):
+    _native.table_append("torch_steps", [0.0, step, False, 1.0, None, None, None, None, None, None, None])
+
+step_row(1)
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    step_row(2)
+    os.write(w, _native.store_describe().encode())
+    os._exit(0)
+os.waitpid(child, 0)
+theirs = json.loads(os.read(r, 1 << 20))
+ours = json.loads(_native.store_describe())
+print(json.dumps([ours["rows"]["torch_steps"], theirs["rows"]["torch_steps"]]))
+"""
+
+
+def test_a_child_after_fork_keeps_its_rows_in_a_store_of_its_own(python, tmp_path):
+    # The store is found by this process's id, which is read once and
+    # again after a fork: a child that went on with its parent's store
+    # would show the parent's rows as its own, and write into its files.
+    env = {**os.environ, "RANKSCOPE_STORE": "0"}
+    done = subprocess.run([python, "-c", FORKS], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [1, 1], done.stdout
