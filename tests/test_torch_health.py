@@ -331,21 +331,32 @@ torch.manual_seed(0)
 gc.disable()  # what the collector would free is not freed here: only refcounts
 
 
-def train(steps):
+def refuse(optimizer, args, kwargs):
+    raise RuntimeError("refused")
+
+
+def train(steps, refused=0):
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.MSELoss()
     x, y = torch.randn(16, 32), torch.randn(16, 1)
-    for _ in range(steps):
+    for i in range(steps):
+        if i == steps - refused:
+            # The last steps raise inside opt.step(), after the global
+            # pre-hooks (rankscope's) and before the post-hooks.
+            opt.register_step_pre_hook(refuse)
         opt.zero_grad()
         loss_fn(model(x), y).backward()
-        opt.step()
+        try:
+            opt.step()
+        except RuntimeError:
+            pass
     return [weakref.ref(model), weakref.ref(opt), weakref.ref(next(model.parameters())), weakref.ref(x)]
 
 
 freed = []
-for steps in (12, 7):
-    refs = train(steps)
+for steps, refused in ((12, 0), (7, 0), (9, 2)):
+    refs = train(steps, refused)
     freed.append([r() is None for r in refs])
 print("RESULT " + json.dumps(freed), flush=True)
 while True:
@@ -364,7 +375,7 @@ def test_a_dropped_model_is_freed_at_once_with_every_feature_on(torch_python, sp
         alone.kill()
         alone.wait()
     # The premise: without rankscope everything goes at once.
-    assert json.loads(want[len("RESULT ") :]) == [[True] * 4] * 2, want
+    assert json.loads(want[len("RESULT ") :]) == [[True] * 4] * 3, want
     target = spawn(torch_python, DROP, env={"RANKSCOPE_TORCH": features})
     got = target.wait_for_line("RESULT")
     assert got.strip() == want.strip(), f"{features}: freed at once (model, optimizer, a parameter, the batch) {got}"

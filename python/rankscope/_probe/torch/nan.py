@@ -274,6 +274,16 @@ class NanWatch:
     def optimizer_pre(self, optimizer, step_number):
         if not self.armed:
             return
+        self._check_step(optimizer, step_number)
+        primary = TRACER.primary
+        if not self.pending and TRACER.marker == "optimizer" and primary is not None and primary() is optimizer:
+            # Checked: the step's input and loss go now, not at the boundary
+            # (as they do at it, see `boundary`), which a step that raises
+            # in the optimizer after this hook never reaches: a program that
+            # then drops its model and batch must see them freed.
+            self.step.clear()
+
+    def _check_step(self, optimizer, step_number):
         if self.checked_steps % FULL_EVERY == 0 or not self.sentinels:
             params = models.params_with_grads(optimizer)
             self._check(step_number, params, [p.grad for p in params])

@@ -132,7 +132,11 @@ class GradStats:
         self.disabled = None
         self.history: dict = {}  # param name -> (samples, running norm)
         self.names: dict = {}  # id(param) -> (name, module name)
-        self.before: dict = {}  # optimizer id -> (params, copies)
+        # optimizer id -> (its weakref, step, params, values, copies): from
+        # its pre-hook to its post-hook. An optimizer whose step raised in
+        # between never reaches the post-hook: its entry goes when it is
+        # freed (`_optimizer_gone`), not kept with its parameters.
+        self.before: dict = {}
         self.waiting: list = []  # (resolver, rows meta) read at a later boundary
         self.cap = int(os.environ.get("RANKSCOPE_GRAD_UPDATE_MB", "256") or 256) << 20
         self.params = 0
@@ -200,7 +204,7 @@ class GradStats:
             weights = _gathered(_norms([p.detach() for p in params]), device)
             stacked = torch.stack([norms, maxes, weights])
             copies = self._copies(optimizer, params, size)
-        self.before[id(optimizer)] = (step, params, stacked, copies)
+        self.before[id(optimizer)] = (self._watch(optimizer), step, params, stacked, copies)
 
     def _native_pre(self, optimizer, step, params, grads) -> bool:
         """On a CPU: the statistics read in place (``_native.GradRead``,
@@ -223,16 +227,23 @@ class GradStats:
         weight_norms = read.keep(params, self.cap)
         if weight_norms is None:
             return False
-        self.before[id(optimizer)] = (step, params, (got[0], got[1], weight_norms), read)
+        self.before[id(optimizer)] = (self._watch(optimizer), step, params, (got[0], got[1], weight_norms), read)
         return True
+
+    def _watch(self, optimizer):
+        return weakref.ref(optimizer, self._optimizer_gone)
 
     def _optimizer_gone(self, gone) -> None:
         """An optimizer was freed: what was kept for it goes too (the
         program's memory is then what it would be without rankscope)."""
-        # On whichever thread let the optimizer go: the dict is replaced,
-        # never changed in place (a step may be iterating it), and nothing
+        # On whichever thread let the optimizer go: the dicts are replaced,
+        # never changed in place (a step may be iterating them), and nothing
         # raises (it would be printed, in the program's stderr).
         try:
+            before = list(self.before.items())
+            if any(entry[0] is gone for _, entry in before):
+                # A step that raised between the hooks: its parameters.
+                self.before = {key: entry for key, entry in before if entry[0] is not gone}
             entries = list(self.readers.items())  # one C call: a consistent copy
             if any(entry[0] is gone for _, entry in entries):
                 self.readers = {key: entry for key, entry in entries if entry[0] is not gone}
@@ -283,10 +294,10 @@ class GradStats:
             return
         if not self.on:
             # Turned off since the pre-hook: its copy goes too.
-            if isinstance(taken[3], _native.GradRead):
-                taken[3].release()
+            if isinstance(taken[4], _native.GradRead):
+                taken[4].release()
             return
-        step, params, stacked, copies = taken
+        _, step, params, stacked, copies = taken
         if isinstance(copies, _native.GradRead):
             updates = copies.update(params)
             if copies.kept_bytes > KEEP_COPIES_BYTES:
