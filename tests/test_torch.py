@@ -469,6 +469,37 @@ def test_steps_between_samples_each_get_their_row(torch_python, spawn, cli):
     assert query_json(cli, target.pid, "SELECT max(step) AS s FROM python.torch_steps") == [{"s": 12}]
 
 
+ROOT_CHAIN = "(lambda f: (type(f).__name__, type(getattr(f, '__wrapped__', None)).__name__))(vars(model).get('forward'))"
+IN_CHILDREN = "sum('forward' in vars(m) for m in model.children())"
+
+
+def test_the_nan_watch_armed_and_disarmed_while_the_short_way_has_stand_ins_on(torch_python, spawn, cli):
+    # The trace's stand-ins, put on and taken off by the short way, meet
+    # the NaN watch's on the model's root: armed at a sampled step, the
+    # watch's goes on top of the trace's; the short way then takes the
+    # trace's out from under it, and the long way takes over while the
+    # watch is armed.
+    target = spawn(torch_python, TRAIN)
+    assert cli(target.pid, "torch", "trace", "on", "--every", "4").returncode == 0
+    run_steps(cli, target, 8, 8)
+    assert cli(target.pid, "eval", ROOT_CHAIN).stdout.strip() == "('StandIn', 'method')"
+    assert cli(target.pid, "torch", "nan", "on").returncode == 0
+    assert cli(target.pid, "eval", ROOT_CHAIN).stdout.strip() == "('StandIn', 'StandIn')"
+    run_steps(cli, target, 1, 9)
+    assert cli(target.pid, "eval", ROOT_CHAIN).stdout.strip() == "('StandIn', 'method')"  # the watch's alone
+    assert cli(target.pid, "eval", IN_CHILDREN).stdout.strip() == "0"
+    run_steps(cli, target, 3, 12)
+    assert cli(target.pid, "eval", ROOT_CHAIN).stdout.strip() == "('StandIn', 'StandIn')"
+    assert cli(target.pid, "eval", IN_CHILDREN).stdout.strip() == "5"
+    assert cli(target.pid, "torch", "nan", "off").returncode == 0
+    run_steps(cli, target, 5, 17)
+    traced = query_json(cli, target.pid, "SELECT step, count(*) AS modules FROM python.torch_trace GROUP BY step ORDER BY step")
+    assert [(r["step"], r["modules"]) for r in traced] == [(4, 6), (8, 6), (12, 6), (16, 6)], traced
+    assert cli(target.pid, "torch", "trace", "off").returncode == 0
+    run_steps(cli, target, 2, 19)
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+
+
 def test_rankscope_step_marks_steps_without_an_optimizer(torch_python, spawn, cli):
     target = spawn(torch_python, TRAIN, args=["--manual"])
     status = torch_json(cli, target.pid)
