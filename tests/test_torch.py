@@ -70,11 +70,16 @@ losses = []
 done = 0
 
 
+GRAB = []  # --grab-forward: the model's forward as found at a sampled step, called from then on
+
+
 def train_step():
     global done
     x = torch.randn(8, 16, generator=data)
     target = torch.randn(8, 1, generator=data)
-    out = model(x)
+    if "--grab-forward" in sys.argv and not GRAB and "forward" in vars(model):
+        GRAB.append(model.forward)
+    out = (GRAB[0] if GRAB else model)(x)
     loss = criterion(out.value if isinstance(out, Out) else out, target)
     if MANUAL:
         model.zero_grad()
@@ -467,6 +472,20 @@ def test_steps_between_samples_each_get_their_row(torch_python, spawn, cli):
     run_steps(cli, target, 2, 15)
     assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
     assert query_json(cli, target.pid, "SELECT max(step) AS s FROM python.torch_steps") == [{"s": 12}]
+
+
+def test_a_root_forward_the_program_keeps_calling_counts_in_its_sampled_steps_only(torch_python, spawn, cli):
+    # The program takes the model's forward while the trace's stand-in is
+    # on it and calls it at every step after: each sampled step's row
+    # still counts that step's samples and wait alone.
+    target = spawn(torch_python, TRAIN, args=["--grab-forward"])
+    assert cli(target.pid, "torch", "trace", "on", "--every", "4").returncode == 0
+    run_steps(cli, target, 13, 13)
+    assert cli(target.pid, "eval", "type(GRAB[0]).__name__").stdout.strip() == "'StandIn'"
+    rows = query_json(cli, target.pid, "SELECT step, samples, dataloader_wait_ms, forward_ms, step_ms FROM python.torch_steps WHERE sampled ORDER BY step")
+    assert [(r["step"], r["samples"]) for r in rows] == [(4, 8), (8, 8), (12, 8)], rows
+    for r in rows:
+        assert 0 <= r["dataloader_wait_ms"] <= r["step_ms"], r
 
 
 ROOT_CHAIN = "(lambda f: (type(f).__name__, type(getattr(f, '__wrapped__', None)).__name__))(vars(model).get('forward'))"

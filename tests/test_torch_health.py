@@ -322,7 +322,7 @@ def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python
 # batch must be freed the moment the program lets go of them, as without
 # rankscope, and nothing may be left for the cyclic collector.
 DROP = """
-import gc, json, sys, time, weakref
+import functools, gc, json, sys, time, weakref
 import torch
 from torch import nn
 
@@ -335,8 +335,21 @@ def refuse(optimizer, args, kwargs):
     raise RuntimeError("refused")
 
 
-def train(steps, refused=0):
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+class Scaled(nn.Module):
+    # A forward that is not a plain method: the module's bound forward
+    # inside a partial, which holds the module strongly.
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(64, 1)
+
+    def _forward(self, x, scale):
+        return self.inner(x) * scale
+
+    forward = functools.partialmethod(_forward, scale=2.0)
+
+
+def train(steps, refused=0, odd=False):
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), Scaled() if odd else nn.Linear(64, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.MSELoss()
     x, y = torch.randn(16, 32), torch.randn(16, 1)
@@ -351,12 +364,17 @@ def train(steps, refused=0):
             opt.step()
         except RuntimeError:
             pass
-    return [weakref.ref(model), weakref.ref(opt), weakref.ref(next(model.parameters())), weakref.ref(x)]
+    return [weakref.ref(model), weakref.ref(opt), weakref.ref(list(model.parameters())[-1]), weakref.ref(x)]
 
 
 freed = []
-for steps, refused in ((12, 0), (7, 0), (9, 2)):
-    refs = train(steps, refused)
+for steps, refused, odd in ((12, 0, False), (7, 0, False), (9, 2, False), (8, 0, True)):
+    refs = train(steps, refused, odd)
+    if odd:
+        # A stand-in on a forward that holds its module is in a cycle with
+        # it (freed by the collector, as the program's own cycles are); but
+        # nothing of the probe's may hold either from outside.
+        gc.collect()
     freed.append([r() is None for r in refs])
 print("RESULT " + json.dumps(freed), flush=True)
 while True:
@@ -375,7 +393,7 @@ def test_a_dropped_model_is_freed_at_once_with_every_feature_on(torch_python, sp
         alone.kill()
         alone.wait()
     # The premise: without rankscope everything goes at once.
-    assert json.loads(want[len("RESULT ") :]) == [[True] * 4] * 3, want
+    assert json.loads(want[len("RESULT ") :]) == [[True] * 4] * 4, want
     target = spawn(torch_python, DROP, env={"RANKSCOPE_TORCH": features})
     got = target.wait_for_line("RESULT")
     assert got.strip() == want.strip(), f"{features}: freed at once (model, optimizer, a parameter, the batch) {got}"

@@ -274,6 +274,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::trace_plan, m)?)?;
     m.add_function(wrap_pyfunction!(store::step_row, m)?)?;
     m.add_function(wrap_pyfunction!(store::step_rows_hand_over, m)?)?;
+    m.add_function(wrap_pyfunction!(store::step_rows_waiting, m)?)?;
     m.add_function(wrap_pyfunction!(store::trace_extend, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_open, m)?)?;
     m.add_function(wrap_pyfunction!(memory::set_step, m)?)?;

@@ -227,7 +227,13 @@ impl StandIn {
     /// class has now: the short way puts such a stand-in on again at the
     /// next sampled step (step_clock.rs, `Lean`).
     pub(crate) fn stands_for(&self, forward: &Bound<'_, PyAny>) -> bool {
-        self.bound && self.owner.is_some() && self.wrapped.bind(forward.py()).is(forward)
+        self.holds_weakly() && self.wrapped.bind(forward.py()).is(forward)
+    }
+
+    /// It holds its module only through a weak reference (see the
+    /// module's comment): its inner forward was a plain method of it.
+    pub(crate) fn holds_weakly(&self) -> bool {
+        self.bound && self.owner.is_some()
     }
 
     /// The inner forward as the program would see it: bound to its module

@@ -64,7 +64,8 @@ fn wall_s() -> f64 {
 
 /// What the short way calls into Python, given once (`StepClock.wire`).
 struct Wired {
-    /// trace.py's `tables` module: `post_step(row)`, `due`, `flush()`.
+    /// trace.py's `tables` module: `steps_waiting()`, `post_trace(...)`,
+    /// `due`, `flush()`.
     tables: Py<PyAny>,
     /// `memory.step_row(now_ns)`: the timeline's CUDA row as the step is told.
     step_row: Py<PyAny>,
@@ -89,6 +90,9 @@ struct Lean {
     /// The Tracer's `handles` (timed.take_off's entries, in `entries`'
     /// order) while these are on.
     handles: Py<PyList>,
+    /// What the Tracer's `handles` is while they are off: one empty list,
+    /// made beforehand (see `boundary_at` on what its window may not do).
+    none_on: Py<PyList>,
     entries: Vec<(Py<PyWeakrefReference>, Py<StandIn>)>,
     /// The stand-ins' counters, and as many zeros.
     acc: Py<PyList>,
@@ -99,11 +103,23 @@ struct Lean {
     plan_id: i64,
 }
 
+/// What `StepClock.lean_set` is given, in that order.
+type LeanGiven = (
+    Py<PyAny>,
+    Py<PyList>,
+    Vec<(Py<PyWeakrefReference>, Py<StandIn>)>,
+    Py<PyList>,
+    Py<PyList>,
+    Vec<usize>,
+    i64,
+);
+
 impl Lean {
     fn clone_ref(&self, py: Python<'_>) -> Lean {
         Lean {
             plan: self.plan.clone_ref(py),
             handles: self.handles.clone_ref(py),
+            none_on: self.none_on.clone_ref(py),
             entries: self
                 .entries
                 .iter()
@@ -192,11 +208,23 @@ impl StepClock {
     /// (see `Lean`): `(plan, handles, entries, acc, zeros, roots,
     /// plan_id)`, where `entries` are (module weakref, stand-in) pairs in
     /// the order of `handles`, the list the Tracer keeps as its `handles`.
-    fn lean_set(slf: &Bound<'_, Self>, given: &Bound<'_, PyTuple>) -> PyResult<()> {
-        let (plan, handles, entries, acc, zeros, roots, plan_id) = given.extract()?;
+    /// Stand-ins that hold their module strongly (a `forward` that is not
+    /// a plain method of it) are not taken: kept between sampled steps,
+    /// they would keep a model the program dropped.
+    fn lean_set(slf: &Bound<'_, Self>, given: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        let py = slf.py();
+        let (plan, handles, entries, acc, zeros, roots, plan_id): LeanGiven = given.extract()?;
+        if !entries
+            .iter()
+            .all(|(_, stand_in)| stand_in.bind(py).borrow().holds_weakly())
+        {
+            Self::lean_clear(slf);
+            return Ok(false);
+        }
         let lean = Lean {
             plan,
             handles,
+            none_on: PyList::empty(py).unbind(),
             entries,
             acc,
             zeros,
@@ -205,7 +233,7 @@ impl StepClock {
         };
         let old = slf.borrow_mut().lean.replace(lean);
         drop(old); // after the borrow: see set_told
-        Ok(())
+        Ok(true)
     }
 
     fn lean_clear(slf: &Bound<'_, Self>) {
@@ -415,10 +443,15 @@ fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -
 /// the sampled step's rows. Anything else is the Tracer's long way
 /// (`Tracer._boundary`).
 ///
-/// Everything up to the clock's moving on runs no Python code (weak
-/// references, dictionaries keyed by strings, attributes of the Tracer's
-/// own), so that a probe thread that turns the trace off, which first
+/// Everything up to the clock's moving on runs no Python code and makes
+/// no object the cyclic collector tracks (on 3.11 making one may start a
+/// collection, which runs finalizers and may let another thread in): weak
+/// references, the modules' `__dict__` keyed by strings, the Tracer's own
+/// attributes, ints. Nothing is released there either: what it lets go of
+/// goes after. So a probe thread that turns the trace off, which first
 /// clears `quiet`, finds either the boundary before or the boundary after.
+/// (A module class that makes `forward` or `__dict__` a descriptor of its
+/// own would run its code there; nn.Module does neither.)
 fn boundary_at(
     slf: &Bound<'_, StepClock>,
     now: i64,
@@ -518,24 +551,24 @@ fn boundary_at(
             if let Some(first) = figures.first_fwd {
                 cells[3] = ms(first - last_end);
             }
-            let acc = figures.acc.bind(py);
+            let acc = &figures.acc;
             let (mut ns, mut calls) = (0i64, 0i64);
             for &at in &lean.roots {
-                ns += acc.get_item(at)?.extract::<i64>()?;
-                calls += acc.get_item(at + 1)?.extract::<i64>()?;
+                ns += acc.get(at).copied().unwrap_or(0);
+                calls += acc.get(at + 1).copied().unwrap_or(0);
             }
             if calls > 0 {
                 cells[4] = ms(ns);
             }
             if let Some(loss) = &figures.loss {
-                // A loss on the CPU (one on a GPU goes the long way).
-                if let Ok(value) = loss
-                    .bind(py)
-                    .call_method0(intern!(py, "item"))
-                    .and_then(|v| v.extract::<f64>())
-                {
-                    cells[7] = Cell::Float(value);
-                }
+                // A loss on the CPU (one on a GPU goes the long way), read
+                // as the long way reads it: `float(loss)`, which raises
+                // where that raised.
+                let value = py
+                    .get_type::<pyo3::types::PyFloat>()
+                    .call1((loss.bind(py),))?
+                    .extract::<f64>()?;
+                cells[7] = Cell::Float(value);
             }
             if figures.samples > 0 {
                 cells[8] = Cell::Int(figures.samples);
@@ -543,7 +576,11 @@ fn boundary_at(
                     cells[9] = Cell::Float(figures.samples as f64 / (duration as f64 / 1e9));
                 }
             }
-            tables.call_method1(intern!(py, "post_trace"), (lean.plan_id, (ts, step, acc)))?;
+            let counters = PyList::new(py, acc)?;
+            tables.call_method1(
+                intern!(py, "post_trace"),
+                (lean.plan_id, (ts, step, counters)),
+            )?;
         }
         if crate::store::keep_step_row(ts, cells) {
             tables.call_method0(intern!(py, "steps_waiting"))?;
@@ -557,8 +594,16 @@ fn boundary_at(
                 .import(intern!(py, "rankscope._probe.torch.timed"))?
                 .getattr(intern!(py, "take_off"))?;
             let handles = lean.handles.bind(py);
+            // Each one tried, the first error then raised (the trace goes
+            // off with it): the Tracer's `handles` no longer lists these.
+            let mut failed = None;
             for &i in &taken.left {
-                take_off.call1((handles.get_item(i)?,))?;
+                if let Err(err) = handles.get_item(i).and_then(|h| take_off.call1((h,))) {
+                    failed.get_or_insert(err);
+                }
+            }
+            if let Some(err) = failed {
+                return Err(err);
             }
         }
     }
@@ -585,11 +630,13 @@ struct LeanTurn {
     /// Indexes of the stand-ins that could not come off here (something
     /// stood on them): taken off the Python way once the clock has moved.
     left: Vec<usize>,
+    /// What the window let go of, released after it.
+    dropped: Option<Py<PyAny>>,
 }
 
 struct Sampled {
     /// A copy of the stand-ins' counters for the step.
-    acc: Py<PyList>,
+    acc: Vec<i64>,
     first_fwd: Option<i64>,
     samples: i64,
     loss: Option<Py<PyAny>>,
@@ -599,7 +646,7 @@ struct Sampled {
 /// sampled, or the next one is: the sampled step's figures read and the
 /// Tracer's step state reset, the stand-ins taken off or put on. None
 /// where the long way must take the boundary; it has then changed nothing.
-/// Runs no Python code (see `boundary_at`).
+/// Runs no Python code and makes no tracked object (see `boundary_at`).
 fn lean_turn(
     slf: &Bound<'_, StepClock>,
     lean: &Lean,
@@ -620,6 +667,7 @@ fn lean_turn(
         on_next: next_sampled,
         sampled: None,
         left: Vec::new(),
+        dropped: None,
     };
     if sampled_now {
         if !tracer.getattr(intern!(py, "loss_event"))?.is_none() {
@@ -629,9 +677,12 @@ fn lean_turn(
         let samples: i64 = tracer.getattr(intern!(py, "samples"))?.extract()?;
         let loss = tracer.getattr(intern!(py, "loss"))?;
         let acc = lean.acc.bind(py);
-        let copy = acc.get_slice(0, acc.len());
+        let copy = acc
+            .iter()
+            .map(|n| n.extract::<i64>())
+            .collect::<PyResult<Vec<i64>>>()?;
         taken.sampled = Some(Sampled {
-            acc: copy.unbind(),
+            acc: copy,
             first_fwd,
             samples,
             loss: (!loss.is_none()).then(|| loss.unbind()),
@@ -657,7 +708,7 @@ fn lean_turn(
                     _ => taken.left.push(i),
                 }
             }
-            tracer.setattr(intern!(py, "handles"), PyList::empty(py))?;
+            tracer.setattr(intern!(py, "handles"), &lean.none_on)?;
         }
     } else if next_sampled {
         // All as the last sampled step left them, or the long way.
@@ -690,6 +741,15 @@ fn lean_turn(
             attrs.set_item(intern!(py, "forward"), stand_in)?;
         }
         tracer.setattr(intern!(py, "handles"), &lean.handles)?;
+        // Tracer._reset_step's part that a root stand-in writes: a program
+        // that wrapped one calls it at every step, sampled or not, and the
+        // sampled step's row is its own. (The old loss goes with `taken`,
+        // after the window.)
+        taken.dropped = Some(tracer.getattr(intern!(py, "loss"))?.unbind());
+        let none = py.None();
+        tracer.setattr(intern!(py, "first_fwd"), &none)?;
+        tracer.setattr(intern!(py, "samples"), 0)?;
+        tracer.setattr(intern!(py, "loss"), &none)?;
     }
     Ok(Some(taken))
 }

@@ -18,14 +18,14 @@ fn env_number(name: &str) -> Option<u64> {
     std::env::var(name).ok()?.trim().parse().ok()
 }
 
-/// The store of this process; made with the first row. A child after
-/// `fork` gets a fresh one: the parent's rows and thread are not its own.
 /// This process's id, read once and again after a fork: every row goes
 /// through `store()`, which tells a child after fork (that must start a
 /// store of its own) by its pid, and `getpid` is a system call, about
 /// 140 ns here, twice for each collective recorded.
 fn this_pid() -> u32 {
-    static FORK_HOOK: std::sync::Once = std::sync::Once::new();
+    // A flag, not a `Once`: a fork while another thread registers would
+    // leave the child a `Once` that never completes.
+    static FORK_HOOK: AtomicBool = AtomicBool::new(false);
     extern "C" fn forked() {
         PID.store(0, Ordering::Relaxed);
     }
@@ -33,17 +33,19 @@ fn this_pid() -> u32 {
     if pid != 0 {
         return pid;
     }
-    FORK_HOOK.call_once(|| {
+    if !FORK_HOOK.swap(true, Ordering::AcqRel) {
         // SAFETY: registers a handler that only stores to an atomic, which
         // is async-signal-safe, as a child's handler after fork must be.
         unsafe { libc::pthread_atfork(None, None, Some(forked)) };
-    });
+    }
     let pid = std::process::id();
     PID.store(pid, Ordering::Relaxed);
     pid
 }
 static PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
+/// The store of this process; made with the first row. A child after
+/// `fork` gets a fresh one: the parent's rows and thread are not its own.
 fn store() -> Arc<Store> {
     if let Some(store) = existing() {
         return store;
@@ -205,6 +207,12 @@ pub(crate) fn keep_step_row(ts: f64, cells: Vec<Cell>) -> bool {
 pub fn step_row(row: &Bound<'_, PyAny>) -> PyResult<bool> {
     let (ts, cells) = ts_and_cells(row)?;
     Ok(keep_step_row(ts, cells))
+}
+
+/// How many `torch_steps` rows wait for the hand-over.
+#[pyfunction]
+pub fn step_rows_waiting() -> usize {
+    STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner()).len()
 }
 
 /// Hands the kept `torch_steps` rows to the store; how many there were.

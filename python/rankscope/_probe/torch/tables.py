@@ -6,8 +6,9 @@ answers ``GET /v1/table`` without the GIL, and spills the rows to the run
 directory. A row is a list in the order of ``COLUMNS`` (``ts`` first, in
 seconds; the store adds pid, rank and host).
 
-The step clock's rows (``torch_steps`` each step; ``torch_trace``,
-``grad_stats`` and ``activation_stats`` each sampled step) wait in ``outbox`` and are handed over together, at a step
+The step clock's rows (``torch_steps`` each step, kept natively as
+cells; ``torch_trace``, ``grad_stats`` and ``activation_stats`` each
+sampled step, in ``outbox``) wait and are handed over together, at a step
 boundary at least ``HAND_OVER_NS`` after the last, at exit, and when a
 reader asks (the probe's table endpoint does, before it reads). A call into
 the store right after a step's kernels costs about 10 us, most of it cache
@@ -142,7 +143,8 @@ def flush() -> None:
         # since the last step boundary. Never from a probe thread: a CUDA
         # call there would break a CUDA graph the program is capturing.
         resolve_pending()
-    if due == NEVER:
+    if due == NEVER and not _native.step_rows_waiting():
+        # (Rows kept while `due` was never set, if setting it failed, go too.)
         return
     with _outbox_lock:
         # Handed over under the lock: batches reach the store in order.
