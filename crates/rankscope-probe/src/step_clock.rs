@@ -22,7 +22,7 @@
 //! `Exception` (KeyboardInterrupt from the program's own signal handler)
 //! goes on to the program, as it would through a Python hook.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::intern;
@@ -114,25 +114,6 @@ type LeanGiven = (
     i64,
 );
 
-impl Lean {
-    fn clone_ref(&self, py: Python<'_>) -> Lean {
-        Lean {
-            plan: self.plan.clone_ref(py),
-            handles: self.handles.clone_ref(py),
-            none_on: self.none_on.clone_ref(py),
-            entries: self
-                .entries
-                .iter()
-                .map(|(m, s)| (m.clone_ref(py), s.clone_ref(py)))
-                .collect(),
-            acc: self.acc.clone_ref(py),
-            zeros: self.zeros.clone_ref(py),
-            roots: self.roots.clone(),
-            plan_id: self.plan_id,
-        }
-    }
-}
-
 /// The clock's state, read and written by the Tracer's Python as
 /// attributes. A borrow of it is never held across a call into Python,
 /// which may come back here (a listener that fails turns a feature off).
@@ -176,7 +157,8 @@ pub struct StepClock {
     /// Each event's (listener, method, when) tuples, non-empty or None.
     told: [Option<Py<PyTuple>>; 3],
     wired: OnceLock<Wired>,
-    lean: Option<Lean>,
+    /// Shared, so that a boundary takes it without a borrow held.
+    lean: Option<Arc<Lean>>,
 }
 
 #[pymethods]
@@ -231,7 +213,7 @@ impl StepClock {
             roots,
             plan_id,
         };
-        let old = slf.borrow_mut().lean.replace(lean);
+        let old = slf.borrow_mut().lean.replace(Arc::new(lean));
         drop(old); // after the borrow: see set_told
         Ok(true)
     }
@@ -472,7 +454,7 @@ fn boundary_at(
                     clock
                         .lean
                         .as_ref()
-                        .map(|lean| Some((lean.clone_ref(py), sampled_now, next_sampled)))
+                        .map(|lean| Some((lean.clone(), sampled_now, next_sampled)))
                 }
             }
             _ => None,
@@ -673,9 +655,7 @@ fn lean_turn(
         if !tracer.getattr(intern!(py, "loss_event"))?.is_none() {
             return Ok(None); // a loss on its way from a GPU
         }
-        let first_fwd: Option<i64> = tracer.getattr(intern!(py, "first_fwd"))?.extract()?;
-        let samples: i64 = tracer.getattr(intern!(py, "samples"))?.extract()?;
-        let loss = tracer.getattr(intern!(py, "loss"))?;
+        let (first_fwd, samples, loss) = take_root_figures(tracer)?;
         let acc = lean.acc.bind(py);
         let copy = acc
             .iter()
@@ -687,11 +667,6 @@ fn lean_turn(
             samples,
             loss: (!loss.is_none()).then(|| loss.unbind()),
         });
-        // Tracer._reset_step's part that the stand-ins wrote.
-        let none = py.None();
-        tracer.setattr(intern!(py, "first_fwd"), &none)?;
-        tracer.setattr(intern!(py, "samples"), 0)?;
-        tracer.setattr(intern!(py, "loss"), &none)?;
         let count: i64 = tracer.getattr(intern!(py, "sampled_steps"))?.extract()?;
         tracer.setattr(intern!(py, "sampled_steps"), count + 1)?;
         if next_sampled {
@@ -741,17 +716,29 @@ fn lean_turn(
             attrs.set_item(intern!(py, "forward"), stand_in)?;
         }
         tracer.setattr(intern!(py, "handles"), &lean.handles)?;
-        // Tracer._reset_step's part that a root stand-in writes: a program
-        // that wrapped one calls it at every step, sampled or not, and the
-        // sampled step's row is its own. (The old loss goes with `taken`,
-        // after the window.)
-        taken.dropped = Some(tracer.getattr(intern!(py, "loss"))?.unbind());
-        let none = py.None();
-        tracer.setattr(intern!(py, "first_fwd"), &none)?;
-        tracer.setattr(intern!(py, "samples"), 0)?;
-        tracer.setattr(intern!(py, "loss"), &none)?;
+        // Reset here too: a program that wrapped a root stand-in calls it
+        // at every step, sampled or not, and the sampled step's row is its
+        // own. (The old loss goes with `taken`, after the window.)
+        taken.dropped = Some(take_root_figures(tracer)?.2.unbind());
     }
     Ok(Some(taken))
+}
+
+/// Tracer._reset_step's part that a root stand-in writes (its first
+/// forward, samples, loss): read and reset. The loss is returned, not
+/// released: the window may release nothing.
+fn take_root_figures<'py>(
+    tracer: &Bound<'py, PyAny>,
+) -> PyResult<(Option<i64>, i64, Bound<'py, PyAny>)> {
+    let py = tracer.py();
+    let first_fwd: Option<i64> = tracer.getattr(intern!(py, "first_fwd"))?.extract()?;
+    let samples: i64 = tracer.getattr(intern!(py, "samples"))?.extract()?;
+    let loss = tracer.getattr(intern!(py, "loss"))?;
+    let none = py.None();
+    tracer.setattr(intern!(py, "first_fwd"), &none)?;
+    tracer.setattr(intern!(py, "samples"), 0)?;
+    tracer.setattr(intern!(py, "loss"), &none)?;
+    Ok((first_fwd, samples, loss))
 }
 
 fn reset_counters(py: Python<'_>, lean: &Lean) -> PyResult<()> {

@@ -204,7 +204,7 @@ class GradStats:
             weights = _gathered(_norms([p.detach() for p in params]), device)
             stacked = torch.stack([norms, maxes, weights])
             copies = self._copies(optimizer, params, size)
-        self.before[id(optimizer)] = (self._watch(optimizer), step, params, stacked, copies)
+        self.before[id(optimizer)] = (weakref.ref(optimizer, self._optimizer_gone), step, params, stacked, copies)
 
     def _native_pre(self, optimizer, step, params, grads) -> bool:
         """On a CPU: the statistics read in place (``_native.GradRead``,
@@ -227,11 +227,8 @@ class GradStats:
         weight_norms = read.keep(params, self.cap)
         if weight_norms is None:
             return False
-        self.before[id(optimizer)] = (self._watch(optimizer), step, params, (got[0], got[1], weight_norms), read)
+        self.before[id(optimizer)] = (reader[0], step, params, (got[0], got[1], weight_norms), read)
         return True
-
-    def _watch(self, optimizer):
-        return weakref.ref(optimizer, self._optimizer_gone)
 
     def _optimizer_gone(self, gone) -> None:
         """An optimizer was freed: what was kept for it goes too (the
