@@ -36,6 +36,7 @@ NAN_FORWARD, NAN_BACKWARD = flag("--nan-forward"), flag("--nan-backward")
 NAN_LOSS_GRAD = flag("--nan-loss-grad")
 LOSS = sys.argv[sys.argv.index("--loss") + 1] if "--loss" in sys.argv else "module"
 DROPOUT = "--dropout" in sys.argv
+KEYWORD = "--keyword" in sys.argv  # the model called as model(x=...)
 done = 0
 
 
@@ -101,7 +102,7 @@ def train_step():
     global done
     x = torch.randn(8, 16, generator=data)
     target = torch.randn(8, 1, generator=data)
-    loss = criterion(model(x), target)
+    loss = criterion(model(x=x) if KEYWORD else model(x), target)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -138,8 +139,14 @@ def on(cli, pid, *args) -> str:
     return result.stdout
 
 
-def test_a_forward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli):
-    target = spawn(torch_python, TRAIN, args=["--nan-forward", "4"])
+# A loss module: the root's output goes to the watch's Python (a loss
+# module may be called on it). A loss function, and the input given by
+# keyword: the root stand-in keeps the step's input natively, the
+# pre-hook checks the sentinels natively, and the replay is called with
+# the keywords it kept (nan_arm.rs).
+@pytest.mark.parametrize("call", [[], ["--keyword", "--loss", "functional"]], ids=["module-loss", "keyword-functional"])
+def test_a_forward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli, call):
+    target = spawn(torch_python, TRAIN, args=["--nan-forward", "4", *call])
     armed = on(cli, target.pid, "nan", "on")
     assert "nan watch: armed" in armed and "no non-finite value seen" in armed, armed
     run_steps(cli, target, 3, 3)

@@ -79,3 +79,31 @@ class FiniteCheck:
 
     def __init__(self, dtypes: tuple) -> None: ...
     def check(self, tensors) -> bool | None: ...
+    def check_grads(self, params, loss) -> bool | None: ...
+
+class NanStep:
+    """What the NaN watch keeps of the step in progress (nan_arm.rs)."""
+
+    model: object
+    args: object
+    kwargs: object
+    rng: object
+    cuda_rng: object
+    loss: object
+    output: object
+    loss_call: object
+    def clear(self) -> None: ...
+
+class NanArm:
+    """`NanArm(finite_check, torch.Tensor, full_every)`: the armed NaN watch's
+    state that the root stand-ins and the step clock read (nan_arm.rs)."""
+
+    step: NanStep
+    armed: bool
+    searching: bool
+    slow: bool
+    loss_modules: bool
+    checked_steps: int
+    sentinel_params: object
+    models_seen: object
+    def __init__(self, finite: FiniteCheck, tensor: type, full_every: int) -> None: ...

@@ -26,8 +26,9 @@ pub(crate) enum Float {
 
 /// `FiniteCheck((float32, float64, float16, bfloat16))`, made once; then
 /// `check(tensors)`: True or False, or None where a tensor is not one this
-/// reads (on a GPU, strided, another dtype, too large).
-#[pyclass(module = "rankscope._native")]
+/// reads (on a GPU, strided, another dtype, too large). Frozen: nan_arm.rs
+/// reads with it at every step, with no borrow to take.
+#[pyclass(module = "rankscope._native", frozen)]
 pub struct FiniteCheck {
     dtypes: Dtypes,
 }
@@ -190,7 +191,7 @@ impl FiniteCheck {
     /// `loss` (a tensor or None): the step's check in one call, without a
     /// list of the gradients made in Python first; None also where there
     /// is nothing to read.
-    fn check_grads(
+    pub(crate) fn check_grads(
         &self,
         params: &Bound<'_, PyAny>,
         loss: &Bound<'_, PyAny>,

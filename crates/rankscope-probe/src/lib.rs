@@ -16,6 +16,7 @@ mod handler;
 mod injected;
 mod memory;
 mod meta;
+mod nan_arm;
 mod on_main;
 mod profile_self;
 mod pyjson;
@@ -294,6 +295,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<finite::FiniteCheck>()?;
     m.add_class::<step_clock::StepClock>()?;
     m.add_class::<stand_in::StandIn>()?;
+    m.add_class::<nan_arm::NanArm>()?;
+    m.add_class::<nan_arm::NanStep>()?;
     m.add_function(wrap_pyfunction!(on_main::on_main_thread, m)?)?;
     m.add_class::<grad_read::GradRead>()?;
     Ok(())

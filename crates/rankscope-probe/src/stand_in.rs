@@ -36,6 +36,7 @@ use pyo3::{intern, PyTraverseError};
 /// later, under a borrow of one (an import may run the program's code).
 static METHOD_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
+use crate::nan_arm::{self, NanArm};
 use crate::step_clock::perf_ns;
 
 /// `StandIn(inner, acc, at, before=None, after=None, timing=True)`: calls
@@ -57,6 +58,10 @@ pub struct StandIn {
     timing: bool,
     /// The module's own attribute before this one (timed.put_on sets it).
     previous: Option<Py<PyAny>>,
+    /// On a model's root while the NaN watch is armed: the step's input is
+    /// kept natively (nan_arm.rs), and `before` and `after` are called only
+    /// where the watch's Python has to do it.
+    arm: Option<Py<NanArm>>,
 }
 
 #[pymethods]
@@ -83,6 +88,7 @@ impl StandIn {
             after,
             timing,
             previous: None,
+            arm: None,
         })
     }
 
@@ -96,7 +102,7 @@ impl StandIn {
         // Copied out, so that nothing is borrowed while Python runs: the
         // inner forward may be anything, and a probe thread may take this
         // stand-in off meanwhile.
-        let (inner, owner, acc, at, before, after, timing) = {
+        let (inner, owner, acc, at, before, after, timing, arm, model) = {
             let me = slf.borrow();
             (
                 me.wrapped.clone_ref(py),
@@ -108,8 +114,14 @@ impl StandIn {
                 me.before.as_ref().map(|b| b.clone_ref(py)),
                 me.after.as_ref().map(|a| a.clone_ref(py)),
                 me.timing,
+                me.arm.as_ref().map(|a| a.clone_ref(py)),
+                me.owner.as_ref().map(|o| o.clone_ref(py).into_any()),
             )
         };
+        let kept = arm
+            .as_ref()
+            .is_some_and(|arm| nan_arm::keep_input(arm.bind(py), model.as_ref(), args, kwargs));
+        let before = if kept { None } else { before };
         if let Some(before) = before {
             // The Python stand-ins gave a dict, empty or not.
             let kwargs = kwargs.cloned().unwrap_or_else(|| PyDict::new(py));
@@ -140,6 +152,13 @@ impl StandIn {
                 add(acc, at + 1, 1)?;
             }
         }
+        let after = match (&arm, after) {
+            (Some(arm), Some(after)) if !nan_arm::output_needs_python(arm.bind(py), &out) => {
+                drop(after);
+                None
+            }
+            (_, after) => after,
+        };
         if let Some(after) = after {
             after.bind(py).call1((args, &out))?;
         }
@@ -176,6 +195,10 @@ impl StandIn {
     fn set_previous(&mut self, value: Py<PyAny>) {
         self.previous = Some(value);
     }
+    #[setter]
+    fn set_arm(&mut self, value: Option<Py<NanArm>>) {
+        self.arm = value;
+    }
 
     /// Anything else is the inner forward's (`__self__`, `__func__`,
     /// `__name__`, ...).
@@ -210,6 +233,7 @@ impl StandIn {
         visit.call(&self.before)?;
         visit.call(&self.after)?;
         visit.call(&self.previous)?;
+        visit.call(&self.arm)?;
         Ok(())
     }
 
@@ -218,6 +242,7 @@ impl StandIn {
         self.before = None;
         self.after = None;
         self.previous = None;
+        self.arm = None;
     }
 }
 

@@ -31,6 +31,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyWeakrefReference};
 
 use rankscope_store::Cell;
 
+use crate::nan_arm::{self, NanArm};
 use crate::stand_in::StandIn;
 
 /// The events listeners hear of, in trace.py's EVENTS order.
@@ -159,6 +160,10 @@ pub struct StepClock {
     wired: OnceLock<Wired>,
     /// Shared, so that a boundary takes it without a borrow held.
     lean: Option<Arc<Lean>>,
+    /// The NaN watch's state while it is armed (nan_arm.rs): its sentinel
+    /// check in the pre-hook, and its boundary where it has nothing to do.
+    #[pyo3(get, set)]
+    nan_arm: Option<Py<NanArm>>,
 }
 
 #[pymethods]
@@ -183,6 +188,7 @@ impl StepClock {
             told: [None, None, None],
             wired: OnceLock::new(),
             lean: None,
+            nan_arm: None,
         }
     }
 
@@ -280,17 +286,34 @@ impl StepClock {
         _kwargs: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let py = slf.py();
-        let (on, calls) = {
+        let (on, calls, arm) = {
             let clock = slf.borrow();
-            (clock.on, clock.calls(py, PRE))
+            (
+                clock.on,
+                clock.calls(py, PRE),
+                clock.nan_arm.as_ref().map(|a| a.clone_ref(py)),
+            )
         };
         if !on {
             return Ok(());
         }
         let result = (|| -> PyResult<()> {
             if let Some(calls) = calls {
+                let checked = match arm {
+                    Some(arm) => {
+                        let primary = marks_steps(slf, optimizer)?;
+                        nan_arm::check_sentinels(arm.bind(py), optimizer, primary)?
+                    }
+                    None => false,
+                };
                 let step = current_step(slf, Some(optimizer))?;
-                tell(slf.as_any(), &calls, step, std::slice::from_ref(optimizer))?;
+                tell(
+                    slf.as_any(),
+                    &calls,
+                    step,
+                    std::slice::from_ref(optimizer),
+                    checked,
+                )?;
             }
             slf.borrow_mut().opt_start = Some(perf_ns());
             Ok(())
@@ -352,7 +375,7 @@ impl StepClock {
             return Ok(());
         };
         let args: Vec<Bound<'_, PyAny>> = args.iter().collect();
-        tell(slf.as_any(), &calls, step, &args)
+        tell(slf.as_any(), &calls, step, &args, false)
     }
 }
 
@@ -391,7 +414,13 @@ fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -
     };
     if let Some(calls) = calls {
         let step = current_step(slf, Some(optimizer))?;
-        tell(slf.as_any(), &calls, step, std::slice::from_ref(optimizer))?;
+        tell(
+            slf.as_any(),
+            &calls,
+            step,
+            std::slice::from_ref(optimizer),
+            false,
+        )?;
     }
     if by_call {
         return Ok(());
@@ -594,7 +623,8 @@ fn boundary_at(
         step_row.bind(py).call1((now,))?;
     }
     if let Some(calls) = calls {
-        tell(slf.as_any(), &calls, step + 1, &[])?;
+        let checked = quiet_nan_boundary(slf)?;
+        tell(slf.as_any(), &calls, step + 1, &[], checked)?;
     }
     let due: i64 = tables.getattr(intern!(py, "due"))?.extract()?;
     if now >= due {
@@ -747,15 +777,18 @@ fn reset_counters(py: Python<'_>, lean: &Lean) -> PyResult<()> {
 }
 
 /// Calls each listener's method with `(*args, step)` where its `when` lets
-/// it: None, always; "sampled", at the steps its `every` samples; another
-/// name, while that attribute of the listener is true (a GPU's values
-/// waiting). A listener whose call raises an `Exception` is taken off
-/// (`Tracer._listener_failed`); the others are still told.
+/// it: None, always; "sampled", at the steps its `every` samples;
+/// "unchecked", unless `checked` (the NaN watch's native part did this
+/// step's work: nan_arm.rs); another name, while that attribute of the
+/// listener is true (a GPU's values waiting). A listener whose call
+/// raises an `Exception` is taken off (`Tracer._listener_failed`); the
+/// others are still told.
 fn tell(
     tracer: &Bound<'_, PyAny>,
     calls: &Bound<'_, PyTuple>,
     step: i64,
     args: &[Bound<'_, PyAny>],
+    checked: bool,
 ) -> PyResult<()> {
     let py = tracer.py();
     for entry in calls.iter() {
@@ -765,7 +798,11 @@ fn tell(
         let when = entry.get_item(2)?;
         let result = (|| -> PyResult<()> {
             if !when.is_none() {
-                if when.eq(intern!(py, "sampled"))? {
+                if when.eq(intern!(py, "unchecked"))? {
+                    if checked {
+                        return Ok(());
+                    }
+                } else if when.eq(intern!(py, "sampled"))? {
                     let every: i64 = listener.getattr(intern!(py, "every"))?.extract()?;
                     if every > 0 && step % every != 0 {
                         return Ok(());
@@ -795,6 +832,42 @@ fn tell(
         }
     }
     Ok(())
+}
+
+/// The NaN watch's boundary, done here where its Python has nothing to do
+/// (see `nan_arm::quiet_boundary`): steps marked by an optimizer, whose
+/// pre-hook checked them.
+fn quiet_nan_boundary(slf: &Bound<'_, StepClock>) -> PyResult<bool> {
+    let py = slf.py();
+    let arm = {
+        let clock = slf.borrow();
+        if clock.marker.as_deref() != Some("optimizer") {
+            return Ok(false);
+        }
+        clock.nan_arm.as_ref().map(|a| a.clone_ref(py))
+    };
+    let Some(arm) = arm else {
+        return Ok(false);
+    };
+    let models = slf.getattr(intern!(py, "models"))?;
+    Ok(nan_arm::quiet_boundary(arm.bind(py), &models))
+}
+
+/// Whether `optimizer` is the one that marks steps (the primary, with the
+/// optimizer as marker): the step's input may go at its pre-hook.
+fn marks_steps(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = slf.py();
+    let primary = {
+        let clock = slf.borrow();
+        if clock.marker.as_deref() != Some("optimizer") {
+            return Ok(false);
+        }
+        clock.primary.as_ref().map(|p| p.clone_ref(py))
+    };
+    match primary {
+        Some(weak) => Ok(weak.bind(py).call0()?.is(optimizer)),
+        None => Ok(false),
+    }
 }
 
 /// What a hook returns to torch: nothing, whatever happened, but for a

@@ -214,7 +214,12 @@ def _memory_picture(exc: BaseException) -> dict | None:
             if torch is not None and torch.cuda.is_initialized():
                 # The caching allocator's own account: what is allocated,
                 # reserved and cached, per pool (no device sync).
-                picture["cuda_summary"] = torch.cuda.memory_summary(abbreviated=True)
+                # Of the device that ran out (the most OOMs, then the most
+                # reserved), not the current one: the thread writing this
+                # record may not be the one whose device failed.
+                worst = max(picture["cuda"], key=lambda d: (d["ooms"], d["reserved_mb"]), default=None)
+                device = int(worst["device"].split(":")[1]) if worst else None
+                picture["cuda_summary"] = torch.cuda.memory_summary(device=device, abbreviated=True)
             if torch is not None:
                 from rankscope._probe.torch import tensors
 

@@ -19,6 +19,13 @@ names is the one it was computed in, but by then the optimizer has applied
 those gradients, so the search below runs on weights that may already be
 non-finite, and says so.
 
+At an ordinary step none of this module's Python runs: the root
+stand-in keeps the input, the step clock's pre-hook checks the
+sentinels and the boundary lets the input go natively
+(``_native.NanArm``, crates/rankscope-probe/src/nan_arm.rs). The hooks
+below run where that cannot: a full check, a trip, a GPU, a random
+forward, an output that may hold the loss, new models.
+
 On a trip, the step is searched while its weights are still the ones it
 ran with (the optimizer's pre-hook, before the update):
 
@@ -64,7 +71,7 @@ import torch
 from rankscope import _native
 from rankscope._probe.torch import models, tables, timed
 from rankscope._probe.torch.stats import FLOATS, _norms
-from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors
+from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors, capturing
 
 # Events kept for `torch nan` (the table keeps them all).
 MAX_EVENTS = 16
@@ -115,41 +122,47 @@ def _inputs_of(args, kwargs) -> list:
     return out
 
 
-class _Step:
-    """What the root hooks keep of the step in progress."""
+# What the root hooks keep of the step in progress: model (a weakref), args,
+# kwargs, rng, cuda_rng, loss, output and loss_call (a loss module called on
+# the model's output itself: (its ref, the other arguments, keyword
+# arguments), made again on a replay's output; `output` is a weakref to
+# that output, kept only while a loss module is watched). Native
+# (nan_arm.rs): the root stand-in fills it in without the watch's Python.
+_Step = _native.NanStep
 
-    __slots__ = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "output", "loss_call")
 
-    def __init__(self):
-        self.model = self.args = self.kwargs = self.rng = None
-        self.cuda_rng = self.loss = self.output = None
-        # (loss module ref, the other arguments, keyword arguments) of a
-        # loss module called on the model's output itself (`output`: a
-        # weakref to it, kept only while a loss module is watched): the
-        # loss made again on a replay's output.
-        self.loss_call = None
-
-    def clear(self):
-        self.args = self.kwargs = self.rng = self.cuda_rng = None
-        self.loss = self.output = self.loss_call = None
+def _arm_field(name):
+    """A NanWatch attribute kept in its native arm, which the stand-ins and
+    the step clock read."""
+    return property(lambda self: getattr(self._arm, name), lambda self, value: setattr(self._arm, name, value))
 
 
 class NanWatch:
+    # Told only where the arm's native part (nan_arm.rs) did not do the
+    # step's work: see `tell` in step_clock.rs.
+    WHEN = {"optimizer_pre": "unchecked", "boundary": "unchecked"}
+
+    armed = _arm_field("armed")
+    checked_steps = _arm_field("checked_steps")
+    step = _arm_field("step")
+    searching = _arm_field("searching")
+    models_seen = _arm_field("models_seen")  # TRACER.models when last compared with `hooked`
+    sentinel_params = _arm_field("sentinel_params")  # (optimizer weakref, its sentinel parameters)
+    loss_modules = _arm_field("loss_modules")  # a loss module has a stand-in
+
     def __init__(self):
-        self.armed = False
-        self.checked_steps = 0
+        self._arm = _native.NanArm(_finite_check(), torch.Tensor, FULL_EVERY)
         self.events: list = []
         self.disabled = None
         self.handles: list = []
-        self.step = _Step()
         self.pending: list = []  # (step number, _Step, params, host flag, event) on a GPU
         self.tripped_at = None
-        self.searching = False
         self.hooked: set = set()
-        self.models_seen = None  # TRACER.models when last compared with `hooked`
         self.sentinels: set = set()
-        self.sentinel_params = None  # (optimizer weakref, its sentinel parameters)
-        self.loss_modules = False  # a loss module has a stand-in
+
+    def _pending_changed(self):
+        # While a GPU's check waits, each step gets a new _Step, made here.
+        self._arm.slow = bool(self.pending)
 
     # ---- on and off (probe thread)
 
@@ -160,16 +173,20 @@ class NanWatch:
         TRACER.add_listener(self)
         self._hook_roots()
         self.armed = True
+        TRACER.nan_arm = self._arm
         return self.describe()
 
     def turn_off(self, quiet: bool = False) -> dict:
         self.armed = False
+        if TRACER.nan_arm is self._arm:
+            TRACER.nan_arm = None
         handles, self.handles = self.handles, []
         for entry in handles:
             timed.take_off(entry)
         TRACER.remove_listener(self)
         self.step = _Step()
         self.pending = []
+        self._pending_changed()
         return {} if quiet else self.describe()
 
     def failed(self, reason: str) -> None:
@@ -211,8 +228,19 @@ class NanWatch:
 
     def _stand_in(self, model):
         # partial: called from C, one Python frame less a step.
-        before = functools.partial(self._root_pre, weakref.ref(model), _stochastic(model))
-        return lambda inner: timed.seen(inner, before, self._root_post)
+        stochastic = _stochastic(model)
+        before = functools.partial(self._root_pre, weakref.ref(model), stochastic)
+
+        def stand_in_of(inner):
+            stand_in = timed.seen(inner, before, self._root_post)
+            if not stochastic:
+                # The input kept natively: `before` then runs only where
+                # the arm cannot (searching, a GPU's check waiting); the
+                # RNG state of a random forward is this Python's to copy.
+                stand_in.arm = self._arm
+            return stand_in
+
+        return stand_in_of
 
     def _loss_stand_in(self, ref):
         before = functools.partial(self._loss_pre, ref)
@@ -327,7 +355,7 @@ class NanWatch:
         # waiting, the oldest is waited for: it may be the first non-finite
         # step, and the program is then four steps ahead of its GPU, which
         # stays as busy (the wait ends when the GPU reaches that step).
-        if self.pending:
+        if self.pending and not capturing():
             pending, self.pending = self.pending, []
             for entry in pending:
                 if not self._read_gpu_flag(*entry):
@@ -336,6 +364,7 @@ class NanWatch:
                 oldest = self.pending.pop(0)
                 oldest[4].synchronize()
                 self._read_gpu_flag(*oldest)
+            self._pending_changed()
         if TRACER.models is not self.models_seen:
             # The tracer found its models again: hooked anew where they changed.
             self.models_seen = TRACER.models
@@ -366,6 +395,10 @@ class NanWatch:
             values.append(loss)
         if not values:
             return
+        if values[0].device.type != "cpu" and capturing():
+            # A step captured into a CUDA graph: nothing is copied out or
+            # waited on (its values exist only when the graph is replayed).
+            return
         self.checked_steps += 1
         if values[0].device.type == "cpu":
             # One read per value: cheaper than stacking a few scalars.
@@ -384,6 +417,7 @@ class NanWatch:
         event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(device))
         self.pending.append((step_number, self.step, params, flag, event))
+        self._pending_changed()
 
     def _read_gpu_flag(self, step_number, step, params, flag, event) -> bool:
         """False while the flag is still on its way (never a sync)."""

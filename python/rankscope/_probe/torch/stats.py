@@ -40,7 +40,7 @@ import torch
 
 from rankscope import _native
 from rankscope._probe.torch import models, tables
-from rankscope._probe.torch.trace import TRACER, _tensors
+from rankscope._probe.torch.trace import TRACER, _tensors, capturing
 
 WARMUP = 3
 # Up to this size the weights' copies are kept between sampled steps.
@@ -112,6 +112,8 @@ def _gathered(values, device):
 def _drain(waiting: list, rows) -> list:
     """Hands the values that have arrived to `rows`; returns those still
     on their way (the newest 64: a GPU that never answers costs no memory)."""
+    if waiting and capturing():
+        return waiting  # no event is queried inside a CUDA graph's capture
     still = []
     for resolve, meta in waiting:
         try:
@@ -191,6 +193,8 @@ class GradStats:
         grads = [p.grad for p in params]
         if grads[0].device.type == "cpu" and self._native_pre(optimizer, step, params, grads):
             return
+        if grads[0].device.type != "cpu" and capturing():
+            return  # a captured step: no copy out, no event (see trace.capturing)
         size = sum(p.numel() * p.element_size() for p in params)
         device = grads[0].device
         with torch.no_grad():
@@ -395,7 +399,11 @@ def _activation(x):
     device, without a sync."""
     n = x.numel()
     if n == 0:
-        return torch.tensor([float("nan")] * 4 + [0.0], device=x.device)
+        # Made on the device itself: a list copied from the host would be a
+        # stream sync at every call.
+        out = x.new_full((5,), float("nan"), dtype=torch.float32)
+        out[4] = 0
+        return out
     if n <= ACTIVATION_COPY_MAX:
         values = x.float()
         std, mean = torch.std_mean(values) if n > 1 else (torch.zeros((), device=x.device), values.mean())
@@ -480,7 +488,7 @@ class ActivationStats:
 
     def boundary(self, step):
         """The step that ended gives its rows; the next one is hooked if sampled."""
-        if self.handles:
+        if self.handles and not capturing():
             self._finish(step - 1)
         self._detach()
         self.waiting = _drain(self.waiting, self._rows)
@@ -497,7 +505,7 @@ class ActivationStats:
         def post(module, args, output):
             try:
                 tensor = next((t for t in _tensors(output) if t.is_floating_point()), None)
-                if tensor is None:
+                if tensor is None or (tensor.is_cuda and capturing()):
                     return
                 with torch.no_grad():
                     watched.values.append(_activation(tensor.detach()))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import sys
 import threading
 import time
 
@@ -192,8 +193,21 @@ def _hand_over(table: str, row: list) -> None:
     _native.table_append(table, row)
 
 
+def capturing() -> bool:
+    """Whether this thread's current stream is capturing a CUDA graph (a
+    program that captures a whole step, ``optimizer.step()`` included, runs
+    the step hooks inside it): no event may then be recorded, queried or
+    waited on, nor a value copied out. A query in a capture invalidates it,
+    and an event recorded in one can never be queried afterwards."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def resolve_pending() -> None:
-    """Hands over the rows whose values have all arrived; the others wait."""
+    """Hands over the rows whose values have all arrived; the others wait
+    (all of them while a CUDA graph is being captured: see `capturing`)."""
+    if waiting and capturing():
+        return
     for _ in range(len(waiting)):
         try:
             table, row, pending = waiting.popleft()

@@ -113,6 +113,9 @@ class _Slot:
         self.bwd_start = self.bwd_end = None
 
 
+capturing = tables.capturing
+
+
 def _cuda_event(device=None):
     """A timing event on `device`'s current stream: a rank whose model is
     on cuda:1 while its current device is cuda:0 (DDP without
