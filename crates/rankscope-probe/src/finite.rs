@@ -26,8 +26,9 @@ pub(crate) enum Float {
 
 /// `FiniteCheck((float32, float64, float16, bfloat16))`, made once; then
 /// `check(tensors)`: True or False, or None where a tensor is not one this
-/// reads (on a GPU, strided, another dtype, too large). Frozen: nan_arm.rs
-/// reads with it at every step, with no borrow to take.
+/// reads (on a GPU, strided, another dtype, too large) before any that is
+/// not finite. Each tensor is read as soon as its address is known.
+/// Frozen: nan_arm.rs reads with it at every step, with no borrow to take.
 #[pyclass(module = "rankscope._native", frozen)]
 pub struct FiniteCheck {
     dtypes: Dtypes,
@@ -178,13 +179,13 @@ impl FiniteCheck {
     }
 
     fn check(&self, tensors: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
-        let mut reads = Vec::with_capacity(4);
         for tensor in tensors.try_iter()? {
-            if !self.add(&mut reads, tensor?)? {
-                return Ok(None);
+            match self.read(&tensor?)? {
+                Some(true) => {}
+                other => return Ok(other),
             }
         }
-        Ok(Some(finite(&reads)))
+        Ok(Some(true))
     }
 
     /// `check` of the gradients of `params` (those that have one) and of
@@ -197,45 +198,42 @@ impl FiniteCheck {
         loss: &Bound<'_, PyAny>,
     ) -> PyResult<Option<bool>> {
         let py = params.py();
-        let mut reads = Vec::with_capacity(4);
+        let mut read = 0usize;
         for param in params.try_iter()? {
             let grad = param?.getattr(intern!(py, "grad"))?;
-            if !grad.is_none() && !self.add(&mut reads, grad)? {
-                return Ok(None);
+            if grad.is_none() {
+                continue;
+            }
+            match self.read(&grad)? {
+                Some(true) => read += 1,
+                other => return Ok(other),
             }
         }
-        if !loss.is_none() && !self.add(&mut reads, loss.clone())? {
-            return Ok(None);
+        if !loss.is_none() {
+            match self.read(loss)? {
+                Some(true) => read += 1,
+                other => return Ok(other),
+            }
         }
         // Nothing to read is no check (None: the caller then counts none).
-        if reads.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(finite(&reads)))
+        Ok((read > 0).then_some(true))
     }
 }
 
 impl FiniteCheck {
-    /// Adds `tensor`'s view to `reads`; false where this cannot read it
-    /// (the whole answer is then left to torch). The tensor is kept with
-    /// its view: its reference keeps the values alive until they are read.
-    fn add<'py>(
-        &self,
-        reads: &mut Vec<(Bound<'py, PyAny>, View)>,
-        tensor: Bound<'py, PyAny>,
-    ) -> PyResult<bool> {
-        let Some(view) = self.dtypes.view(&tensor, MAX_ELEMENTS)? else {
-            return Ok(false);
+    /// Whether every element of `tensor` is finite, read in place at once
+    /// after its address is taken (no Python code in between, so nothing
+    /// can free or move its values meanwhile; the reference held keeps the
+    /// storage alive); None where this cannot read it (the whole answer is
+    /// then left to torch).
+    fn read(&self, tensor: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
+        let Some(view) = self.dtypes.view(tensor, MAX_ELEMENTS)? else {
+            return Ok(None);
         };
-        reads.push((tensor, view));
-        Ok(true)
+        Ok(Some(
+            view.count == 0 || unsafe { all_finite(view.ptr, view.count, view.kind) },
+        ))
     }
-}
-
-fn finite(reads: &[(Bound<'_, PyAny>, View)]) -> bool {
-    reads
-        .iter()
-        .all(|&(_, view)| view.count == 0 || unsafe { all_finite(view.ptr, view.count, view.kind) })
 }
 
 #[cfg(test)]

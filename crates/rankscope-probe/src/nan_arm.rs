@@ -18,6 +18,7 @@
 //! a step lets go of (the last input) is released after the borrow: its
 //! finalizers may run the program's code, which may come back here.
 
+use pyo3::exceptions::{PyAttributeError, PyException};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -28,44 +29,51 @@ use crate::finite::FiniteCheck;
 /// What the watch keeps of the step in progress (nan.py's `_Step`): the
 /// model (a weakref), its input, the RNG states at its start, the loss,
 /// the model's output (a weakref, while a loss module is watched) and the
-/// loss module's call on it.
+/// loss module's call on it, as attributes of those names.
+///
+/// Set from Python through `__setattr__`, which lets go of the old value
+/// after the borrow (a generated setter drops it inside, and a finalizer it
+/// runs could let another thread reach this step while it is borrowed).
 #[pyclass(module = "rankscope._native")]
 #[derive(Default)]
 pub struct NanStep {
-    #[pyo3(get, set)]
-    model: Option<Py<PyAny>>,
-    #[pyo3(get, set)]
-    args: Option<Py<PyAny>>,
-    #[pyo3(get, set)]
-    kwargs: Option<Py<PyAny>>,
-    #[pyo3(get, set)]
-    rng: Option<Py<PyAny>>,
-    #[pyo3(get, set)]
-    cuda_rng: Option<Py<PyAny>>,
-    #[pyo3(get, set)]
-    loss: Option<Py<PyAny>>,
-    #[pyo3(get, set)]
-    output: Option<Py<PyAny>>,
-    #[pyo3(get, set)]
-    loss_call: Option<Py<PyAny>>,
+    fields: [Option<Py<PyAny>>; 8],
 }
 
+const FIELDS: [&str; 8] = [
+    "model",
+    "args",
+    "kwargs",
+    "rng",
+    "cuda_rng",
+    "loss",
+    "output",
+    "loss_call",
+];
+const MODEL: usize = 0;
+const ARGS: usize = 1;
+const KWARGS: usize = 2;
+const LOSS: usize = 5;
+
 /// What a `NanStep` let go of, to be released once no borrow is held.
-type Released = [Option<Py<PyAny>>; 7];
+type Released = [Option<Py<PyAny>>; 8];
 
 impl NanStep {
     /// Everything but the model, taken out.
     fn take_all(&mut self) -> Released {
-        [
-            self.args.take(),
-            self.kwargs.take(),
-            self.rng.take(),
-            self.cuda_rng.take(),
-            self.loss.take(),
-            self.output.take(),
-            self.loss_call.take(),
-        ]
+        let mut out: Released = Default::default();
+        for (slot, field) in out.iter_mut().zip(&mut self.fields).skip(1) {
+            *slot = field.take();
+        }
+        out
     }
+}
+
+fn field_index(name: &str) -> PyResult<usize> {
+    FIELDS
+        .iter()
+        .position(|f| *f == name)
+        .ok_or_else(|| PyAttributeError::new_err(format!("NanStep has no attribute {name:?}")))
 }
 
 #[pymethods]
@@ -75,31 +83,37 @@ impl NanStep {
         NanStep::default()
     }
 
+    fn __getattr__(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+        let at = field_index(name)?;
+        Ok(self.fields[at]
+            .as_ref()
+            .map_or_else(|| py.None(), |v| v.clone_ref(py)))
+    }
+
+    fn __setattr__(slf: &Bound<'_, Self>, name: &str, value: Bound<'_, PyAny>) -> PyResult<()> {
+        let at = field_index(name)?;
+        let value = (!value.is_none()).then(|| value.unbind());
+        let old = std::mem::replace(&mut slf.try_borrow_mut()?.fields[at], value);
+        drop(old);
+        Ok(())
+    }
+
     /// Lets go of the step's input and loss (the model's weakref stays).
-    fn clear(slf: &Bound<'_, Self>) {
-        let released = slf.borrow_mut().take_all();
+    fn clear(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let released = slf.try_borrow_mut()?.take_all();
         drop(released);
+        Ok(())
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        for field in [
-            &self.model,
-            &self.args,
-            &self.kwargs,
-            &self.rng,
-            &self.cuda_rng,
-            &self.loss,
-            &self.output,
-            &self.loss_call,
-        ] {
+        for field in &self.fields {
             visit.call(field)?;
         }
         Ok(())
     }
 
     fn __clear__(&mut self) {
-        let _ = self.take_all();
-        self.model = None;
+        self.fields = Default::default();
     }
 }
 
@@ -125,10 +139,8 @@ pub struct NanArm {
     checked_steps: i64,
     full_every: i64,
     /// (a weakref to the optimizer, the list of its sentinel parameters).
-    #[pyo3(get, set)]
     sentinel_params: Option<Py<PyAny>>,
     /// The Tracer's `models` when the watch last hooked their roots.
-    #[pyo3(get, set)]
     models_seen: Option<Py<PyAny>>,
     finite: Py<FiniteCheck>,
     tensor: Py<PyType>,
@@ -158,14 +170,37 @@ impl NanArm {
         })
     }
 
+    // The setters of what may hold the program's objects let go of the old
+    // value after the borrow (see NanStep).
     #[getter]
     fn get_step(&self, py: Python<'_>) -> Py<NanStep> {
         self.step.clone_ref(py)
     }
     #[setter]
-    fn set_step(slf: &Bound<'_, Self>, step: Py<NanStep>) {
-        let old = std::mem::replace(&mut slf.borrow_mut().step, step);
+    fn set_step(slf: &Bound<'_, Self>, step: Py<NanStep>) -> PyResult<()> {
+        let old = std::mem::replace(&mut slf.try_borrow_mut()?.step, step);
         drop(old);
+        Ok(())
+    }
+    #[getter]
+    fn get_sentinel_params(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.sentinel_params.as_ref().map(|v| v.clone_ref(py))
+    }
+    #[setter]
+    fn set_sentinel_params(slf: &Bound<'_, Self>, value: Option<Py<PyAny>>) -> PyResult<()> {
+        let old = std::mem::replace(&mut slf.try_borrow_mut()?.sentinel_params, value);
+        drop(old);
+        Ok(())
+    }
+    #[getter]
+    fn get_models_seen(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.models_seen.as_ref().map(|v| v.clone_ref(py))
+    }
+    #[setter]
+    fn set_models_seen(slf: &Bound<'_, Self>, value: Option<Py<PyAny>>) -> PyResult<()> {
+        let old = std::mem::replace(&mut slf.try_borrow_mut()?.models_seen, value);
+        drop(old);
+        Ok(())
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
@@ -184,8 +219,9 @@ impl NanArm {
 }
 
 /// The root stand-in's part before the call: the step's input kept, as
-/// nan.py's `_root_pre` keeps it for a model that draws no random numbers.
-/// False where the watch's Python must do it (searching, or `slow`).
+/// nan.py's `_root_pre` keeps it for a model that draws no random numbers
+/// (nothing kept once the watch is off). False where the watch's Python
+/// must do it (searching, or `slow`).
 pub(crate) fn keep_input(
     arm: &Bound<'_, NanArm>,
     model: Option<&Py<PyAny>>,
@@ -193,21 +229,33 @@ pub(crate) fn keep_input(
     kwargs: Option<&Bound<'_, PyDict>>,
 ) -> bool {
     let py = arm.py();
+    // A borrow held elsewhere (nothing of this module's holds one across
+    // Python code, but a finalizer may run anywhere): the Python's turn.
     let step = {
-        let arm = arm.borrow();
+        let Ok(arm) = arm.try_borrow() else {
+            return false;
+        };
+        if !arm.armed {
+            // A stand-in left on after `nan off` (the program had wrapped
+            // it): it keeps nothing, and calls nothing.
+            return true;
+        }
         if arm.searching || arm.slow {
             return false;
         }
         arm.step.clone_ref(py)
     };
     let released = {
-        let mut step = step.bind(py).borrow_mut();
+        let Ok(mut step) = step.bind(py).try_borrow_mut() else {
+            return false;
+        };
         let released = step.take_all();
-        step.model = model.map(|m| m.clone_ref(py));
-        step.args = Some(args.clone().into_any().unbind());
+        let fields = &mut step.fields;
+        fields[MODEL] = model.map(|m| m.clone_ref(py));
+        fields[ARGS] = Some(args.clone().into_any().unbind());
         // None for no keywords (nan.py reads `kwargs or {}`): no new dict
         // made at every step.
-        step.kwargs = kwargs.map(|k| k.clone().into_any().unbind());
+        fields[KWARGS] = kwargs.map(|k| k.clone().into_any().unbind());
         released
     };
     drop(released);
@@ -217,22 +265,32 @@ pub(crate) fn keep_input(
 /// Whether the root's `output` needs the watch's Python after the call:
 /// not for a plain tensor that is not a scalar (no loss in it) while no
 /// loss module waits for it, the usual model's logits.
-/// (Anything that raises here is the Python's to look at, and catch.)
-pub(crate) fn output_needs_python(arm: &Bound<'_, NanArm>, output: &Bound<'_, PyAny>) -> bool {
+/// An `Exception` from torch here is the Python's to look at (and catch);
+/// anything else (a KeyboardInterrupt) goes on, as through the Python.
+pub(crate) fn output_needs_python(
+    arm: &Bound<'_, NanArm>,
+    output: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
     let py = arm.py();
-    let (loss_modules, tensor) = {
-        let arm = arm.borrow();
-        (arm.loss_modules, arm.tensor.clone_ref(py))
+    let Ok((armed, loss_modules, tensor)) = arm
+        .try_borrow()
+        .map(|arm| (arm.armed, arm.loss_modules, arm.tensor.clone_ref(py)))
+    else {
+        return Ok(true);
     };
+    if !armed {
+        return Ok(false);
+    }
     if loss_modules || !output.get_type().is(tensor.bind(py)) {
-        return true;
+        return Ok(true);
     }
     match output
         .call_method0(pyo3::intern!(py, "dim"))
         .and_then(|d| d.extract::<usize>())
     {
-        Ok(dims) => dims == 0,
-        Err(_) => true,
+        Ok(dims) => Ok(dims == 0),
+        Err(err) if err.is_instance_of::<PyException>(py) => Ok(true),
+        Err(err) => Err(err),
     }
 }
 
@@ -249,7 +307,9 @@ pub(crate) fn check_sentinels(
 ) -> PyResult<bool> {
     let py = arm.py();
     let (cached, step, finite) = {
-        let arm = arm.borrow();
+        let Ok(arm) = arm.try_borrow() else {
+            return Ok(false);
+        };
         if !arm.armed || arm.slow || arm.searching || arm.checked_steps % arm.full_every == 0 {
             return Ok(false);
         }
@@ -266,20 +326,31 @@ pub(crate) fn check_sentinels(
     if !cached.get_item(0)?.call0()?.is(optimizer) {
         return Ok(false);
     }
-    let loss = step
-        .bind(py)
-        .borrow()
-        .loss
-        .as_ref()
-        .map_or_else(|| py.None().into_bound(py), |l| l.bind(py).clone());
+    let Ok(loss) = step.bind(py).try_borrow().map(|s| {
+        s.fields[LOSS]
+            .as_ref()
+            .map_or_else(|| py.None().into_bound(py), |l| l.bind(py).clone())
+    }) else {
+        return Ok(false);
+    };
     let params = cached.get_item(1)?;
     if finite.get().check_grads(&params, &loss)? != Some(true) {
         return Ok(false);
     }
-    let released = {
-        let mut arm = arm.borrow_mut();
-        arm.checked_steps += 1;
-        primary.then(|| step.bind(py).borrow_mut().take_all())
+    let Ok(mut held) = arm.try_borrow_mut() else {
+        return Ok(false);
+    };
+    held.checked_steps += 1;
+    drop(held);
+    // Where the step's own clear cannot take its borrow, the boundary's
+    // does it.
+    let released = if primary {
+        step.bind(py)
+            .try_borrow_mut()
+            .ok()
+            .map(|mut s| s.take_all())
+    } else {
+        None
     };
     drop(released);
     Ok(true)
@@ -291,7 +362,9 @@ pub(crate) fn check_sentinels(
 pub(crate) fn quiet_boundary(arm: &Bound<'_, NanArm>, models: &Bound<'_, PyAny>) -> bool {
     let py = arm.py();
     let step = {
-        let arm = arm.borrow();
+        let Ok(arm) = arm.try_borrow() else {
+            return false;
+        };
         if !arm.armed
             || arm.slow
             || !arm
@@ -303,7 +376,9 @@ pub(crate) fn quiet_boundary(arm: &Bound<'_, NanArm>, models: &Bound<'_, PyAny>)
         }
         arm.step.clone_ref(py)
     };
-    let released = step.bind(py).borrow_mut().take_all();
+    let Ok(released) = step.bind(py).try_borrow_mut().map(|mut s| s.take_all()) else {
+        return false;
+    };
     drop(released);
     true
 }

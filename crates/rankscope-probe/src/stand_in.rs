@@ -153,9 +153,8 @@ impl StandIn {
             }
         }
         let after = match (&arm, after) {
-            (Some(arm), Some(after)) if !nan_arm::output_needs_python(arm.bind(py), &out) => {
-                drop(after);
-                None
+            (Some(arm), Some(after)) => {
+                nan_arm::output_needs_python(arm.bind(py), &out)?.then_some(after)
             }
             (_, after) => after,
         };
@@ -195,9 +194,12 @@ impl StandIn {
     fn set_previous(&mut self, value: Py<PyAny>) {
         self.previous = Some(value);
     }
+    /// The old arm goes after the borrow (what it releases may run code).
     #[setter]
-    fn set_arm(&mut self, value: Option<Py<NanArm>>) {
-        self.arm = value;
+    fn set_arm(slf: &Bound<'_, Self>, value: Option<Py<NanArm>>) -> PyResult<()> {
+        let old = std::mem::replace(&mut slf.try_borrow_mut()?.arm, value);
+        drop(old);
+        Ok(())
     }
 
     /// Anything else is the inner forward's (`__self__`, `__func__`,

@@ -162,7 +162,6 @@ pub struct StepClock {
     lean: Option<Arc<Lean>>,
     /// The NaN watch's state while it is armed (nan_arm.rs): its sentinel
     /// check in the pre-hook, and its boundary where it has nothing to do.
-    #[pyo3(get, set)]
     nan_arm: Option<Py<NanArm>>,
 }
 
@@ -222,6 +221,17 @@ impl StepClock {
         let old = slf.borrow_mut().lean.replace(Arc::new(lean));
         drop(old); // after the borrow: see set_told
         Ok(true)
+    }
+
+    #[getter]
+    fn get_nan_arm(&self, py: Python<'_>) -> Option<Py<NanArm>> {
+        self.nan_arm.as_ref().map(|a| a.clone_ref(py))
+    }
+    /// The old arm goes after the borrow (see set_told).
+    #[setter]
+    fn set_nan_arm(slf: &Bound<'_, Self>, value: Option<Py<NanArm>>) {
+        let old = std::mem::replace(&mut slf.borrow_mut().nan_arm, value);
+        drop(old);
     }
 
     fn lean_clear(slf: &Bound<'_, Self>) {
@@ -299,11 +309,21 @@ impl StepClock {
         }
         let result = (|| -> PyResult<()> {
             if let Some(calls) = calls {
+                // An `Exception` here leaves the step to the watch's
+                // Python, whose own failure takes off the watch alone (as
+                // `tell` does), not the whole clock.
                 let checked = match arm {
-                    Some(arm) => {
-                        let primary = marks_steps(slf, optimizer)?;
-                        nan_arm::check_sentinels(arm.bind(py), optimizer, primary)?
-                    }
+                    Some(arm) => marks_steps(slf, optimizer)
+                        .and_then(|primary| {
+                            nan_arm::check_sentinels(arm.bind(py), optimizer, primary)
+                        })
+                        .or_else(|err| {
+                            if err.is_instance_of::<PyException>(py) {
+                                Ok(false)
+                            } else {
+                                Err(err)
+                            }
+                        })?,
                     None => false,
                 };
                 let step = current_step(slf, Some(optimizer))?;
@@ -849,8 +869,12 @@ fn quiet_nan_boundary(slf: &Bound<'_, StepClock>) -> PyResult<bool> {
     let Some(arm) = arm else {
         return Ok(false);
     };
-    let models = slf.getattr(intern!(py, "models"))?;
-    Ok(nan_arm::quiet_boundary(arm.bind(py), &models))
+    // As in the pre-hook: an `Exception` leaves it to the Python.
+    match slf.getattr(intern!(py, "models")) {
+        Ok(models) => Ok(nan_arm::quiet_boundary(arm.bind(py), &models)),
+        Err(err) if err.is_instance_of::<PyException>(py) => Ok(false),
+        Err(err) => Err(err),
+    }
 }
 
 /// Whether `optimizer` is the one that marks steps (the primary, with the

@@ -15,7 +15,10 @@ the program bound to a name of its own before the wrapping. Where torch's
 Flight Recorder runs (by default in torch 2.15, else with
 ``TORCH_FR_BUFFER_SIZE`` set at start), ``flight()`` reads its ring,
 which has every collective of every group, C++ ones included; ``cluster
-bt`` merges the two.
+bt`` merges the two. On NCCL a call returns, and its future completes,
+once its kernel is queued, so a wrapper's row closes then: a collective
+stuck on the GPU shows as in flight in Flight Recorder's ring only
+(NCCL's entries go "completed" when the GPU finishes them).
 Numbers are torch's own sequence numbers of the group (every collective
 counts, DDP's too, alike on every rank; Flight Recorder uses the same),
 or, on a backend without them, the wrapped calls counted from when

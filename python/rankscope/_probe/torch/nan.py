@@ -390,14 +390,16 @@ class NanWatch:
                 if not finite and self.tripped_at is None:
                     self._trip(step_number, self.step, params, late=False)
                 return
+        first = grads[0] if grads else loss
+        if first is not None and first.device.type != "cpu" and capturing():
+            # A step captured into a CUDA graph: no kernel of the watch's
+            # goes into the program's graph, nothing is copied out or
+            # waited on (the values exist only when the graph is replayed).
+            return
         values = list(_norms(grads)) if grads else []
         if loss is not None:
             values.append(loss)
         if not values:
-            return
-        if values[0].device.type != "cpu" and capturing():
-            # A step captured into a CUDA graph: nothing is copied out or
-            # waited on (its values exist only when the graph is replayed).
             return
         self.checked_steps += 1
         if values[0].device.type == "cpu":

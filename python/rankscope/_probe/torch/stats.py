@@ -402,7 +402,7 @@ def _activation(x):
         # Made on the device itself: a list copied from the host would be a
         # stream sync at every call.
         out = x.new_full((5,), float("nan"), dtype=torch.float32)
-        out[4] = 0
+        out.narrow(0, 4, 1).zero_()  # a fill: `out[4] = 0` copies from the host on older torch
         return out
     if n <= ACTIVATION_COPY_MAX:
         values = x.float()
