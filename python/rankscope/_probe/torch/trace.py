@@ -116,6 +116,19 @@ class _Slot:
 capturing = tables.capturing
 
 
+def _module_device(module, model_device):
+    """The GPU a module's figures are read on: that of its own first
+    parameter (a model split over GPUs in one process, as Hugging Face's
+    ``device_map="auto"`` does, has modules on several), else its model's.
+    A module on the CPU inside a GPU model has none."""
+    if model_device is None:
+        return None
+    first = next(module.parameters(), None)
+    if first is None:
+        return model_device
+    return first.device if first.is_cuda else None
+
+
 def _cuda_event(device=None):
     """A timing event on `device`'s current stream: a rank whose model is
     on cuda:1 while its current device is cuda:0 (DDP without
@@ -491,7 +504,8 @@ class Tracer(_native.StepClock):
                 rows = self._matches(qualified)
                 if rows or name == "":
                     depth = 0 if name == "" else name.count(".") + 1
-                    plan.append((weakref.ref(module), qualified, type(module).__name__, depth, rows, name == "", cuda))
+                    plan.append((weakref.ref(module), qualified, type(module).__name__, depth, rows, name == "",
+                                 cuda if name == "" else _module_device(module, cuda)))
         return plan
 
     def _rediscover(self):
