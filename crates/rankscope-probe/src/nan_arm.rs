@@ -69,6 +69,24 @@ impl NanStep {
     }
 }
 
+/// Sets `slf`'s field (as `field` picks it) to `value`, and lets go of the
+/// old value only once the borrow is over: dropping it may run a finalizer,
+/// which may let another thread reach `slf`. Used by every setter here, on
+/// the stand-in and on the step clock for what may hold the program's
+/// objects.
+pub(crate) fn replace_after_borrow<T, V>(
+    slf: &Bound<'_, T>,
+    field: impl FnOnce(&mut T) -> &mut V,
+    value: V,
+) -> PyResult<()>
+where
+    T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::False>,
+{
+    let old = std::mem::replace(field(&mut *slf.try_borrow_mut()?), value);
+    drop(old);
+    Ok(())
+}
+
 fn field_index(name: &str) -> PyResult<usize> {
     FIELDS
         .iter()
@@ -93,9 +111,7 @@ impl NanStep {
     fn __setattr__(slf: &Bound<'_, Self>, name: &str, value: Bound<'_, PyAny>) -> PyResult<()> {
         let at = field_index(name)?;
         let value = (!value.is_none()).then(|| value.unbind());
-        let old = std::mem::replace(&mut slf.try_borrow_mut()?.fields[at], value);
-        drop(old);
-        Ok(())
+        replace_after_borrow(slf, |s| &mut s.fields[at], value)
     }
 
     /// Lets go of the step's input and loss (the model's weakref stays).
@@ -170,17 +186,15 @@ impl NanArm {
         })
     }
 
-    // The setters of what may hold the program's objects let go of the old
-    // value after the borrow (see NanStep).
+    // The setters of what may hold the program's objects: see
+    // `replace_after_borrow`.
     #[getter]
     fn get_step(&self, py: Python<'_>) -> Py<NanStep> {
         self.step.clone_ref(py)
     }
     #[setter]
     fn set_step(slf: &Bound<'_, Self>, step: Py<NanStep>) -> PyResult<()> {
-        let old = std::mem::replace(&mut slf.try_borrow_mut()?.step, step);
-        drop(old);
-        Ok(())
+        replace_after_borrow(slf, |a| &mut a.step, step)
     }
     #[getter]
     fn get_sentinel_params(&self, py: Python<'_>) -> Option<Py<PyAny>> {
@@ -188,9 +202,7 @@ impl NanArm {
     }
     #[setter]
     fn set_sentinel_params(slf: &Bound<'_, Self>, value: Option<Py<PyAny>>) -> PyResult<()> {
-        let old = std::mem::replace(&mut slf.try_borrow_mut()?.sentinel_params, value);
-        drop(old);
-        Ok(())
+        replace_after_borrow(slf, |a| &mut a.sentinel_params, value)
     }
     #[getter]
     fn get_models_seen(&self, py: Python<'_>) -> Option<Py<PyAny>> {
@@ -198,9 +210,7 @@ impl NanArm {
     }
     #[setter]
     fn set_models_seen(slf: &Bound<'_, Self>, value: Option<Py<PyAny>>) -> PyResult<()> {
-        let old = std::mem::replace(&mut slf.try_borrow_mut()?.models_seen, value);
-        drop(old);
-        Ok(())
+        replace_after_borrow(slf, |a| &mut a.models_seen, value)
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
@@ -297,13 +307,13 @@ pub(crate) fn output_needs_python(
 /// The check at the optimizer's pre-hook, where nothing but the sentinel
 /// gradients (and a CPU loss) is to be read: true when they are all
 /// finite and read in place. The step's input is then let go of where
-/// `primary` (this optimizer marks steps) says so. False leaves the step
+/// `primary` (asked only then) says this optimizer marks steps. False leaves the step
 /// to the watch's Python: a full check, a trip, a tensor this cannot read,
 /// an optimizer it has no sentinels for yet.
 pub(crate) fn check_sentinels(
     arm: &Bound<'_, NanArm>,
     optimizer: &Bound<'_, PyAny>,
-    primary: bool,
+    primary: impl FnOnce() -> PyResult<bool>,
 ) -> PyResult<bool> {
     let py = arm.py();
     let (cached, step, finite) = {
@@ -344,7 +354,7 @@ pub(crate) fn check_sentinels(
     drop(held);
     // Where the step's own clear cannot take its borrow, the boundary's
     // does it.
-    let released = if primary {
+    let released = if primary()? {
         step.bind(py)
             .try_borrow_mut()
             .ok()

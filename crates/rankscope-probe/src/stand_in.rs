@@ -194,12 +194,10 @@ impl StandIn {
     fn set_previous(&mut self, value: Py<PyAny>) {
         self.previous = Some(value);
     }
-    /// The old arm goes after the borrow (what it releases may run code).
+    /// See `replace_after_borrow`.
     #[setter]
     fn set_arm(slf: &Bound<'_, Self>, value: Option<Py<NanArm>>) -> PyResult<()> {
-        let old = std::mem::replace(&mut slf.try_borrow_mut()?.arm, value);
-        drop(old);
-        Ok(())
+        nan_arm::replace_after_borrow(slf, |s| &mut s.arm, value)
     }
 
     /// Anything else is the inner forward's (`__self__`, `__func__`,

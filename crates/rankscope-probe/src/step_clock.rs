@@ -227,11 +227,10 @@ impl StepClock {
     fn get_nan_arm(&self, py: Python<'_>) -> Option<Py<NanArm>> {
         self.nan_arm.as_ref().map(|a| a.clone_ref(py))
     }
-    /// The old arm goes after the borrow (see set_told).
+    /// The old arm goes after the borrow (see `replace_after_borrow`).
     #[setter]
-    fn set_nan_arm(slf: &Bound<'_, Self>, value: Option<Py<NanArm>>) {
-        let old = std::mem::replace(&mut slf.borrow_mut().nan_arm, value);
-        drop(old);
+    fn set_nan_arm(slf: &Bound<'_, Self>, value: Option<Py<NanArm>>) -> PyResult<()> {
+        nan_arm::replace_after_borrow(slf, |c| &mut c.nan_arm, value)
     }
 
     fn lean_clear(slf: &Bound<'_, Self>) {
@@ -313,17 +312,16 @@ impl StepClock {
                 // Python, whose own failure takes off the watch alone (as
                 // `tell` does), not the whole clock.
                 let checked = match arm {
-                    Some(arm) => marks_steps(slf, optimizer)
-                        .and_then(|primary| {
-                            nan_arm::check_sentinels(arm.bind(py), optimizer, primary)
-                        })
-                        .or_else(|err| {
-                            if err.is_instance_of::<PyException>(py) {
-                                Ok(false)
-                            } else {
-                                Err(err)
-                            }
-                        })?,
+                    Some(arm) => nan_arm::check_sentinels(arm.bind(py), optimizer, || {
+                        marks_steps(slf, optimizer)
+                    })
+                    .or_else(|err| {
+                        if err.is_instance_of::<PyException>(py) {
+                            Ok(false)
+                        } else {
+                            Err(err)
+                        }
+                    })?,
                     None => false,
                 };
                 let step = current_step(slf, Some(optimizer))?;
@@ -859,14 +857,7 @@ fn tell(
 /// pre-hook checked them.
 fn quiet_nan_boundary(slf: &Bound<'_, StepClock>) -> PyResult<bool> {
     let py = slf.py();
-    let arm = {
-        let clock = slf.borrow();
-        if clock.marker.as_deref() != Some("optimizer") {
-            return Ok(false);
-        }
-        clock.nan_arm.as_ref().map(|a| a.clone_ref(py))
-    };
-    let Some(arm) = arm else {
+    let Some(arm) = by_optimizer(slf, |c| c.nan_arm.as_ref().map(|a| a.clone_ref(py))) else {
         return Ok(false);
     };
     // As in the pre-hook: an `Exception` leaves it to the Python.
@@ -877,18 +868,24 @@ fn quiet_nan_boundary(slf: &Bound<'_, StepClock>) -> PyResult<bool> {
     }
 }
 
+/// `read` of the clock where an optimizer marks steps; None where none
+/// does (yet, or `rankscope.step()` does).
+fn by_optimizer<T>(
+    slf: &Bound<'_, StepClock>,
+    read: impl FnOnce(&StepClock) -> Option<T>,
+) -> Option<T> {
+    let clock = slf.borrow();
+    if clock.marker.as_deref() != Some("optimizer") {
+        return None;
+    }
+    read(&clock)
+}
+
 /// Whether `optimizer` is the one that marks steps (the primary, with the
 /// optimizer as marker): the step's input may go at its pre-hook.
 fn marks_steps(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>) -> PyResult<bool> {
     let py = slf.py();
-    let primary = {
-        let clock = slf.borrow();
-        if clock.marker.as_deref() != Some("optimizer") {
-            return Ok(false);
-        }
-        clock.primary.as_ref().map(|p| p.clone_ref(py))
-    };
-    match primary {
+    match by_optimizer(slf, |c| c.primary.as_ref().map(|p| p.clone_ref(py))) {
         Some(weak) => Ok(weak.bind(py).call0()?.is(optimizer)),
         None => Ok(false),
     }
