@@ -247,3 +247,81 @@ def test_a_destroyed_group_is_freed_while_collectives_are_recorded(default_pytho
     result = cli(target.pid, "query", "SELECT op, shapes FROM python.collectives", "--format", "json")
     assert result.returncode == 0, result.stderr
     assert {"op": "all_reduce", "shapes": "3"} in json.loads(result.stdout), result.stdout
+
+
+# Each way a program calls a collective, recorded as it was called: by
+# position and by keyword, async_op (closed when its work completes), a
+# list of tensors, an object list (whose own inner broadcasts are recorded
+# with torch's line as their caller), and a call that raises (its row
+# says so, and the program gets the same exception). The results are
+# the same as without rankscope.
+CALLS = """
+import json, os, tempfile, time
+import torch
+import torch.distributed as dist
+
+init = os.path.join(tempfile.mkdtemp(), "init")
+dist.init_process_group("gloo", init_method="file://" + init, rank=0, world_size=1)
+x = torch.arange(6, dtype=torch.float32)
+dist.all_reduce(x)  # @positional
+dist.all_reduce(tensor=x, group=None)  # @keywords
+work = dist.all_reduce(x, async_op=True)  # @async
+work.wait()
+parts = [torch.zeros(6), torch.zeros(6)]
+dist.all_gather(parts[:1], x.double().float())  # @gather
+objects = [{"a": 1}]
+dist.broadcast_object_list(objects, src=0)  # @objects
+try:
+    dist.all_reduce([x])  # @fails
+    error = None
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+print("RESULT " + json.dumps({"x": x.tolist(), "parts": [p.tolist() for p in parts], "objects": objects, "error": error}), flush=True)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_every_form_of_call_is_recorded_as_called_and_changes_nothing(python, spawn, cli):
+    require_torch(python)
+    alone = spawn(python, CALLS, probe=False, wait=False)
+    expected = alone.wait_for_line("RESULT")
+    target = spawn(python, CALLS, wait=False)
+    assert target.wait_for_line("RESULT") == expected
+    target.wait_for_line("READY")
+    assert json.loads(expected.split(" ", 1)[1])["error"].startswith("TypeError")  # the premise
+    query = (
+        "SELECT op, state, shapes, dtype, bytes, async_op, caller FROM python.collectives"
+        " WHERE caller LIKE '%target.py%' ORDER BY ts"
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        result = cli(target.pid, "query", query, "--format", "json")
+        assert result.returncode == 0, result.stderr
+        rows = json.loads(result.stdout)
+        # The async call's row closes when its future's callback runs.
+        if len(rows) == 6 and all(row["state"] != "in flight" for row in rows):
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.2)
+
+    def at(marker):
+        return f"<module> (target.py:{line_of(CALLS, marker)})"
+
+    vector = {"shapes": "6", "dtype": "float32", "bytes": 24}
+    assert rows == [
+        {"op": "all_reduce", "state": "done", **vector, "async_op": False, "caller": at("positional")},
+        {"op": "all_reduce", "state": "done", **vector, "async_op": False, "caller": at("keywords")},
+        {"op": "all_reduce", "state": "done", **vector, "async_op": True, "caller": at("async")},
+        {"op": "all_gather", "state": "done", **vector, "async_op": False, "caller": at("gather")},
+        {"op": "broadcast_object_list", "state": "done", "shapes": None, "dtype": None, "bytes": None, "async_op": False, "caller": at("objects")},
+        {"op": "all_reduce", "state": "failed", **vector, "async_op": False, "caller": at("fails")},
+    ], rows
+    inner = cli(target.pid, "query", "SELECT op, caller FROM python.collectives WHERE caller LIKE '%distributed_c10d.py%'", "--format", "json")
+    assert inner.returncode == 0, inner.stderr
+    assert {row["op"] for row in json.loads(inner.stdout)} == {"broadcast"}, inner.stdout
+    # Nothing failed to be recorded (a failure leaves the call unrecorded and counts).
+    errors = cli(target.pid, "eval", "__import__('rankscope._probe.torch.collectives', fromlist=['_']).RECORDER.errors")
+    assert errors.returncode == 0, errors.stderr
+    assert errors.stdout.strip() == "0", errors.stdout

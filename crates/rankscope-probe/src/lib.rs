@@ -4,6 +4,7 @@
 //! Python state lives in plain Python (`rankscope._probe`), called from here
 //! with the GIL held only for the duration of that call.
 
+mod collective;
 mod crash_hook;
 mod deadline;
 mod debug_wait;
@@ -277,11 +278,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::step_rows_hand_over, m)?)?;
     m.add_function(wrap_pyfunction!(store::step_rows_waiting, m)?)?;
     m.add_function(wrap_pyfunction!(store::trace_extend, m)?)?;
-    m.add_function(wrap_pyfunction!(store::table_open, m)?)?;
     m.add_function(wrap_pyfunction!(memory::set_step, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_now, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_row, m)?)?;
-    m.add_function(wrap_pyfunction!(store::table_finish, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_describe, m)?)?;
     m.add_function(wrap_pyfunction!(store::table_tail, m)?)?;
     m.add_function(wrap_pyfunction!(store::store_flush, m)?)?;
@@ -297,6 +296,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stand_in::StandIn>()?;
     m.add_class::<nan_arm::NanArm>()?;
     m.add_class::<nan_arm::NanStep>()?;
+    m.add_class::<collective::CollectiveLog>()?;
+    m.add_class::<collective::CollectiveCall>()?;
+    m.add_class::<collective::CollectiveEnd>()?;
     m.add_function(wrap_pyfunction!(on_main::on_main_thread, m)?)?;
     m.add_class::<grad_read::GradRead>()?;
     Ok(())

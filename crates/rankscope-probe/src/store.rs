@@ -368,47 +368,32 @@ fn ts_and_cells(row: &Bound<'_, PyAny>) -> PyResult<(f64, Vec<Cell>)> {
     Ok((ts, cells))
 }
 
-/// A row that is still changing (a collective in flight), shown under
-/// `key` until `table_finish` gives its last cells.
-#[pyfunction]
-pub fn table_open(name: &str, key: u64, row: &Bound<'_, PyAny>) -> PyResult<()> {
-    let (ts, cells) = ts_and_cells(row)?;
-    store()
-        .open_row(name, key, ts, cells)
-        .map_err(|e| PyValueError::new_err(e.to_string()))
-}
-
-/// The open row `key` is done and only the cells at `at` (counted after
-/// ts) changed, to `values`: what a collective's end changes, without its
-/// other cells crossing over again. False: the row was no longer open.
-#[pyfunction]
-pub fn table_finish(
-    name: &str,
-    key: u64,
-    at: Vec<usize>,
-    values: &Bound<'_, PyAny>,
-) -> PyResult<bool> {
-    let values = values
-        .try_iter()?
-        .map(|v| v.map(|v| cell(&v)))
-        .collect::<PyResult<Vec<Cell>>>()?;
-    if values.len() != at.len() {
-        return Err(PyValueError::new_err(format!(
-            "table_finish: {} columns but {} values",
-            at.len(),
-            values.len()
-        )));
-    }
-    store()
-        .finish_row(name, key, at.into_iter().zip(values).collect())
-        .map_err(|e| PyValueError::new_err(e.to_string()))
-}
-
 /// Writes what waits and ends the store's thread (the probe stops).
 pub fn close() {
     if let Some(store) = existing() {
         store.close();
     }
+}
+
+/// A row that is still changing (a collective in flight, collective.rs),
+/// shown to every read under `key` until `finish_row` gives its last cells.
+pub(crate) fn open_row(name: &str, key: u64, ts: f64, cells: Vec<Cell>) -> Result<(), String> {
+    store()
+        .open_row(name, key, ts, cells)
+        .map_err(|e| e.to_string())
+}
+
+/// The open row `key` is done and only the cells in `changes` (counted
+/// after ts) changed: its other cells are not made again. False: the row
+/// was no longer open.
+pub(crate) fn finish_row(
+    name: &str,
+    key: u64,
+    changes: Vec<(usize, Cell)>,
+) -> Result<bool, String> {
+    store()
+        .finish_row(name, key, changes)
+        .map_err(|e| e.to_string())
 }
 
 /// A row from Rust (the memory sampler), without the GIL.

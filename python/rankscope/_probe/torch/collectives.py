@@ -36,11 +36,9 @@ an injected probe records only once asked (``torch collectives on``).
 from __future__ import annotations
 
 import _thread
-import itertools
 import os
 import sys
 import time
-import weakref
 
 from rankscope import _native
 
@@ -66,39 +64,25 @@ OPS = (
 _WRAPPED = "__rankscope_collective__"
 
 
-# The cells of a row (counted after ts) that a collective's end changes:
-# state, end_ts and duration_ms.
-_END_CELLS = (6, 11, 12)
-
-
-class _Group:
-    __slots__ = ("of", "name", "members", "size", "rank", "seq", "last_op", "count")
-
-    def __init__(self, of, name, members, size, rank):
-        # `of`: the group itself, weakly, so that a new group at a freed
-        # one's id is not taken for it, and a group the program destroys is
-        # freed (its sockets, its NCCL communicators) as without rankscope.
-        try:
-            self.of = weakref.ref(of)
-        except TypeError:
-            self.of = lambda: of
-        self.name, self.members, self.size, self.rank = name, members, size, rank
-        self.seq = 0
-        self.last_op = None
-        self.count = 0
-
-
 class Recorder:
+    """The wrappers and what they share. A call's own work (its group's
+    number, its sizes and call site, its row) is native: a
+    ``_native.CollectiveLog`` and one ``_native.CollectiveCall`` a
+    function (crates/rankscope-probe/src/collective.rs). The Python here
+    runs once a group, a shape or a list argument: what the native side
+    asks of torch by name."""
+
     def __init__(self):
-        self.on = False
         self.originals: dict = {}  # op -> the function wrapped
-        self.groups: dict = {}  # id(process group) -> _Group
-        self.keys = itertools.count(1)
-        self.in_flight: dict = {}  # key -> the row as opened
-        self.errors = 0
-        self.sites: dict = {}  # (code, instruction) -> "func (file:line)"
-        self.shapes: dict = {}  # (shape, dtype) -> (shapes, dtype, bytes an item)
-        self.tensor_type = None
+        self.log = _native.CollectiveLog(self._group_info, self._tensors, self._shape_of_one, _thread_name, _step)
+
+    @property
+    def on(self) -> bool:
+        return self.log.on
+
+    @property
+    def errors(self) -> int:
+        return self.log.errors
 
     # ---- on and off
 
@@ -113,11 +97,10 @@ class Recorder:
     def start(self) -> None:
         # torch is whole by now (it may still have been importing when the
         # wrappers went in).
-        self.tensor_type = sys.modules["torch"].Tensor
-        self.on = True
+        self.log.start(sys.modules[_C10D].GroupMember, sys.modules["torch"].Tensor)
 
     def turn_off(self) -> dict:
-        self.on = False
+        self.log.stop()
         c10d = sys.modules.get(_C10D)
         dist = sys.modules.get("torch.distributed")
         for op, original in self.originals.items():
@@ -150,76 +133,51 @@ class Recorder:
                 setattr(dist, op, wrapper)
 
     def _wrapper(self, op, original, parameters):
-        recorder = self
         group_at = parameters.index("group") if "group" in parameters else None
         async_at = parameters.index("async_op") if "async_op" in parameters else None
+        recorded = _native.CollectiveCall(self.log, op, original, group_at, async_at)
         # torch may still be importing (the wrapping happens as it imports
         # distributed_c10d): its `compiler` is looked up at call time.
         torch = sys.modules["torch"]
 
+        # A Python function, not the native call itself: under
+        # torch.compile's tracing, dynamo folds this test and traces the
+        # original (which it maps to a functional collective), with no
+        # graph break. `recorded` calls the original alone while off.
         def collective(*args, **kwargs):
-            # Under torch.compile's tracing, the call is torch's own: dynamo
-            # folds this test and traces the original, with no graph break.
-            if not recorder.on or torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():
                 return original(*args, **kwargs)
-            try:
-                entry = recorder._enter(op, args, kwargs, group_at, async_at)
-            except Exception:  # noqa: BLE001 - the call goes on unrecorded
-                recorder.errors += 1
-                entry = None
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                recorder._leave(entry, "failed")
-                raise
-            recorder._leave(entry, "done", result)
-            return result
+            return recorded(args, kwargs)
 
         return collective
 
-    # ---- a call (the program's thread)
+    # ---- asked by the native side, once a group, a shape or a list
 
-    def _group(self, group):
-        if group is None:
-            # The default group, without c10d's checks on every call; a new
-            # default group (after destroy_process_group) is a new object.
-            group = sys.modules[_C10D].GroupMember.WORLD
-        found = self.groups.get(id(group))
-        if found is None or found.of() is not group:
-            found = self._new_group(group)
-        return group, found
-
-    def _new_group(self, group):
+    def _group_info(self, group):
+        """(name, members, size, rank) of a group met for the first time."""
         c10d = sys.modules[_C10D]
         if group is None:
             group = c10d._get_default_group()  # raises as the call itself would
         try:
             name = c10d._get_process_group_name(group)
         except Exception:  # noqa: BLE001
-            name = str(len(self.groups))
+            name = str(len(self.log.groups()))
         try:
             members = c10d.get_process_group_ranks(group)
         except Exception:  # noqa: BLE001
             members = []
-        found = _Group(group, str(name), ",".join(map(str, members)), group.size(), group.rank())
-        self.groups[id(group)] = found
-        return found
+        return str(name), ",".join(map(str, members)), group.size(), group.rank()
+
+    def _shape_of_one(self, tensor):
+        return self._shape_of((tensor,))
 
     def _tensors(self, first):
-        """(shapes, dtype, bytes) of the first argument: the tensor, or
-        the list of tensors, that the call moves."""
+        """(shapes, dtype, bytes) of a first argument that is not a tensor:
+        the list of tensors that the call moves, or nothing."""
         # type(), not isinstance(): an object list's items may be anything.
-        kind = type(first)
-        if issubclass(kind, self.tensor_type):
-            # A loop sends the same shape again and again: its text is kept.
-            known = self.shapes.get((first.shape, first.dtype))
-            if known is None:
-                known = self._shape_of((first,))
-                if len(self.shapes) < 1024:
-                    self.shapes[(first.shape, first.dtype)] = known
-            return known[0], known[1], first.numel() * known[2]
-        if kind in (list, tuple):
-            tensors = [v for v in first[:4] if issubclass(type(v), self.tensor_type)]
+        tensor_type = sys.modules["torch"].Tensor
+        if type(first) in (list, tuple):
+            tensors = [v for v in first[:4] if issubclass(type(v), tensor_type)]
             if tensors:
                 shapes, dtype, item = self._shape_of(tensors)
                 return shapes, dtype, tensors[0].numel() * item
@@ -230,96 +188,29 @@ class Recorder:
         shapes = ";".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
         return shapes, str(tensors[0].dtype)[6:], tensors[0].element_size()
 
-    def _enter(self, op, args, kwargs, group_at, async_at):
-        if kwargs:
-            group = kwargs["group"] if "group" in kwargs else (args[group_at] if group_at is not None and len(args) > group_at else None)
-            asynchronous = bool(kwargs["async_op"] if "async_op" in kwargs else (args[async_at] if async_at is not None and len(args) > async_at else False))
-            first = args[0] if args else next((kwargs[k] for k in ("tensor", "output", "input", "tensor_list", "object_list") if k in kwargs), None)
-        else:
-            group = args[group_at] if group_at is not None and len(args) > group_at else None
-            asynchronous = bool(args[async_at]) if async_at is not None and len(args) > async_at else False
-            first = args[0] if args else None
-        group, info = self._group(group)
-        try:
-            # torch's own number, which counts every collective of the group
-            # (DDP's too) alike on every rank, and is what Flight Recorder says.
-            info.seq = group._get_sequence_number_for_group() + 1
-        except Exception:  # noqa: BLE001 - a backend without one: counted here
-            info.seq += 1
-        info.count += 1
-        info.last_op = op
-        key = next(self.keys)  # one step under the GIL: no two calls share a key
-        shapes, dtype, size = self._tensors(first)
-        caller = sys._getframe(2)
-        # By instruction, not line: a line number is looked up in the code's
-        # line table, which costs more than the rest of the call site.
-        site = (caller.f_code, caller.f_lasti)
-        where = self.sites.get(site)
-        if where is None:
-            where = f"{caller.f_code.co_name} ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
-            if len(self.sites) < 4096:
-                self.sites[site] = where
-        row = [time.time(), info.seq, op, info.name, info.size, info.rank, info.members, "in flight", shapes, dtype, size,
-               asynchronous, None, None, where, _thread_name(), _step()]
-        _native.table_open("collectives", key, row)
-        self.in_flight[key] = row
-        return key, row, time.perf_counter()
-
-    def _leave(self, entry, state, result=None):
-        if entry is None:
-            return
-        try:
-            key, row, began = entry
-            if state == "done" and row[11]:
-                future = getattr(result, "get_future", None)
-                if future is not None:
-                    try:
-                        future().add_done_callback(lambda _f: self._close(key, began, "done"))
-                        return
-                    except Exception:  # noqa: BLE001 - a backend without futures: closed as issued
-                        pass
-                state = "issued"
-            self._close(key, began, state)
-        except Exception:  # noqa: BLE001
-            self.errors += 1
-
-    def _close(self, key, began, state):
-        try:
-            end = (state, time.time() * 1e6, (time.perf_counter() - began) * 1e3)
-            row = self.in_flight.pop(key, None)
-            if not _native.table_finish("collectives", key, _END_CELLS, end) and row is not None:
-                # Dropped from the store's open rows (thousands in flight at
-                # once): the finished row still goes in, whole.
-                row = list(row)
-                for at, value in zip(_END_CELLS, end):
-                    row[at + 1] = value
-                _native.table_append("collectives", row)
-        except Exception:  # noqa: BLE001
-            self.errors += 1
-
     # ---- what `torch collectives` shows
 
     def describe(self) -> dict:
         dist = sys.modules.get("torch.distributed")
         initialized = bool(dist is not None and dist.is_available() and dist.is_initialized())
         now = time.time()
+        flying = self.log.in_flight()
         groups = []
-        for info in self.groups.values():
-            flying = [
-                {"op": row[2], "seq": row[1], "waiting_s": now - row[0], "caller": row[14]}
-                for row in list(self.in_flight.values())
-                if row[3] == info.name
-            ]
+        for name, size, rank, members, count, seq, last_op in self.log.groups():
             groups.append(
                 {
-                    "group": info.name,
-                    "size": info.size,
-                    "group_rank": info.rank,
-                    "members": info.members,
-                    "count": info.count,
-                    "last_seq": info.seq,
-                    "last_op": info.last_op,
-                    "in_flight": flying,
+                    "group": name,
+                    "size": size,
+                    "group_rank": rank,
+                    "members": members,
+                    "count": count,
+                    "last_seq": seq,
+                    "last_op": last_op,
+                    "in_flight": [
+                        {"op": op, "seq": seq_of, "waiting_s": now - ts, "caller": caller}
+                        for group, op, seq_of, ts, caller in flying
+                        if group == name
+                    ],
                 }
             )
         return {

@@ -1,0 +1,643 @@
+//! A recorded collective's own work (collectives.py says what is recorded
+//! and where the wrappers go): the group's number, the sizes, the call
+//! site, and the row opened in the run store and closed when the call
+//! returns or its future completes.
+//!
+//! Native because it runs on every collective of a job that started with
+//! the probe: the Python version cost about 6 us a call (a row of 17 cells
+//! made, converted and kept, a dict of rows in flight, two clock reads
+//! through `time`), against a gloo `all_reduce` of 25-800 us
+//! (docs/performance.md, "Recorded collectives made native"). The wrapper
+//! itself stays a Python function, so that torch.compile still traces
+//! through it to torch's own collective (its remapping of `dist.all_reduce`
+//! to a functional collective goes by the function).
+//!
+//! Nothing of the program's changes: the call gets the program's arguments
+//! as given, its result or its exception comes back untouched, and a
+//! failure to record leaves the call unrecorded (counted in `errors`).
+//! Groups are held weakly, so a group the program destroys is freed as
+//! without rankscope. No lock is held while Python runs: a future's
+//! callback may close a row on another thread at any time.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use pyo3::exceptions::PyException;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString, PyTuple, PyType, PyWeakrefReference};
+use rankscope_store::Cell;
+
+use crate::store;
+
+const TABLE: &str = "collectives";
+/// The cells (counted after ts) that a collective's end changes: state,
+/// end_ts and duration_ms.
+const STATE: usize = 6;
+const END_TS: usize = 11;
+const DURATION: usize = 12;
+/// Caps on what is kept to make the next row cheaper: a program with more
+/// call sites or shapes than this still gets every row, made the long way.
+const MAX_SITES: usize = 4096;
+const MAX_SHAPES: usize = 1024;
+
+struct Group {
+    /// The group itself, weakly (None: it cannot be referenced weakly,
+    /// and is then told apart by its address only).
+    of: Option<Py<PyWeakrefReference>>,
+    name: String,
+    members: String,
+    size: i64,
+    rank: i64,
+    seq: i64,
+    count: i64,
+    last_op: Option<String>,
+}
+
+/// A row in flight: its cells as opened (the finished row is written
+/// whole from them where the store had to drop the open one).
+struct InFlight {
+    ts: f64,
+    cells: Vec<Cell>,
+}
+
+#[derive(Default)]
+struct State {
+    groups: HashMap<usize, Group>,
+    /// (code object's address, instruction) -> "func (file:line)"; the
+    /// code object is kept, so that its address is not reused.
+    sites: HashMap<(usize, i64), (Py<PyAny>, String)>,
+    in_flight: BTreeMap<u64, InFlight>,
+}
+
+/// `CollectiveLog(group_info, tensors, shape_of, thread_name, step)`:
+/// what every recorded collective shares. The callables are collectives.py's:
+/// `group_info(group)` -> (name, members, size, rank) for a group seen for
+/// the first time (None: the default group); `tensors(first)` -> (shapes,
+/// dtype, bytes) of a first argument that is not a tensor; `shape_of(t)`
+/// -> (shapes, dtype, bytes an item) of a tensor shape not seen before;
+/// `thread_name()`; `step()`: the torch step or None.
+/// What `groups()` says of a group: (name, size, rank, members, count,
+/// last seq, last op).
+type GroupSeen = (String, i64, i64, String, i64, i64, Option<String>);
+/// What `in_flight()` says of a call: (group, op, seq, start ts, caller).
+type Flying = (
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    f64,
+    Option<String>,
+);
+
+#[pyclass(module = "rankscope._native", frozen)]
+pub struct CollectiveLog {
+    on: AtomicBool,
+    errors: AtomicU64,
+    keys: AtomicU64,
+    group_info: Py<PyAny>,
+    tensors: Py<PyAny>,
+    shape_of: Py<PyAny>,
+    thread_name: Py<PyAny>,
+    step: Py<PyAny>,
+    /// (shape, dtype) -> (shapes, dtype, bytes an item).
+    shapes: Py<PyDict>,
+    /// Set by `start`: `distributed_c10d.GroupMember` (whose `WORLD` is the
+    /// default group) and `torch.Tensor`.
+    torch: Mutex<Option<(Py<PyAny>, Py<PyType>)>>,
+    state: Mutex<State>,
+}
+
+fn now_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn text(value: Option<String>) -> Cell {
+    value.map(Cell::Str).unwrap_or(Cell::Null)
+}
+
+impl CollectiveLog {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The group a call goes to (the default one for None), and its entry
+    /// in `groups`, made on first sight.
+    fn group<'py>(
+        &self,
+        py: Python<'py>,
+        group: Option<Bound<'py, PyAny>>,
+        member: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, usize)> {
+        let group = match group.filter(|g| !g.is_none()) {
+            Some(group) => group,
+            // The default group, without c10d's checks on every call; a
+            // new default group (after destroy_process_group) is a new
+            // object. Not made yet: group_info raises as the call would.
+            None => member.getattr(intern!(py, "WORLD"))?,
+        };
+        let at = group.as_ptr() as usize;
+        let known = {
+            let state = self.state();
+            state.groups.get(&at).is_some_and(|g| match &g.of {
+                // A new group at a freed one's address is not taken for it.
+                Some(of) => of.bind(py).upgrade().is_some_and(|o| o.is(&group)),
+                None => true,
+            })
+        };
+        if !known {
+            let (name, members, size, rank): (String, String, i64, i64) =
+                self.group_info.bind(py).call1((&group,))?.extract()?;
+            let of = PyWeakrefReference::new(&group).ok().map(Bound::unbind);
+            let old = self.state().groups.insert(
+                at,
+                Group {
+                    of,
+                    name,
+                    members,
+                    size,
+                    rank,
+                    seq: 0,
+                    count: 0,
+                    last_op: None,
+                },
+            );
+            drop(old);
+        }
+        Ok((group, at))
+    }
+
+    /// (shapes, dtype, bytes) of what the call moves: its first argument.
+    fn sizes<'py>(
+        &self,
+        py: Python<'py>,
+        first: Option<Bound<'py, PyAny>>,
+        tensor: &Bound<'py, PyType>,
+    ) -> PyResult<(Cell, Cell, Cell)> {
+        let Some(first) = first else {
+            return Ok((Cell::Null, Cell::Null, Cell::Null));
+        };
+        // type(), not isinstance(): an object list's items may be anything.
+        let described = if first.get_type().is_subclass(tensor)? {
+            let key = PyTuple::new(
+                py,
+                [
+                    first.getattr(intern!(py, "shape"))?,
+                    first.getattr(intern!(py, "dtype"))?,
+                ],
+            )?;
+            let shapes = self.shapes.bind(py);
+            let known = match shapes.get_item(&key)? {
+                Some(known) => known,
+                None => {
+                    // A loop sends the same shape again and again: its text is kept.
+                    let known = self.shape_of.bind(py).call1((&first,))?;
+                    if shapes.len() < MAX_SHAPES {
+                        shapes.set_item(&key, &known)?;
+                    }
+                    known
+                }
+            };
+            let (text, dtype, item): (Option<String>, Option<String>, i64) = known.extract()?;
+            let numel: i64 = first.call_method0(intern!(py, "numel"))?.extract()?;
+            (text, dtype, Some(numel * item))
+        } else {
+            self.tensors.bind(py).call1((&first,))?.extract()?
+        };
+        let (text_of, dtype, size) = described;
+        Ok((
+            text(text_of),
+            text(dtype),
+            size.map(Cell::Int).unwrap_or(Cell::Null),
+        ))
+    }
+
+    /// "func (file:line)" of the program's line that called the wrapper.
+    fn caller(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        // SAFETY: the GIL is held; the frame is borrowed, and owned (with
+        // a new reference) before anything else runs.
+        let wrapper = unsafe {
+            Bound::from_borrowed_ptr_or_opt(
+                py,
+                pyo3::ffi::PyEval_GetFrame() as *mut pyo3::ffi::PyObject,
+            )
+        };
+        // The running frame is the Python wrapper's; the program's is the one before.
+        let Some(frame) = wrapper
+            .map(|w| w.getattr(intern!(py, "f_back")))
+            .transpose()?
+            .filter(|f| !f.is_none())
+        else {
+            return Ok(None);
+        };
+        let code = frame.getattr(intern!(py, "f_code"))?;
+        // By instruction, not line: a line number is looked up in the
+        // code's line table, which costs more than the rest of the site.
+        let lasti: i64 = frame.getattr(intern!(py, "f_lasti"))?.extract()?;
+        let key = (code.as_ptr() as usize, lasti);
+        if let Some((_, site)) = self.state().sites.get(&key) {
+            return Ok(Some(site.clone()));
+        }
+        let name = code.getattr(intern!(py, "co_name"))?;
+        let file: String = code.getattr(intern!(py, "co_filename"))?.extract()?;
+        let line = frame.getattr(intern!(py, "f_lineno"))?;
+        let base = std::path::Path::new(&file)
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or(file);
+        let site = format!("{name} ({base}:{line})");
+        let mut state = self.state();
+        if state.sites.len() < MAX_SITES {
+            state.sites.insert(key, (code.unbind(), site.clone()));
+        }
+        Ok(Some(site))
+    }
+
+    /// Opens the call's row: (key, start) where it was recorded.
+    fn enter<'py>(
+        &self,
+        py: Python<'py>,
+        op: &str,
+        group: Option<Bound<'py, PyAny>>,
+        asynchronous: bool,
+        first: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<(u64, Instant)> {
+        let (member, tensor) = {
+            let torch = self.torch.lock().unwrap_or_else(|e| e.into_inner());
+            let Some((member, tensor)) = torch.as_ref() else {
+                return Err(PyException::new_err("collectives: not started"));
+            };
+            (member.clone_ref(py), tensor.clone_ref(py))
+        };
+        let (group, at) = self.group(py, group, member.bind(py))?;
+        // torch's own number, which counts every collective of the group
+        // (DDP's too) alike on every rank, and is what Flight Recorder says.
+        let torch_seq = match group.call_method0(intern!(py, "_get_sequence_number_for_group")) {
+            Ok(seq) => seq.extract::<i64>().ok(),
+            Err(e) if e.is_instance_of::<PyException>(py) => None,
+            Err(e) => return Err(e),
+        };
+        let (shapes, dtype, size) = self.sizes(py, first, tensor.bind(py))?;
+        let caller = self.caller(py)?;
+        // None is told apart first: a failed extract makes an error, with its message.
+        let thread = self.thread_name.bind(py).call0()?;
+        let thread: Option<String> = (!thread.is_none()).then(|| thread.extract().ok()).flatten();
+        let step = self.step.bind(py).call0()?;
+        let step: Option<i64> = (!step.is_none()).then(|| step.extract().ok()).flatten();
+        let key = self.keys.fetch_add(1, Ordering::Relaxed);
+        let ts = now_s();
+        let cells = {
+            let mut state = self.state();
+            let Some(info) = state.groups.get_mut(&at) else {
+                return Err(PyException::new_err("collectives: group forgotten"));
+            };
+            // A backend without its own number: counted here.
+            info.seq = torch_seq.map(|s| s + 1).unwrap_or(info.seq + 1);
+            info.count += 1;
+            if info.last_op.as_deref() != Some(op) {
+                info.last_op = Some(op.to_string());
+            }
+            let cells = vec![
+                Cell::Int(info.seq),
+                Cell::Str(op.to_string()),
+                Cell::Str(info.name.clone()),
+                Cell::Int(info.size),
+                Cell::Int(info.rank),
+                Cell::Str(info.members.clone()),
+                Cell::Str("in flight".to_string()),
+                shapes,
+                dtype,
+                size,
+                Cell::Bool(asynchronous),
+                Cell::Null,
+                Cell::Null,
+                text(caller),
+                text(thread),
+                step.map(Cell::Int).unwrap_or(Cell::Null),
+            ];
+            state.in_flight.insert(
+                key,
+                InFlight {
+                    ts,
+                    cells: cells.clone(),
+                },
+            );
+            cells
+        };
+        if let Err(e) = store::open_row(TABLE, key, ts, cells) {
+            self.state().in_flight.remove(&key);
+            return Err(PyException::new_err(e));
+        }
+        Ok((key, Instant::now()))
+    }
+
+    fn close(&self, key: u64, began: Instant, state: &str) {
+        let end_us = (now_s() * 1e6).round() as i64;
+        let changes = vec![
+            (STATE, Cell::Str(state.to_string())),
+            (END_TS, Cell::Int(end_us)),
+            (DURATION, Cell::Float(began.elapsed().as_secs_f64() * 1e3)),
+        ];
+        let row = self.state().in_flight.remove(&key);
+        match store::finish_row(TABLE, key, changes.clone()) {
+            Ok(true) => {}
+            Ok(false) => {
+                // Dropped from the store's open rows (thousands in flight
+                // at once): the finished row still goes in, whole.
+                if let Some(InFlight { ts, mut cells }) = row {
+                    for (at, value) in changes {
+                        cells[at] = value;
+                    }
+                    if store::append_row(TABLE, ts, cells).is_err() {
+                        self.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            Err(_) => {
+                self.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// After the call returned: an `async_op` call is closed when its
+    /// work's future completes, where the backend gives one.
+    fn leave(
+        slf: &Bound<'_, Self>,
+        key: u64,
+        began: Instant,
+        asynchronous: bool,
+        result: &Bound<'_, PyAny>,
+    ) {
+        let me = slf.get();
+        if asynchronous {
+            let py = slf.py();
+            let waited = result
+                .getattr_opt(intern!(py, "get_future"))
+                .ok()
+                .flatten()
+                .and_then(|get| get.call0().ok())
+                .is_some_and(|future| {
+                    let end = CollectiveEnd {
+                        log: slf.clone().unbind(),
+                        key,
+                        began,
+                    };
+                    Py::new(py, end)
+                        .and_then(|end| {
+                            future.call_method1(intern!(py, "add_done_callback"), (end,))
+                        })
+                        .is_ok()
+                });
+            if !waited {
+                // A backend without futures: closed as issued.
+                me.close(key, began, "issued");
+            }
+            return;
+        }
+        me.close(key, began, "done");
+    }
+}
+
+#[pymethods]
+impl CollectiveLog {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        group_info: Py<PyAny>,
+        tensors: Py<PyAny>,
+        shape_of: Py<PyAny>,
+        thread_name: Py<PyAny>,
+        step: Py<PyAny>,
+    ) -> Self {
+        CollectiveLog {
+            on: AtomicBool::new(false),
+            errors: AtomicU64::new(0),
+            keys: AtomicU64::new(1),
+            group_info,
+            tensors,
+            shape_of,
+            thread_name,
+            step,
+            shapes: PyDict::new(py).unbind(),
+            torch: Mutex::new(None),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// Records from now on: `group_member` is `distributed_c10d.GroupMember`,
+    /// `tensor` is `torch.Tensor`.
+    fn start(&self, group_member: Py<PyAny>, tensor: Py<PyType>) {
+        let old = self
+            .torch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace((group_member, tensor));
+        drop(old);
+        self.on.store(true, Ordering::Release);
+    }
+
+    fn stop(&self) {
+        self.on.store(false, Ordering::Release);
+    }
+
+    #[getter]
+    fn on(&self) -> bool {
+        self.on.load(Ordering::Acquire)
+    }
+
+    #[getter]
+    fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
+
+    /// Each group seen: (name, size, rank, members, count, last seq, last op).
+    fn groups(&self) -> Vec<GroupSeen> {
+        self.state()
+            .groups
+            .values()
+            .map(|g| {
+                (
+                    g.name.clone(),
+                    g.size,
+                    g.rank,
+                    g.members.clone(),
+                    g.count,
+                    g.seq,
+                    g.last_op.clone(),
+                )
+            })
+            .collect()
+    }
+
+    /// Each call in flight: (group, op, seq, start ts, caller).
+    fn in_flight(&self) -> Vec<Flying> {
+        let str_at = |cells: &[Cell], at: usize| match &cells[at] {
+            Cell::Str(s) => Some(s.clone()),
+            _ => None,
+        };
+        self.state()
+            .in_flight
+            .values()
+            .map(|f| {
+                let seq = match f.cells[0] {
+                    Cell::Int(i) => Some(i),
+                    _ => None,
+                };
+                (
+                    str_at(&f.cells, 2),
+                    str_at(&f.cells, 1),
+                    seq,
+                    f.ts,
+                    str_at(&f.cells, 13),
+                )
+            })
+            .collect()
+    }
+}
+
+/// `CollectiveCall(log, op, original, group_at, async_at)(args, kwargs)`:
+/// one collective function, recorded; called by its Python wrapper with
+/// the program's arguments as they came.
+#[pyclass(module = "rankscope._native", frozen)]
+pub struct CollectiveCall {
+    log: Py<CollectiveLog>,
+    op: String,
+    original: Py<PyAny>,
+    group_at: Option<usize>,
+    async_at: Option<usize>,
+}
+
+/// The names a collective's first argument goes by, where it is given by
+/// keyword.
+const FIRST: [&str; 5] = ["tensor", "output", "input", "tensor_list", "object_list"];
+
+#[pymethods]
+impl CollectiveCall {
+    #[new]
+    #[pyo3(signature = (log, op, original, group_at=None, async_at=None))]
+    fn new(
+        log: Py<CollectiveLog>,
+        op: String,
+        original: Py<PyAny>,
+        group_at: Option<usize>,
+        async_at: Option<usize>,
+    ) -> Self {
+        CollectiveCall {
+            log,
+            op,
+            original,
+            group_at,
+            async_at,
+        }
+    }
+
+    fn __call__<'py>(
+        &self,
+        py: Python<'py>,
+        args: &Bound<'py, PyTuple>,
+        kwargs: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let original = self.original.bind(py);
+        let kw = (!kwargs.is_empty()).then_some(kwargs);
+        let log = self.log.bind(py);
+        if !log.get().on.load(Ordering::Acquire) {
+            return original.call(args, kw);
+        }
+        let entry = match self.arguments(py, args, kwargs) {
+            Ok((group, asynchronous, first)) => {
+                match log.get().enter(py, &self.op, group, asynchronous, first) {
+                    Ok((key, began)) => Some((key, began, asynchronous)),
+                    Err(e) if e.is_instance_of::<PyException>(py) => None,
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) if e.is_instance_of::<PyException>(py) => None,
+            Err(e) => return Err(e),
+        };
+        if entry.is_none() {
+            // The call goes on unrecorded.
+            log.get().errors.fetch_add(1, Ordering::Relaxed);
+        }
+        let result = original.call(args, kw);
+        if let Some((key, began, asynchronous)) = entry {
+            match &result {
+                Ok(out) => CollectiveLog::leave(log, key, began, asynchronous, out),
+                Err(_) => log.get().close(key, began, "failed"),
+            }
+        }
+        result
+    }
+
+    #[getter]
+    fn op(&self) -> &str {
+        &self.op
+    }
+}
+
+impl CollectiveCall {
+    /// (group, async_op, first argument) as the call was given them.
+    #[allow(clippy::type_complexity)]
+    fn arguments<'py>(
+        &self,
+        py: Python<'py>,
+        args: &Bound<'py, PyTuple>,
+        kwargs: &Bound<'py, PyDict>,
+    ) -> PyResult<(Option<Bound<'py, PyAny>>, bool, Option<Bound<'py, PyAny>>)> {
+        // Bounds first: a missing argument must not cost an IndexError made and dropped.
+        let at = |i: Option<usize>| {
+            i.filter(|&i| i < args.len())
+                .and_then(|i| args.get_item(i).ok())
+        };
+        let by_name = |name: &str| -> PyResult<Option<Bound<'py, PyAny>>> {
+            if kwargs.is_empty() {
+                Ok(None)
+            } else {
+                kwargs.get_item(PyString::new(py, name))
+            }
+        };
+        let group = match by_name("group")? {
+            Some(group) => Some(group),
+            None => at(self.group_at),
+        };
+        let asynchronous = match by_name("async_op")? {
+            Some(flag) => flag.is_truthy()?,
+            None => at(self.async_at)
+                .map(|f| f.is_truthy())
+                .transpose()?
+                .unwrap_or(false),
+        };
+        let first = match (!args.is_empty()).then(|| args.get_item(0).ok()).flatten() {
+            Some(first) => Some(first),
+            None => {
+                let mut found = None;
+                for name in FIRST {
+                    if let Some(value) = by_name(name)? {
+                        found = Some(value);
+                        break;
+                    }
+                }
+                found
+            }
+        };
+        Ok((group, asynchronous, first))
+    }
+}
+
+/// A future's done-callback: closes the row of an `async_op` call.
+#[pyclass(module = "rankscope._native", frozen)]
+pub struct CollectiveEnd {
+    log: Py<CollectiveLog>,
+    key: u64,
+    began: Instant,
+}
+
+#[pymethods]
+impl CollectiveEnd {
+    fn __call__(&self, py: Python<'_>, _future: &Bound<'_, PyAny>) {
+        self.log.bind(py).get().close(self.key, self.began, "done");
+    }
+}
