@@ -589,3 +589,31 @@ def test_a_launchers_record_is_marked_and_left_out_by_default(python, cli, endpo
     del old["launcher"]
     path.write_text(json.dumps(old))
     check(*listings())
+
+
+# A CUDA OOM's record describes the device that ran out. The allocator's
+# message names it; the process-wide OOM counts may point elsewhere (an
+# earlier OOM on another GPU that the program caught). Checked on the
+# record's own helper, since no GPU is here to run out.
+OOM_DEVICE = r"""
+import json
+from rankscope._probe.crashes import _oom_device
+devices = [
+    {"device": "cuda:0", "ooms": 3, "reserved_mb": 900.0},
+    {"device": "cuda:1", "ooms": 1, "reserved_mb": 100.0},
+]
+message = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB "
+           "of which 1.00 GiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch")
+print(json.dumps([
+    _oom_device(message, devices),
+    _oom_device(message.replace("GPU 1", "GPU 7"), devices),  # not a device here: by the counts
+    _oom_device("out of memory", devices),
+    _oom_device("out of memory", []),
+]))
+"""
+
+
+def test_a_cuda_oom_record_describes_the_device_its_message_names(python):
+    result = subprocess.run([python, "-c", OOM_DEVICE], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [1, 0, 0, None]

@@ -214,11 +214,10 @@ def _memory_picture(exc: BaseException) -> dict | None:
             if torch is not None and torch.cuda.is_initialized():
                 # The caching allocator's own account: what is allocated,
                 # reserved and cached, per pool (no device sync).
-                # Of the device that ran out (the most OOMs, then the most
-                # reserved), not the current one: the thread writing this
-                # record may not be the one whose device failed.
-                worst = max(picture["cuda"], key=lambda d: (d["ooms"], d["reserved_mb"]), default=None)
-                device = int(worst["device"].split(":")[1]) if worst else None
+                # Of the device that ran out, not the current one: the
+                # thread writing this record may not be the one whose
+                # device failed.
+                device = _oom_device(str(exc), picture["cuda"])
                 picture["cuda_summary"] = torch.cuda.memory_summary(device=device, abbreviated=True)
             if torch is not None:
                 from rankscope._probe.torch import tensors
@@ -229,6 +228,22 @@ def _memory_picture(exc: BaseException) -> dict | None:
         except Exception as err:  # noqa: BLE001
             picture["error"] = f"{type(err).__name__}: {err}"
     return picture
+
+
+def _oom_device(message: str, devices: list) -> int | None:
+    """The index of the CUDA device that ran out: the one the allocator's
+    message names ("... GPU 3 has a total capacity of ..."), else the one
+    with the most OOMs, then the most reserved. The counts are the
+    process's since it began, so an earlier OOM on another device, caught
+    by the program, would outweigh this one: the message comes first."""
+    import re
+
+    indices = [int(d["device"].split(":")[1]) for d in devices]
+    named = re.search(r"\bGPU (\d+) has a total capacity", message)
+    if named and int(named.group(1)) in indices:
+        return int(named.group(1))
+    worst = max(devices, key=lambda d: (d["ooms"], d["reserved_mb"]), default=None)
+    return int(worst["device"].split(":")[1]) if worst else None
 
 
 def _write_atomically(directory: str, name: str, data: bytes) -> str:
