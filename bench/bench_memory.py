@@ -14,6 +14,11 @@
 3. `memory track on --python` (tracemalloc, 16 frames) on an
    allocation-heavy pure-Python loop: slowdown against tracking off, in one
    target, alternating. tracemalloc's own cost is the figure: reported.
+4. `memory track on --cuda` (torch's CUDA memory history: every CUDA
+   allocation and free with its Python stack) on a small model's training
+   step on a GPU: slowdown against tracking off, in one target,
+   alternating, each round's steps ended by a synchronize. Reported;
+   skipped where torch has no CUDA device.
 
     .venv/bin/python bench/bench_memory.py [--rounds 10] [--tensors 100000]
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import statistics
 import subprocess
 import time
@@ -130,9 +136,10 @@ def tensors(n, endpoint, rankscope):
     print(f"python.tensors: {count} storages, {named} named")
 
 
-def tracking(rounds, endpoint, rankscope):
+def _probed(source, endpoint, rankscope, timeout=30.0):
+    """A target with the probe on, and `cli(*words)` for it (raises on an error)."""
     env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"))
-    proc, _ = start_target(ALLOCS, env)
+    proc, _ = start_target(source, env, timeout=timeout)
     cli_env = base_env(RANKSCOPE_DIR=endpoint)
 
     def cli(*words):
@@ -140,6 +147,11 @@ def tracking(rounds, endpoint, rankscope):
         if result.returncode != 0:
             raise BenchError(result.stderr)
 
+    return proc, cli
+
+
+def tracking(rounds, endpoint, rankscope):
+    proc, cli = _probed(ALLOCS, endpoint, rankscope)
     times = {"off": [], "on": []}
     try:
         for _ in range(rounds):
@@ -154,12 +166,58 @@ def tracking(rounds, endpoint, rankscope):
           f"({min(times['off']) * 1e3:.1f} -> {min(times['on']) * 1e3:.1f} ms; that is tracemalloc's own cost, 16 frames)")
 
 
+CUDA_LOOP = r"""
+import json, sys, time
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.GELU())], nn.Linear(1024, 1)).cuda()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1, device="cuda")
+print("ready", flush=True)
+for line in sys.stdin:
+    n = int(line)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    print(json.dumps((time.perf_counter() - t0) / n), flush=True)
+"""
+
+
+def tracking_cuda(rounds, steps, endpoint, rankscope):
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True, text=True)
+    if probe.stdout.strip() != "True":
+        print("memory track on --cuda: skipped, no CUDA device here")
+        return
+    proc, cli = _probed(CUDA_LOOP, endpoint, rankscope, timeout=120)
+    times = {"off": [], "on": []}
+    try:
+        ask(proc, 20)  # cuBLAS and the allocator warmed up
+        for _ in range(rounds):
+            for mode in ("off", "on"):
+                cli("memory", "track", mode, "--cuda")
+                ask(proc, 5)
+                times[mode].append(ask(proc, steps))
+        cli("memory", "track", "off", "--cuda")
+    finally:
+        stop_target(proc)
+    paired = statistics.median(on / off for on, off in zip(times["on"], times["off"]))
+    print(f"memory track on --cuda: {(paired - 1) * 100:+.2f} % a step (paired median of {rounds} rounds; "
+          f"best rounds {min(times['off']) * 1e3:.3f} -> {min(times['on']) * 1e3:.3f} ms), "
+          "7 x Linear(1024) + AdamW, batch 256; torch's memory history with its stacks")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--tensors", type=int, default=100_000)
-    ap.add_argument("--only", choices=("timeline", "tensors", "tracking"), help="one part of the bench")
+    ap.add_argument("--only", choices=("timeline", "tensors", "tracking", "tracking-cuda"), help="one part of the bench")
     args = ap.parse_args()
     rankscope = tool("rankscope")
     endpoint = private_dir("rs-bench-memory-")
@@ -170,6 +228,8 @@ def main() -> int:
         tensors(args.tensors, endpoint, rankscope)
     if args.only in (None, "tracking"):
         tracking(args.rounds, endpoint, rankscope)
+    if args.only in (None, "tracking-cuda"):
+        tracking_cuda(args.rounds, args.steps, endpoint, rankscope)
     return 0
 
 

@@ -7,6 +7,7 @@ never has one)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import subprocess
@@ -14,6 +15,7 @@ import time
 
 import pytest
 
+import test_torch_health as health
 from conftest import query_json, require_torch
 from test_torch import run_steps
 
@@ -56,11 +58,16 @@ while True:
 """
 
 
+@functools.cache
+def _has_cuda(python: str) -> bool:
+    probe = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True, text=True, timeout=120)
+    return probe.stdout.strip() == "True"
+
+
 @pytest.fixture
 def cuda_python(python):
     require_torch(python)
-    probe = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True, text=True, timeout=120)
-    if probe.stdout.strip() != "True":
+    if not _has_cuda(python):
         pytest.skip("no CUDA device here")
     return python
 
@@ -144,3 +151,166 @@ def test_the_timeline_has_cuda_figures_without_a_look(cuda_python, spawn, cli):
     run_steps(cli, target, 200, 205)
     steps = query_json(cli, target.pid, "SELECT step, cuda_allocated_mb, cuda_peak_mb FROM python.memory WHERE source = 'step'")
     assert steps and all(r["step"] is not None and r["cuda_peak_mb"] >= r["cuda_allocated_mb"] > 0 for r in steps), steps
+
+
+# The training-health features on a GPU, with test_torch_health.py's
+# MLP and its traps moved to CUDA (`--cuda`). There the NaN watch reads
+# its norms a step later, without a sync, so a trip is found one or two
+# steps after it happened, and named at the step it happened.
+
+
+def _torch(cli, pid, *args) -> str:
+    result = cli(pid, "torch", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _until_named(cli, target, done: int, wanted: str, most: int = 6) -> str:
+    """One step at a time past `done`, until `torch nan` says `wanted`."""
+    for extra in range(1, most + 1):
+        run_steps(cli, target, 1, done + extra)
+        text = _torch(cli, target.pid, "nan")
+        if wanted in text:
+            return text
+    raise AssertionError(f"{wanted!r} not said {most} steps on: {text}")
+
+
+def test_a_forward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, spawn, cli):
+    target = spawn(cuda_python, health.TRAIN, args=["--nan-forward", "4", "--cuda"])
+    assert "nan watch: armed" in _torch(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 4, 4)
+    assert "no non-finite value seen" in _torch(cli, target.pid, "nan")
+    _until_named(cli, target, 4, "step 4: first non-finite in forward, module boom (Boom): its output (256 non-finite)")
+    rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(4, "forward", "boom")], rows
+
+
+def test_a_backward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, spawn, cli):
+    target = spawn(cuda_python, health.TRAIN, args=["--nan-backward", "2", "--cuda"])
+    _torch(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 2, 2)
+    _until_named(cli, target, 2, "step 2: first non-finite in backward, module back (Back)")
+    rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "backward", "back")], rows
+
+
+def test_a_trip_and_its_replays_on_a_gpu_change_nothing(cuda_python, spawn, cli, tmp_path):
+    # Dropout draws from the GPU's generator: the replay puts back the
+    # step's CUDA RNG state, and the program's after it.
+    flags = ["--nan-backward", "2", "--dropout", "--loss", "noisy", "--cuda"]
+    target = spawn(cuda_python, health.TRAIN, args=flags)
+    _torch(cli, target.pid, "nan", "on")
+    _torch(cli, target.pid, "trace", "on")
+    run_steps(cli, target, 6, 6)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "backward", "back")], rows
+    probed = tmp_path / "probed.pt"
+    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
+    result = subprocess.run(
+        [cuda_python, "-c", health.SAME_BITS, str(probed), str(health.reference_run(cuda_python, tmp_path, 6, *flags)), "6"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.stdout.strip() == "EQUAL", result.stderr
+
+
+def test_grads_on_a_gpu_fill_their_table_and_change_nothing(cuda_python, spawn, cli, tmp_path):
+    target = spawn(cuda_python, health.TRAIN, args=["--cuda"])
+    _torch(cli, target.pid, "grads", "--every", "2")
+    run_steps(cli, target, 6, 6)
+    # Read on the GPU and copied out without a sync: a step's rows come at a later boundary.
+    sql = "SELECT step, param, norm, max_abs, nonfinite, weight_norm, update_ratio FROM python.grad_stats ORDER BY step, param"
+    rows, done = query_json(cli, target.pid, sql), 6
+    if {r["step"] for r in rows} != {0, 2, 4}:
+        run_steps(cli, target, 2, 8)
+        rows, done = [r for r in query_json(cli, target.pid, sql) if r["step"] <= 4], 8
+    assert sorted({r["step"] for r in rows}) == [0, 2, 4], rows
+    for r in rows:
+        assert r["norm"] > 0 and 0 < r["max_abs"] <= r["norm"] and r["nonfinite"] == 0, r
+        assert r["weight_norm"] > 0 and 0 < r["update_ratio"] < 1, r
+        if r["step"] == 0:
+            # SGD's first step: the update is lr x the gradient.
+            update = r["update_ratio"] * r["weight_norm"]
+            assert abs(update - 0.01 * r["norm"]) <= 1e-3 * 0.01 * r["norm"], r
+    _torch(cli, target.pid, "grads", "off")
+    run_steps(cli, target, 2, done + 2)
+    probed = tmp_path / "probed.pt"
+    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
+    reference = health.reference_run(cuda_python, tmp_path, done + 2, "--cuda")
+    result = subprocess.run([cuda_python, "-c", health.SAME_BITS, str(probed), str(reference), str(done + 2)], capture_output=True, text=True, timeout=180)
+    assert result.stdout.strip() == "EQUAL", result.stderr
+
+
+# A whole training step captured in a CUDA graph (fixed shapes, a
+# capturable Adam) with the trace, the NaN watch and the gradient
+# statistics on from the start: their hooks run in the warm-up and inside
+# the capture, where nothing may be recorded, copied out, queried or
+# waited on (a query inside a capture invalidates it). The replays run no
+# Python at all. The program ends as without rankscope, bit for bit, and
+# the features are still on, not turned off by an error.
+CAPTURE = """
+import sys, time
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+static_x = torch.zeros(32, 64, device="cuda")
+static_y = torch.zeros(32, 1, device="cuda")
+data = torch.Generator().manual_seed(1)
+
+
+def feed():
+    static_x.copy_(torch.randn(32, 64, generator=data))
+    static_y.copy_(torch.randn(32, 1, generator=data))
+
+
+def step():
+    optimizer.zero_grad(set_to_none=False)
+    loss = nn.functional.mse_loss(model(static_x), static_y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    for _ in range(3):
+        feed()
+        step()
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    static_loss = step()
+losses = []
+for _ in range(20):
+    feed()
+    graph.replay()
+    losses.append(static_loss.detach().clone())
+torch.cuda.synchronize()
+torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}, sys.argv[1])
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+SAME = (
+    "import sys, torch; a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2]); "
+    "assert all(torch.equal(x, y) for x, y in zip(a['losses'], b['losses'])) and len(a['losses']) == len(b['losses']) == 20, 'losses differ'; "
+    "assert all(torch.equal(a['params'][k], b['params'][k]) for k in a['params']), 'parameters differ'; "
+    "print('EQUAL')"
+)
+
+
+def test_a_step_captured_in_a_cuda_graph_runs_as_without_rankscope(cuda_python, spawn, cli, tmp_path):
+    alone = spawn(cuda_python, CAPTURE, probe=False, args=[str(tmp_path / "alone.pt")])
+    probed = spawn(cuda_python, CAPTURE, env={"RANKSCOPE_TORCH": "trace,nan,grads"}, args=[str(tmp_path / "probed.pt")])
+    for target in (alone, probed):
+        assert target.proc.poll() is None, target.proc.stderr.read().decode(errors="replace")
+    status = json.loads(cli(probed.pid, "torch", "--format", "json").stdout)
+    trace, features = status["trace"], status["features"]
+    assert trace["on"] and not trace["disabled"], trace
+    assert features["nan"]["armed"] and features["grads"]["on"] and not features["grads"]["disabled"], features
+    result = subprocess.run([cuda_python, "-c", SAME, str(tmp_path / "probed.pt"), str(tmp_path / "alone.pt")], capture_output=True, text=True, timeout=180)
+    assert result.stdout.strip() == "EQUAL", result.stderr

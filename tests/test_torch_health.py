@@ -37,6 +37,7 @@ NAN_LOSS_GRAD = flag("--nan-loss-grad")
 LOSS = sys.argv[sys.argv.index("--loss") + 1] if "--loss" in sys.argv else "module"
 DROPOUT = "--dropout" in sys.argv
 KEYWORD = "--keyword" in sys.argv  # the model called as model(x=...)
+DEVICE = "cuda" if "--cuda" in sys.argv else "cpu"  # test_torch_cuda.py
 done = 0
 
 
@@ -91,7 +92,7 @@ class MLP(nn.Module):
         return self.head(self.act2(self.back(self.fc2(self.boom(self.drop(self.act1(self.fc1(x))))))))
 
 
-model = MLP()
+model = MLP().to(DEVICE)
 criterion = {"module": nn.MSELoss(), "functional": nn.functional.mse_loss, "bad": BadLoss(), "noisy": NoisyLoss()}[LOSS]
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 data = torch.Generator().manual_seed(1)
@@ -100,8 +101,8 @@ losses = []
 
 def train_step():
     global done
-    x = torch.randn(8, 16, generator=data)
-    target = torch.randn(8, 1, generator=data)
+    x = torch.randn(8, 16, generator=data).to(DEVICE)
+    target = torch.randn(8, 1, generator=data).to(DEVICE)
     loss = criterion(model(x=x) if KEYWORD else model(x), target)
     optimizer.zero_grad()
     loss.backward()
@@ -111,7 +112,8 @@ def train_step():
 
 
 def save(path):
-    torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "rng": torch.get_rng_state()}, path)
+    rng = torch.cuda.get_rng_state() if DEVICE == "cuda" else None
+    torch.save({"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "rng": torch.get_rng_state(), "cuda_rng": rng}, path)
 
 
 if "--steps" in sys.argv:
@@ -227,6 +229,7 @@ SAME_BITS = (
     "assert all(same(x, y) for x, y in zip(a['losses'], b['losses'])), 'losses differ'; "
     "assert all(same(a['params'][k], b['params'][k]) for k in a['params']), 'parameters differ'; "
     "assert torch.equal(a['rng'], b['rng']), 'the RNG stream differs'; "
+    "assert (a['cuda_rng'] is None) == (b['cuda_rng'] is None) and (a['cuda_rng'] is None or torch.equal(a['cuda_rng'], b['cuda_rng'])), 'the CUDA RNG stream differs'; "
     "print('EQUAL')"
 )
 
