@@ -43,10 +43,16 @@ const DURATION: usize = 12;
 const MAX_SITES: usize = 4096;
 const MAX_SHAPES: usize = 1024;
 
+/// How a group is held: weakly, so that the program frees it as without
+/// rankscope; one that cannot be referenced weakly is held (as the Python
+/// recorder did), so that no other object takes its address.
+enum Held {
+    Weakly(Py<PyWeakrefReference>),
+    Strongly(Py<PyAny>),
+}
+
 struct Group {
-    /// The group itself, weakly (None: it cannot be referenced weakly,
-    /// and is then told apart by its address only).
-    of: Option<Py<PyWeakrefReference>>,
+    of: Held,
     name: String,
     members: String,
     size: i64,
@@ -66,6 +72,9 @@ struct InFlight {
 #[derive(Default)]
 struct State {
     groups: HashMap<usize, Group>,
+    /// The groups' addresses in the order first seen (what `torch
+    /// collectives` lists).
+    order: Vec<usize>,
     /// (code object's address, instruction) -> "func (file:line)"; the
     /// code object is kept, so that its address is not reused.
     sites: HashMap<(usize, i64), (Py<PyAny>, String)>,
@@ -145,15 +154,21 @@ impl CollectiveLog {
             let state = self.state();
             state.groups.get(&at).is_some_and(|g| match &g.of {
                 // A new group at a freed one's address is not taken for it.
-                Some(of) => of.bind(py).upgrade().is_some_and(|o| o.is(&group)),
-                None => true,
+                Held::Weakly(of) => of.bind(py).upgrade().is_some_and(|o| o.is(&group)),
+                Held::Strongly(of) => of.bind(py).is(&group),
             })
         };
         if !known {
             let (name, members, size, rank): (String, String, i64, i64) =
                 self.group_info.bind(py).call1((&group,))?.extract()?;
-            let of = PyWeakrefReference::new(&group).ok().map(Bound::unbind);
-            let old = self.state().groups.insert(
+            let of = match PyWeakrefReference::new(&group) {
+                Ok(weak) => Held::Weakly(weak.unbind()),
+                Err(_) => Held::Strongly(group.clone().unbind()),
+            };
+            let mut state = self.state();
+            state.order.retain(|&a| a != at);
+            state.order.push(at);
+            let old = state.groups.insert(
                 at,
                 Group {
                     of,
@@ -166,6 +181,8 @@ impl CollectiveLog {
                     last_op: None,
                 },
             );
+            // The lock first: the group let go may be freed, and run code.
+            drop(state);
             drop(old);
         }
         Ok((group, at))
@@ -242,8 +259,18 @@ impl CollectiveLog {
         if let Some((_, site)) = self.state().sites.get(&key) {
             return Ok(Some(site.clone()));
         }
-        let name = code.getattr(intern!(py, "co_name"))?;
-        let file: String = code.getattr(intern!(py, "co_filename"))?.extract()?;
+        // Lossy: a file name that is not valid UTF-8 (a directory named in
+        // latin-1) still gives a row.
+        let name = code
+            .getattr(intern!(py, "co_name"))?
+            .str()?
+            .to_string_lossy()
+            .into_owned();
+        let file = code
+            .getattr(intern!(py, "co_filename"))?
+            .str()?
+            .to_string_lossy()
+            .into_owned();
         let line = frame.getattr(intern!(py, "f_lineno"))?;
         let base = std::path::Path::new(&file)
             .file_name()
@@ -365,40 +392,54 @@ impl CollectiveLog {
 
     /// After the call returned: an `async_op` call is closed when its
     /// work's future completes, where the backend gives one.
+    /// An error that is not an `Exception` (KeyboardInterrupt from the
+    /// program's signal handler) goes on to the program, as it went
+    /// through the Python recorder; the row is then closed as issued.
     fn leave(
         slf: &Bound<'_, Self>,
         key: u64,
         began: Instant,
         asynchronous: bool,
         result: &Bound<'_, PyAny>,
-    ) {
+    ) -> PyResult<()> {
         let me = slf.get();
-        if asynchronous {
-            let py = slf.py();
-            let waited = result
-                .getattr_opt(intern!(py, "get_future"))
-                .ok()
-                .flatten()
-                .and_then(|get| get.call0().ok())
-                .is_some_and(|future| {
-                    let end = CollectiveEnd {
-                        log: slf.clone().unbind(),
-                        key,
-                        began,
-                    };
-                    Py::new(py, end)
-                        .and_then(|end| {
-                            future.call_method1(intern!(py, "add_done_callback"), (end,))
-                        })
-                        .is_ok()
-                });
-            if !waited {
+        if !asynchronous {
+            me.close(key, began, "done");
+            return Ok(());
+        }
+        let py = slf.py();
+        let waited = (|| -> PyResult<bool> {
+            let Some(get) = result.getattr_opt(intern!(py, "get_future"))? else {
+                return Ok(false);
+            };
+            let future = get.call0()?;
+            let end = Py::new(
+                py,
+                CollectiveEnd {
+                    log: slf.clone().unbind(),
+                    key,
+                    began,
+                },
+            )?;
+            future.call_method1(intern!(py, "add_done_callback"), (end,))?;
+            Ok(true)
+        })();
+        match waited {
+            Ok(true) => Ok(()),
+            Ok(false) => {
                 // A backend without futures: closed as issued.
                 me.close(key, began, "issued");
+                Ok(())
             }
-            return;
+            Err(e) => {
+                me.close(key, began, "issued");
+                if e.is_instance_of::<PyException>(py) {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }
         }
-        me.close(key, began, "done");
     }
 }
 
@@ -456,9 +497,11 @@ impl CollectiveLog {
 
     /// Each group seen: (name, size, rank, members, count, last seq, last op).
     fn groups(&self) -> Vec<GroupSeen> {
-        self.state()
-            .groups
-            .values()
+        let state = self.state();
+        state
+            .order
+            .iter()
+            .filter_map(|at| state.groups.get(at))
             .map(|g| {
                 (
                     g.name.clone(),
@@ -565,7 +608,7 @@ impl CollectiveCall {
         let result = original.call(args, kw);
         if let Some((key, began, asynchronous)) = entry {
             match &result {
-                Ok(out) => CollectiveLog::leave(log, key, began, asynchronous, out),
+                Ok(out) => CollectiveLog::leave(log, key, began, asynchronous, out)?,
                 Err(_) => log.get().close(key, began, "failed"),
             }
         }
