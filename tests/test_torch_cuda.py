@@ -91,8 +91,11 @@ def test_trace_on_cuda_has_gpu_time_memory_deltas_and_the_loss(cuda_python, spaw
         assert r["a"] == r["n"], r
     # fc2 of a 512 x 1024 batch leaves a 2 MB activation for backward.
     assert forward["2"]["peak"] >= 1.9, forward["2"]
-    backward = [r for r in rows if r["stage"] == "backward"]
-    assert backward and all(r["timed"] == 0 and r["a"] == 0 for r in backward), "backward has CPU time only"
+    # Backward: GPU time from events recorded in the gradient hooks, no memory deltas.
+    backward = {r["module"]: r for r in rows if r["stage"] == "backward"}
+    assert set(backward) >= {"0", "2", "4"}, rows
+    for r in backward.values():
+        assert r["timed"] == r["n"] >= 5 and r["low"] > 0 and r["a"] == 0, r
     steps = query_json(cli, target.pid, "SELECT step, loss, forward_ms FROM python.torch_steps WHERE sampled ORDER BY step")
     assert len(steps) >= 5 and all(s["loss"] is not None and s["loss"] > 0 for s in steps[:5]), steps
     off = cli(target.pid, "torch", "trace", "off")

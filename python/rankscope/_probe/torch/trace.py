@@ -90,6 +90,8 @@ class _Slot:
         "bwd_end",
         "bwd_ns",
         "bwd_calls",
+        "bwd_open",
+        "bwd_events",
         "mem_starts",
         "alloc_delta",
         "peak_delta",
@@ -111,6 +113,10 @@ class _Slot:
         self.bwd_ns = self.bwd_calls = 0
         self.events = []
         self.bwd_start = self.bwd_end = None
+        # A GPU module's backward: [start event, end event] of the pass in
+        # progress, and the pairs of the passes done.
+        self.bwd_open = None
+        self.bwd_events = []
 
 
 capturing = tables.capturing
@@ -522,7 +528,8 @@ class Tracer(_native.StepClock):
         in its rows."""
         slots = [
             (slot, list(slot.open_events), list(slot.events), list(slot.mem_starts), slot.alloc_delta,
-             slot.peak_delta, slot.bwd_ns, slot.bwd_calls, slot.bwd_start, slot.bwd_end)
+             slot.peak_delta, slot.bwd_ns, slot.bwd_calls, slot.bwd_start, slot.bwd_end,
+             None if slot.bwd_open is None else list(slot.bwd_open), list(slot.bwd_events))
             for slot in self.full
         ]
         return (list(self.acc), self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples,
@@ -536,7 +543,8 @@ class Tracer(_native.StepClock):
             slot.open_events[:] = open_events
             slot.events = events
             slot.mem_starts[:] = mem_starts
-            slot.alloc_delta, slot.peak_delta, slot.bwd_ns, slot.bwd_calls, slot.bwd_start, slot.bwd_end = rest
+            (slot.alloc_delta, slot.peak_delta, slot.bwd_ns, slot.bwd_calls, slot.bwd_start, slot.bwd_end,
+             slot.bwd_open, slot.bwd_events) = rest
 
     def live_models(self) -> list:
         return [m for m in (ref() for ref in self.models) if m is not None]
@@ -678,8 +686,11 @@ class Tracer(_native.StepClock):
                 else:
                     whole.append(row)
             if slot.bwd_calls:
-                # GPU time of backward is not measured (hooks run on autograd's threads).
-                whole.append([wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None, None, None])
+                row = [wall, step, slot.name, slot.type, slot.depth, "backward", slot.bwd_calls, _ms(slot.bwd_ns), None, None, None]
+                if slot.bwd_events:
+                    tables.append("torch_trace", row, [(8, _gpu_ms(slot.bwd_events))])
+                else:
+                    whole.append(row)
         tables.extend("torch_trace", whole)
 
     # ---- the stand-ins, around sampled steps only
@@ -844,6 +855,11 @@ class Tracer(_native.StepClock):
                     now = perf()
                     if slot.bwd_start is None:
                         slot.bwd_start = now
+                        if slot.cuda is not None and not capturing():
+                            # On autograd's thread for the device, whose
+                            # current stream is the one the engine runs
+                            # this module's backward on.
+                            slot.bwd_open = [_cuda_event(slot.cuda), None]
                     if tracer.pass_start is None:
                         tracer.pass_start = now
                         queue(tracer._pass_end)
@@ -856,6 +872,8 @@ class Tracer(_native.StepClock):
                     now = perf()
                     if slot.bwd_end is None or now > slot.bwd_end:
                         slot.bwd_end = now
+                        if slot.bwd_open is not None and not capturing():
+                            slot.bwd_open[1] = _cuda_event(slot.cuda)
             except Exception as exc:  # noqa: BLE001
                 tracer._fail(f"the backward hook of {slot.name}", exc)
 
@@ -872,10 +890,18 @@ class Tracer(_native.StepClock):
                 self.pass_start = None
             for slot in self.slots:
                 if slot.bwd_start is not None:
-                    end = slot.bwd_end if slot.bwd_end is not None and slot.bwd_end >= slot.bwd_start else now
-                    slot.bwd_ns += end - slot.bwd_start
+                    ended = slot.bwd_end is not None and slot.bwd_end >= slot.bwd_start
+                    slot.bwd_ns += (slot.bwd_end if ended else now) - slot.bwd_start
                     slot.bwd_calls += 1
                     slot.bwd_start = slot.bwd_end = None
+                    opened, slot.bwd_open = slot.bwd_open, None
+                    if opened is not None:
+                        # Ended by its input's gradient, else by the pass.
+                        stop = opened[1] if ended and opened[1] is not None else None
+                        if stop is None and not capturing():
+                            stop = _cuda_event(slot.cuda)
+                        if stop is not None:
+                            slot.bwd_events.append((opened[0], stop))
         except Exception as exc:  # noqa: BLE001
             self._fail("the end-of-backward callback", exc)
 
