@@ -254,13 +254,16 @@ fn collectives_text(reply: &Value) -> String {
         }
         _ => "collectives: off\n".to_string(),
     };
+    let plural = |n: &Value| if n.as_i64() == Some(1) { "" } else { "s" };
     for group in reply["groups"].as_array().into_iter().flatten() {
         out += &format!(
-            "  group {} ({} ranks, this is rank {}): {} collectives, last #{} {}\n",
+            "  group {} ({} rank{}, this is rank {}): {} collective{}, last #{} {}\n",
             group["group"].as_str().unwrap_or("?"),
             group["size"],
+            plural(&group["size"]),
             group["group_rank"],
             group["count"],
+            plural(&group["count"]),
             group["last_seq"],
             group["last_op"].as_str().unwrap_or("?"),
         );
@@ -273,6 +276,12 @@ fn collectives_text(reply: &Value) -> String {
                 f["caller"].as_str().unwrap_or("?"),
             );
         }
+    }
+    if let Some(errors) = reply["errors"].as_i64().filter(|&n| n > 0) {
+        out += &format!(
+            "  {errors} call{} ran unrecorded: the recording failed, not the call\n",
+            if errors == 1 { "" } else { "s" }
+        );
     }
     let flight = &reply["flight_recorder"];
     if flight["enabled"].as_bool() == Some(true) {
@@ -600,6 +609,29 @@ mod tests {
         assert_eq!(thousands(&json!(1234567)), "1,234,567");
         assert_eq!(thousands(&json!(999)), "999");
         assert_eq!(thousands(&json!(1000)), "1,000");
+    }
+
+    #[test]
+    fn collectives_say_their_groups_and_the_calls_left_unrecorded() {
+        let reply = json!({"on": true, "initialized": true, "backend": "gloo", "errors": 2, "groups": [
+            {"group": "0", "size": 4, "group_rank": 1, "count": 5, "last_seq": 5, "last_op": "all_reduce", "in_flight": []},
+            {"group": "1", "size": 1, "group_rank": 0, "count": 1, "last_seq": 1, "last_op": "broadcast", "in_flight": []}]});
+        let text = collectives_text(&reply);
+        assert!(
+            text.contains("group 0 (4 ranks, this is rank 1): 5 collectives, last #5 all_reduce"),
+            "{text}"
+        );
+        assert!(
+            text.contains("group 1 (1 rank, this is rank 0): 1 collective, last #1 broadcast"),
+            "{text}"
+        );
+        assert!(
+            text.contains("2 calls ran unrecorded: the recording failed, not the call"),
+            "{text}"
+        );
+        let clean =
+            collectives_text(&json!({"on": true, "initialized": true, "errors": 0, "groups": []}));
+        assert!(!clean.contains("unrecorded"), "{clean}");
     }
 
     #[test]
