@@ -162,17 +162,11 @@ def test_the_timeline_has_cuda_figures_without_a_look(cuda_python, spawn, cli):
 # steps after it happened, and named at the step it happened.
 
 
-def _torch(cli, pid, *args) -> str:
-    result = cli(pid, "torch", *args)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
 def _until_named(cli, target, done: int, wanted: str, most: int = 6) -> str:
     """One step at a time past `done`, until `torch nan` says `wanted`."""
     for extra in range(1, most + 1):
         run_steps(cli, target, 1, done + extra)
-        text = _torch(cli, target.pid, "nan")
+        text = health.on(cli, target.pid, "nan")
         if wanted in text:
             return text
     raise AssertionError(f"{wanted!r} not said {most} steps on: {text}")
@@ -180,9 +174,9 @@ def _until_named(cli, target, done: int, wanted: str, most: int = 6) -> str:
 
 def test_a_forward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, spawn, cli):
     target = spawn(cuda_python, health.TRAIN, args=["--nan-forward", "4", "--cuda"])
-    assert "nan watch: armed" in _torch(cli, target.pid, "nan", "on")
+    assert "nan watch: armed" in health.on(cli, target.pid, "nan", "on")
     run_steps(cli, target, 4, 4)
-    assert "no non-finite value seen" in _torch(cli, target.pid, "nan")
+    assert "no non-finite value seen" in health.on(cli, target.pid, "nan")
     _until_named(cli, target, 4, "step 4: first non-finite in forward, module boom (Boom): its output (256 non-finite)")
     rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(4, "forward", "boom")], rows
@@ -190,7 +184,7 @@ def test_a_forward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, s
 
 def test_a_backward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, spawn, cli):
     target = spawn(cuda_python, health.TRAIN, args=["--nan-backward", "2", "--cuda"])
-    _torch(cli, target.pid, "nan", "on")
+    health.on(cli, target.pid, "nan", "on")
     run_steps(cli, target, 2, 2)
     _until_named(cli, target, 2, "step 2: first non-finite in backward, module back (Back)")
     rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
@@ -202,8 +196,8 @@ def test_a_trip_and_its_replays_on_a_gpu_change_nothing(cuda_python, spawn, cli,
     # step's CUDA RNG state, and the program's after it.
     flags = ["--nan-backward", "2", "--dropout", "--loss", "noisy", "--cuda"]
     target = spawn(cuda_python, health.TRAIN, args=flags)
-    _torch(cli, target.pid, "nan", "on")
-    _torch(cli, target.pid, "trace", "on")
+    health.on(cli, target.pid, "nan", "on")
+    health.on(cli, target.pid, "trace", "on")
     run_steps(cli, target, 6, 6)
     rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "backward", "back")], rows
@@ -218,7 +212,7 @@ def test_a_trip_and_its_replays_on_a_gpu_change_nothing(cuda_python, spawn, cli,
 
 def test_grads_on_a_gpu_fill_their_table_and_change_nothing(cuda_python, spawn, cli, tmp_path):
     target = spawn(cuda_python, health.TRAIN, args=["--cuda"])
-    _torch(cli, target.pid, "grads", "--every", "2")
+    health.on(cli, target.pid, "grads", "--every", "2")
     run_steps(cli, target, 6, 6)
     # Read on the GPU and copied out without a sync: a step's rows come at a later boundary.
     sql = "SELECT step, param, norm, max_abs, nonfinite, weight_norm, update_ratio FROM python.grad_stats ORDER BY step, param"
@@ -234,7 +228,7 @@ def test_grads_on_a_gpu_fill_their_table_and_change_nothing(cuda_python, spawn, 
             # SGD's first step: the update is lr x the gradient.
             update = r["update_ratio"] * r["weight_norm"]
             assert abs(update - 0.01 * r["norm"]) <= 1e-3 * 0.01 * r["norm"], r
-    _torch(cli, target.pid, "grads", "off")
+    health.on(cli, target.pid, "grads", "off")
     run_steps(cli, target, 2, done + 2)
     probed = tmp_path / "probed.pt"
     assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0

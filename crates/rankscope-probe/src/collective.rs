@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use pyo3::exceptions::PyException;
@@ -114,7 +114,8 @@ pub struct CollectiveLog {
     shapes: Py<PyDict>,
     /// Set by `start`: `distributed_c10d.GroupMember` (whose `WORLD` is the
     /// default group) and `torch.Tensor`.
-    torch: Mutex<Option<(Py<PyAny>, Py<PyType>)>>,
+    /// (The same two objects for the process's life: set once.)
+    torch: OnceLock<(Py<PyAny>, Py<PyType>)>,
     state: Mutex<State>,
 }
 
@@ -293,12 +294,8 @@ impl CollectiveLog {
         asynchronous: bool,
         first: Option<Bound<'py, PyAny>>,
     ) -> PyResult<(u64, Instant)> {
-        let (member, tensor) = {
-            let torch = self.torch.lock().unwrap_or_else(|e| e.into_inner());
-            let Some((member, tensor)) = torch.as_ref() else {
-                return Err(PyException::new_err("collectives: not started"));
-            };
-            (member.clone_ref(py), tensor.clone_ref(py))
+        let Some((member, tensor)) = self.torch.get() else {
+            return Err(PyException::new_err("collectives: not started"));
         };
         let (group, at) = self.group(py, group, member.bind(py))?;
         // torch's own number, which counts every collective of the group
@@ -464,7 +461,7 @@ impl CollectiveLog {
             thread_name,
             step,
             shapes: PyDict::new(py).unbind(),
-            torch: Mutex::new(None),
+            torch: OnceLock::new(),
             state: Mutex::new(State::default()),
         }
     }
@@ -472,12 +469,8 @@ impl CollectiveLog {
     /// Records from now on: `group_member` is `distributed_c10d.GroupMember`,
     /// `tensor` is `torch.Tensor`.
     fn start(&self, group_member: Py<PyAny>, tensor: Py<PyType>) {
-        let old = self
-            .torch
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .replace((group_member, tensor));
-        drop(old);
+        // A second start gives the same two objects: they stay as set.
+        let _ = self.torch.set((group_member, tensor));
         self.on.store(true, Ordering::Release);
     }
 
@@ -635,18 +628,18 @@ impl CollectiveCall {
             i.filter(|&i| i < args.len())
                 .and_then(|i| args.get_item(i).ok())
         };
-        let by_name = |name: &str| -> PyResult<Option<Bound<'py, PyAny>>> {
+        let by_name = |name: &Bound<'py, PyString>| -> PyResult<Option<Bound<'py, PyAny>>> {
             if kwargs.is_empty() {
                 Ok(None)
             } else {
-                kwargs.get_item(PyString::new(py, name))
+                kwargs.get_item(name)
             }
         };
-        let group = match by_name("group")? {
+        let group = match by_name(intern!(py, "group"))? {
             Some(group) => Some(group),
             None => at(self.group_at),
         };
-        let asynchronous = match by_name("async_op")? {
+        let asynchronous = match by_name(intern!(py, "async_op"))? {
             Some(flag) => flag.is_truthy()?,
             None => at(self.async_at)
                 .map(|f| f.is_truthy())
@@ -658,7 +651,7 @@ impl CollectiveCall {
             None => {
                 let mut found = None;
                 for name in FIRST {
-                    if let Some(value) = by_name(name)? {
+                    if let Some(value) = by_name(&PyString::new(py, name))? {
                         found = Some(value);
                         break;
                     }
