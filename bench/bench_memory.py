@@ -72,7 +72,7 @@ def timeline(rounds, steps, endpoint):
     for label, interval in (("sampler off", "0"), ("sampler on", "1")):
         env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"),
                        OMP_NUM_THREADS="1", RANKSCOPE_MEMORY_INTERVAL_S=interval)
-        procs[label], _ = start_target(MLP, env, ("256", "4", "mlp"))
+        procs[label], _ = start_target(MLP, env, ("256", "4", "mlp", "cpu"))
     times = {label: [] for label in procs}
     try:
         for _ in range(rounds):

@@ -14,7 +14,7 @@ the same round (see bench_torch_trace.py).
 Targets (from the issue): NaN watch armed <= 1 %; grads --every 10 <= 1 %;
 detect_anomaly: reported, for comparison.
 
-    .venv/bin/python bench/bench_torch_health.py [--model mlp|gpt] [--width W] [--layers 4] [--rounds 40] [--steps 60]
+    .venv/bin/python bench/bench_torch_health.py [--model mlp|gpt] [--width W] [--layers 4] [--device cpu|cuda] [--rounds 40] [--steps 60]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import statistics
 
 from _common import ask, base_env, machine, overhead_table, private_dir, probe_cli, run_main, start_target, stop_target, tool
-from bench_torch_trace import TARGET, add_model_args, describe_model, target_args  # the same models and loop
+from bench_torch_trace import TARGET, add_model_args, describe_model, judged_by, target_args  # the same models and loop
 
 OFF = [("torch", "nan", "off"), ("torch", "grads", "off"), ("eval", "torch.autograd.set_detect_anomaly(False)")]
 MODES = {
@@ -69,7 +69,7 @@ def main() -> int:
     print(f"machine: {machine()}")
     print(f"{describe_model(args)}; "
           f"{args.rounds} rounds x {args.steps} steps per mode, alternating")
-    overhead_table(times, "nothing on", {"nan watch armed": 1.0, "grads --every 10": 1.0})
+    overhead_table(times, "nothing on", {"nan watch armed": 1.0, "grads --every 10": 1.0}, judge=judged_by(args))
     return 0
 
 

@@ -10,8 +10,8 @@
 //! `NanStep` it shares with the watch, the step clock's pre-hook reads the
 //! sentinels in place (finite.rs) and lets the step go, and the watch's
 //! Python hears of a step only where it has something to do: every
-//! `full_every`-th step (all the gradients), a trip, a GPU's check
-//! waiting (`slow`), a random forward (the RNG state is Python's to
+//! `full_every`-th step (all the gradients), a trip, a GPU's check, a
+//! random forward (the RNG state is Python's to
 //! copy), a loss to find in the output, new models, `rankscope.step()`.
 //!
 //! No borrow of either class is held across a call into Python, and what
@@ -144,10 +144,6 @@ pub struct NanArm {
     /// The watch's replay runs: its stand-ins keep nothing.
     #[pyo3(get, set)]
     searching: bool,
-    /// A GPU's check waits for its values: each step gets a new `NanStep`,
-    /// which the watch's Python makes.
-    #[pyo3(get, set)]
-    slow: bool,
     /// A loss module has a stand-in: the root's output is kept for it.
     #[pyo3(get, set)]
     loss_modules: bool,
@@ -175,7 +171,6 @@ impl NanArm {
             step: Py::new(py, NanStep::default())?,
             armed: false,
             searching: false,
-            slow: false,
             loss_modules: false,
             checked_steps: 0,
             full_every: full_every.max(1),
@@ -231,7 +226,7 @@ impl NanArm {
 /// The root stand-in's part before the call: the step's input kept, as
 /// nan.py's `_root_pre` keeps it for a model that draws no random numbers
 /// (nothing kept once the watch is off). False where the watch's Python
-/// must do it (searching, or `slow`).
+/// must do it (searching).
 pub(crate) fn keep_input(
     arm: &Bound<'_, NanArm>,
     model: Option<&Py<PyAny>>,
@@ -250,7 +245,7 @@ pub(crate) fn keep_input(
             // it): it keeps nothing, and calls nothing.
             return true;
         }
-        if arm.searching || arm.slow {
+        if arm.searching {
             return false;
         }
         arm.step.clone_ref(py)
@@ -320,7 +315,7 @@ pub(crate) fn check_sentinels(
         let Ok(arm) = arm.try_borrow() else {
             return Ok(false);
         };
-        if !arm.armed || arm.slow || arm.searching || arm.checked_steps % arm.full_every == 0 {
+        if !arm.armed || arm.searching || arm.checked_steps % arm.full_every == 0 {
             return Ok(false);
         }
         let Some(cached) = &arm.sentinel_params else {
@@ -376,7 +371,6 @@ pub(crate) fn quiet_boundary(arm: &Bound<'_, NanArm>, models: &Bound<'_, PyAny>)
             return false;
         };
         if !arm.armed
-            || arm.slow
             || !arm
                 .models_seen
                 .as_ref()

@@ -300,6 +300,22 @@ def describe_tracking() -> dict:
     }
 
 
+def _history_options(torch) -> dict:
+    """torch's memory history registers a callback for `record_function`
+    annotations, per thread unless asked for all: this probe thread's, and
+    turned off from another, torch printed "Requested callback is not
+    found" to the program's stderr (an H100, torch 2.11). Global, the
+    program's own annotations are recorded too."""
+    import inspect
+
+    impl = getattr(torch.cuda.memory, "_record_memory_history_impl", None)
+    try:
+        accepted = inspect.signature(impl).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"global_record_annotations": True} if "global_record_annotations" in accepted else {}
+
+
 def track(switch, python: bool, cuda: bool) -> dict:
     if switch not in ("on", "off"):
         return describe_tracking()
@@ -324,7 +340,7 @@ def track(switch, python: bool, cuda: bool) -> dict:
                 )
             # Python stacks only: the sites users read; C++ frames cost an
             # unwind at every allocation and a slow symbolisation at export.
-            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python", **_history_options(torch))
             TRACKING.cuda = True
         TRACKING.started_at = TRACKING.started_at or time.time()
     else:
@@ -334,7 +350,8 @@ def track(switch, python: bool, cuda: bool) -> dict:
             TRACKING.python = False
             TRACKING.base = TRACKING.tensor_base = None
         if cuda and TRACKING.cuda:
-            sys.modules["torch"].cuda.memory._record_memory_history(enabled=None)
+            torch = sys.modules["torch"]
+            torch.cuda.memory._record_memory_history(enabled=None, **_history_options(torch))
             TRACKING.cuda = False
         if not TRACKING.python and not TRACKING.cuda:
             TRACKING.started_at = None

@@ -13,18 +13,19 @@ MLP of bench/ 13-19 us a step by itself, rankscope's code or any other's.
 On a CPU the values themselves are read in place
 (``_native.FiniteCheck``, crates/rankscope-probe/src/finite.rs), at once.
 On a GPU their norms are taken in one fused kernel (``torch._foreach_norm``),
-and the check is copied out with a CUDA event and
-read at the next step boundary, never with a device sync; the step it
-names is the one it was computed in, but by then the optimizer has applied
-those gradients, so the search below runs on weights that may already be
-non-finite, and says so.
+and the one flag made of them is read there and then, before the optimizer
+applies the gradients: the CPU waits for the device to finish the step's
+backward, as a program's own ``loss.item()`` does. Read later instead (a
+CUDA event, at a later boundary), the flag came after the update: the
+search then ran on weights already made non-finite by it, and on an H100
+named the first module of the model instead of the one that made the NaN.
 
 At an ordinary step none of this module's Python runs: the root
 stand-in keeps the input, the step clock's pre-hook checks the
 sentinels and the boundary lets the input go natively
 (``_native.NanArm``, crates/rankscope-probe/src/nan_arm.rs). The hooks
-below run where that cannot: a full check, a trip, a GPU, a random
-forward, an output that may hold the loss, new models.
+below run where that cannot: a full check, a trip, a GPU's check, a
+random forward, an output that may hold the loss, new models.
 
 On a trip, the step is searched while its weights are still the ones it
 ran with (the optimizer's pre-hook, before the update):
@@ -70,7 +71,7 @@ import torch
 
 from rankscope import _native
 from rankscope._probe.torch import models, tables, timed
-from rankscope._probe.torch.stats import FLOATS, _norms
+from rankscope._probe.torch.stats import FLOATS, _gathered, _norms
 from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors, capturing
 
 # Events kept for `torch nan` (the table keeps them all).
@@ -84,7 +85,6 @@ MAX_EVENTS = 16
 FULL_EVERY = 8
 MAX_SENTINEL = 1 << 16
 # GPU checks waiting for their values (see `boundary`).
-MAX_PENDING = 4
 _rng_state, _cuda_initialized = torch.get_rng_state, torch.cuda.is_initialized
 # The backward search's start where the loss cannot be made again.
 ONES = "ones at the model's output (the loss function is not known here)"
@@ -155,14 +155,9 @@ class NanWatch:
         self.events: list = []
         self.disabled = None
         self.handles: list = []
-        self.pending: list = []  # (step number, _Step, params, host flag, event) on a GPU
         self.tripped_at = None
         self.hooked: set = set()
         self.sentinels: set = set()
-
-    def _pending_changed(self):
-        # While a GPU's check waits, each step gets a new _Step, made here.
-        self._arm.slow = bool(self.pending)
 
     # ---- on and off (probe thread)
 
@@ -185,8 +180,6 @@ class NanWatch:
             timed.take_off(entry)
         TRACER.remove_listener(self)
         self.step = _Step()
-        self.pending = []
-        self._pending_changed()
         return {} if quiet else self.describe()
 
     def failed(self, reason: str) -> None:
@@ -252,11 +245,9 @@ class NanWatch:
         try:
             if self.searching:
                 return
-            # A new object where a GPU's check waits for its values: it is
-            # read a step later, with the step it was made for. The RNG
-            # state (a 5 kB copy, about 3 us) only where the forward draws
-            # from it.
-            step = self.step = _Step() if self.pending else self.step
+            # The RNG state (a 5 kB copy, about 3 us) only where the
+            # forward draws from it.
+            step = self.step
             step.model, step.args, step.kwargs = model_ref, args, kwargs
             step.rng = _rng_state() if stochastic else None
             step.cuda_rng = step.loss = step.output = step.loss_call = None
@@ -304,7 +295,7 @@ class NanWatch:
             return
         self._check_step(optimizer, step_number)
         primary = TRACER.primary
-        if not self.pending and TRACER.marker == "optimizer" and primary is not None and primary() is optimizer:
+        if TRACER.marker == "optimizer" and primary is not None and primary() is optimizer:
             # Checked: the step's input and loss go now, not at the boundary
             # (as they do at it, see `boundary`), which a step that raises
             # in the optimizer after this hook never reaches: a program that
@@ -329,7 +320,7 @@ class NanWatch:
         if finite is not None:
             self.checked_steps += 1
             if not finite and self.tripped_at is None:
-                self._trip(step_number, step, models.params_with_grads(optimizer), late=False)
+                self._trip(step_number, step, models.params_with_grads(optimizer))
             return
         grads = [p.grad for p in cached[1] if p.grad is not None]
         self._check(step_number, lambda: models.params_with_grads(optimizer), grads, native=False)
@@ -351,30 +342,15 @@ class NanWatch:
             full = self.checked_steps % FULL_EVERY == 0 or not self.sentinels
             grads = [p.grad for p in params if full or id(p) in self.sentinels]
             self._check(step_number - 1 if step_number else 0, params, grads)
-        # A check that has not arrived waits for a later boundary. Past four
-        # waiting, the oldest is waited for: it may be the first non-finite
-        # step, and the program is then four steps ahead of its GPU, which
-        # stays as busy (the wait ends when the GPU reaches that step).
-        if self.pending and not capturing():
-            pending, self.pending = self.pending, []
-            for entry in pending:
-                if not self._read_gpu_flag(*entry):
-                    self.pending.append(entry)
-            while len(self.pending) > MAX_PENDING:
-                oldest = self.pending.pop(0)
-                oldest[4].synchronize()
-                self._read_gpu_flag(*oldest)
-            self._pending_changed()
         if TRACER.models is not self.models_seen:
             # The tracer found its models again: hooked anew where they changed.
             self.models_seen = TRACER.models
             if {id(m) for m in TRACER.live_models()} != self.hooked:
                 self._hook_roots()
-        if not self.pending:
-            # Checked, and no GPU check waits on it: the step's input and
-            # loss go, so that nothing of the program's lives longer than it
-            # would have (the last batch of a training loop, say).
-            self.step.clear()
+        # Checked: the step's input and loss go, so that nothing of the
+        # program's lives longer than it would have (the last batch of a
+        # training loop, say).
+        self.step.clear()
 
     def _check(self, step_number, params, grads, native=True):
         """`params`: the step's parameters with gradients, or a function
@@ -388,7 +364,7 @@ class NanWatch:
             if finite is not None:
                 self.checked_steps += 1
                 if not finite and self.tripped_at is None:
-                    self._trip(step_number, self.step, params, late=False)
+                    self._trip(step_number, self.step, params)
                 return
         first = grads[0] if grads else loss
         if first is not None and first.device.type != "cpu" and capturing():
@@ -405,33 +381,19 @@ class NanWatch:
         if values[0].device.type == "cpu":
             # One read per value: cheaper than stacking a few scalars.
             if not all(math.isfinite(v.item()) for v in values) and self.tripped_at is None:
-                self._trip(step_number, self.step, params, late=False)
+                self._trip(step_number, self.step, params)
             return
-        device = values[0].device
         with torch.no_grad():
             # all() of the flags, not a sum of the norms (that could overflow).
-            finite = torch.isfinite(torch.stack([v.float().reshape(()).to(device) for v in values])).all()
-        # A GPU: copied out now, read at a later boundary, behind an event
-        # on the device the values are on (see trace._cuda_event).
-        flag = finite.to("cpu", non_blocking=True)
-        # Blocking: the rare wait on the oldest check (see `boundary`)
-        # sleeps instead of spinning a core.
-        event = torch.cuda.Event(blocking=True)
-        event.record(torch.cuda.current_stream(device))
-        self.pending.append((step_number, self.step, params, flag, event))
-        self._pending_changed()
-
-    def _read_gpu_flag(self, step_number, step, params, flag, event) -> bool:
-        """False while the flag is still on its way (never a sync)."""
-        if not event.query():
-            return False
-        if not bool(flag) and self.tripped_at is None:
-            self._trip(step_number, step, params, late=True)
-        return True
+            finite = torch.isfinite(_gathered(values, values[0].device)).all()
+        # A GPU: read now, before the optimizer applies the gradients (see
+        # the top of this file). Not while a graph is captured (above).
+        if not bool(finite) and self.tripped_at is None:
+            self._trip(step_number, self.step, params)
 
     # ---- the search, on a trip only
 
-    def _trip(self, step_number, step, params, late):
+    def _trip(self, step_number, step, params):
         self.tripped_at = step_number
         if callable(params):
             params = params()
@@ -440,7 +402,7 @@ class NanWatch:
         # stand-ins count during it is taken back.
         held = TRACER.held()
         try:
-            event = self._search(step, params, late)
+            event = self._search(step, params)
         except Exception as exc:  # noqa: BLE001 - the event is still recorded, with why the search stopped
             event = {"stage": "unknown", "module": None, "what": f"the search failed: {type(exc).__name__}: {exc}"}
         finally:
@@ -448,7 +410,7 @@ class NanWatch:
             TRACER.restore(held)
         self._record(step_number, event)
 
-    def _search(self, step, params, late) -> dict:
+    def _search(self, step, params) -> dict:
         model = step.model() if step.model is not None else None
         loss = step.loss
         loss_value = float(loss) if loss is not None else None
@@ -471,8 +433,6 @@ class NanWatch:
         found = replay.forward()
         if found is not None:
             found["loss"] = loss_value
-            if late:
-                found["detail"] = "seen one step late (GPU): the weights had been updated with this step's gradients"
             return found
         if loss_value is not None and not math.isfinite(loss_value):
             return {

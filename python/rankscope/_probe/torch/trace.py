@@ -135,13 +135,41 @@ def _module_device(module, model_device):
     return first.device if first.is_cuda else None
 
 
+# Timing events already read, for reuse, per device index (an event is
+# recorded only on its own device's streams): on an H100 a new event's
+# making, recording and freeing took 14 us, recording a kept one 3 us.
+_spare_events: dict = {}
+SPARE_EVENTS = 4096
+# The current stream's torch object by (stream id, device index, device
+# type): torch.cuda.current_stream() makes a new one each call (7 us).
+_streams: dict = {}
+
+
 def _cuda_event(device=None):
     """A timing event on `device`'s current stream: a rank whose model is
     on cuda:1 while its current device is cuda:0 (DDP without
     ``set_device``) times its own work, not device 0's idle stream."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(device))
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    try:
+        event = _spare_events[index].pop()
+    except (KeyError, IndexError):
+        event = torch.cuda.Event(enable_timing=True)
+    key = torch._C._cuda_getCurrentStream(index)
+    stream = _streams.get(key)
+    if stream is None:
+        if len(_streams) >= 64:  # a program that makes a stream per step
+            _streams.clear()
+        stream = _streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+    event.record(stream)
     return event
+
+
+def _spare(events):
+    """Events whose times were read, kept for `_cuda_event`."""
+    for event in events:
+        spare = _spare_events.setdefault(event.device.index, [])
+        if len(spare) < SPARE_EVENTS:
+            spare.append(event)
 
 
 def _allocated(device):
@@ -182,7 +210,10 @@ def _gpu_ms(pairs):
     def resolve():
         if not all(end.query() for _, end in pairs):
             raise LookupError("not yet")
-        return sum(start.elapsed_time(end) for start, end in pairs)
+        total = sum(start.elapsed_time(end) for start, end in pairs)
+        # Each pair is in this row alone (the NaN replay's are dropped).
+        _spare(event for pair in pairs for event in pair)
+        return total
 
     return resolve
 
