@@ -302,10 +302,12 @@ def describe_tracking() -> dict:
 
 def _history_options(torch) -> dict:
     """torch's memory history registers a callback for `record_function`
-    annotations, per thread unless asked for all: this probe thread's, and
-    turned off from another, torch printed "Requested callback is not
-    found" to the program's stderr (an H100, torch 2.11). Global, the
-    program's own annotations are recorded too."""
+    annotations, on the calling thread only unless asked for all threads.
+    The probe serves each request on a thread of its own (rankscope-server's
+    `dispatch`), so the callback went on with one thread and was looked for
+    by another at `track off`: torch printed "Requested callback is not
+    found" into the program's stderr (an H100, torch 2.11). For all
+    threads, the program's own annotations are recorded too."""
     import inspect
 
     impl = getattr(torch.cuda.memory, "_record_memory_history_impl", None)

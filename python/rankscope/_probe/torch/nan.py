@@ -84,7 +84,6 @@ MAX_EVENTS = 16
 # costs a small CPU model 2-3 %; every 8th, about 0.3 %.
 FULL_EVERY = 8
 MAX_SENTINEL = 1 << 16
-# GPU checks waiting for their values (see `boundary`).
 _rng_state, _cuda_initialized = torch.get_rng_state, torch.cuda.is_initialized
 # The backward search's start where the loss cannot be made again.
 ONES = "ones at the model's output (the loss function is not known here)"
