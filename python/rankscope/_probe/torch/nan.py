@@ -136,6 +136,14 @@ def _arm_field(name):
     return property(lambda self: getattr(self._arm, name), lambda self, value: setattr(self._arm, name, value))
 
 
+def _wait_for_gpu_flag(finite) -> bool:
+    """The GPU check's one flag, read: the training thread waits here (the
+    GIL let go) until its device has finished the step's backward. A stack
+    of a rank whose GPU is stuck (a collective that never completes) shows
+    this frame, named for what it waits on."""
+    return bool(finite)
+
+
 class NanWatch:
     # Told only where the arm's native part (nan_arm.rs) did not do the
     # step's work: see `tell` in step_clock.rs.
@@ -387,7 +395,7 @@ class NanWatch:
             finite = torch.isfinite(_gathered(values, values[0].device)).all()
         # A GPU: read now, before the optimizer applies the gradients (see
         # the top of this file). Not while a graph is captured (above).
-        if not bool(finite) and self.tripped_at is None:
+        if not _wait_for_gpu_flag(finite) and self.tripped_at is None:
             self._trip(step_number, self.step, params)
 
     # ---- the search, on a trip only
