@@ -91,6 +91,37 @@ def test_a_leak_is_named_by_its_line_and_its_holder(torch_python, spawn, cli):
     assert again.returncode != 0 and "memory tracking is off" in again.stderr and "hint:" in again.stderr
 
 
+def test_tracking_leaves_the_programs_own_tracemalloc_as_it_was(python, spawn, cli):
+    # A program that traces its own allocations: `track on` reads its
+    # tracemalloc, and `track off` leaves it tracing, with its own depth.
+    source = """
+import time
+import tracemalloc
+
+tracemalloc.start(3)
+kept = []
+print("READY", flush=True)
+while True:
+    kept.append(bytearray(100))
+    del kept[:-1000]
+    time.sleep(0.005)
+"""
+    target = spawn(python, source)
+    on = cli(target.pid, "memory", "track", "on", "--python")
+    assert on.returncode == 0 and "tracking: Python (tracemalloc)" in on.stdout, on.stderr
+    assert cli(target.pid, "memory", "diff").returncode == 0
+    off = cli(target.pid, "memory", "track", "off")
+    assert off.returncode == 0 and "tracking: off" in off.stdout, off.stderr
+    state = cli(target.pid, "eval", "(tracemalloc.is_tracing(), tracemalloc.get_traceback_limit())")
+    assert state.stdout.strip() == "(True, 3)", state.stdout + state.stderr
+    # One the probe started itself goes off with it.
+    assert cli(target.pid, "eval", "tracemalloc.stop()").returncode == 0
+    assert cli(target.pid, "memory", "track", "on", "--python").returncode == 0
+    assert cli(target.pid, "eval", "tracemalloc.get_traceback_limit()").stdout.strip() == "16"
+    assert cli(target.pid, "memory", "track", "off").returncode == 0
+    assert cli(target.pid, "eval", "tracemalloc.is_tracing()").stdout.strip() == "False"
+
+
 BIG_LEAK = """
 import time
 import torch

@@ -124,6 +124,17 @@ def test_memory_shows_cuda_and_exports_its_history(cuda_python, spawn, cli, tmp_
     assert "callback is not found" not in err, err
 
 
+def test_tracking_leaves_the_programs_own_cuda_history_on(cuda_python, spawn, cli):
+    source = CUDA_TRAIN.replace("print(\"READY\"", "torch.cuda.memory._record_memory_history(max_entries=1000)\nprint(\"READY\"", 1)
+    assert source != CUDA_TRAIN
+    target = spawn(cuda_python, source)
+    run_steps(cli, target, 2, 2)
+    assert cli(target.pid, "memory", "track", "on", "--cuda").returncode == 0
+    assert cli(target.pid, "memory", "track", "off", "--cuda").returncode == 0
+    state = cli(target.pid, "eval", "torch._C._cuda_isHistoryEnabled()")
+    assert state.stdout.strip() == "True", state.stdout + state.stderr
+
+
 def test_a_cuda_out_of_memory_error_leaves_the_allocator_in_its_record(cuda_python, spawn, cli):
     source = """
 import time, torch
@@ -170,14 +181,13 @@ def test_the_timeline_has_cuda_figures_without_a_look(cuda_python, spawn, cli):
 # without the wait, named on an H100).
 
 
-def _until_named(cli, target, done: int, wanted: str, most: int = 6) -> str:
-    """One step at a time past `done`, until `torch nan` says `wanted`."""
-    for extra in range(1, most + 1):
-        run_steps(cli, target, 1, done + extra)
-        text = health.on(cli, target.pid, "nan")
-        if wanted in text:
-            return text
-    raise AssertionError(f"{wanted!r} not said {most} steps on: {text}")
+def _named_at_its_step(cli, target, done: int, wanted: str) -> str:
+    """One step past `done`, the one with the NaN: `torch nan` says
+    `wanted` at once (the check waited for the GPU before the update)."""
+    run_steps(cli, target, 1, done + 1)
+    text = health.on(cli, target.pid, "nan")
+    assert wanted in text, text
+    return text
 
 
 def test_a_forward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, spawn, cli):
@@ -185,7 +195,7 @@ def test_a_forward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, s
     assert "nan watch: armed" in health.on(cli, target.pid, "nan", "on")
     run_steps(cli, target, 4, 4)
     assert "no non-finite value seen" in health.on(cli, target.pid, "nan")
-    _until_named(cli, target, 4, "step 4: first non-finite in forward, module boom (Boom): its output (256 non-finite)")
+    _named_at_its_step(cli, target, 4, "step 4: first non-finite in forward, module boom (Boom): its output (256 non-finite)")
     rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(4, "forward", "boom")], rows
 
@@ -194,7 +204,7 @@ def test_a_backward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, 
     target = spawn(cuda_python, health.TRAIN, args=["--nan-backward", "2", "--cuda"])
     health.on(cli, target.pid, "nan", "on")
     run_steps(cli, target, 2, 2)
-    _until_named(cli, target, 2, "step 2: first non-finite in backward, module back (Back)")
+    _named_at_its_step(cli, target, 2, "step 2: first non-finite in backward, module back (Back)")
     rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "backward", "back")], rows
 

@@ -361,8 +361,8 @@ pub(crate) fn check_sentinels(
     Ok(true)
 }
 
-/// The boundary's part, where the watch's Python has nothing to do (no
-/// GPU check waiting, the same models, an optimizer marking steps): the
+/// The boundary's part, where the watch's Python has nothing to do (the
+/// same models, an optimizer marking steps): the
 /// step's input let go of. False: the Python's `boundary` runs.
 pub(crate) fn quiet_boundary(arm: &Bound<'_, NanArm>, models: &Bound<'_, PyAny>) -> bool {
     let py = arm.py();

@@ -25,6 +25,11 @@ _last_types: dict = {}
 class _Tracking:
     python = False
     cuda = False
+    # Whether the probe turned tracemalloc / torch's memory history on. One
+    # the program had on already is read, and left on (and as the program
+    # set it) at `track off`.
+    python_ours = False
+    cuda_ours = False
     since = None
     base = None  # the tracemalloc snapshot diffs start from
     tensor_base = None  # the live tensors by site then (tensors.by_site), with torch
@@ -327,7 +332,8 @@ def track(switch, python: bool, cuda: bool) -> dict:
         if python and not TRACKING.python:
             import tracemalloc
 
-            if not tracemalloc.is_tracing():
+            TRACKING.python_ours = not tracemalloc.is_tracing()
+            if TRACKING.python_ours:
                 # 16 frames: enough stack to tell two callers of one line apart.
                 tracemalloc.start(16)
             TRACKING.python = True
@@ -340,20 +346,24 @@ def track(switch, python: bool, cuda: bool) -> dict:
                     "no CUDA here: --cuda records CUDA allocations (torch's memory history)",
                     "use --python for Python allocations; CUDA needs a GPU and a program that uses it",
                 )
-            # Python stacks only: the sites users read; C++ frames cost an
-            # unwind at every allocation and a slow symbolisation at export.
-            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python", **_history_options(torch))
+            recording = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+            TRACKING.cuda_ours = not (recording is not None and recording())
+            if TRACKING.cuda_ours:
+                # Python stacks only: the sites users read; C++ frames cost an
+                # unwind at every allocation and a slow symbolisation at export.
+                torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python", **_history_options(torch))
             TRACKING.cuda = True
         TRACKING.started_at = TRACKING.started_at or time.time()
     else:
         if python and TRACKING.python:
-            tracemalloc = sys.modules["tracemalloc"]
-            tracemalloc.stop()
+            if TRACKING.python_ours:
+                sys.modules["tracemalloc"].stop()
             TRACKING.python = False
             TRACKING.base = TRACKING.tensor_base = None
         if cuda and TRACKING.cuda:
-            torch = sys.modules["torch"]
-            torch.cuda.memory._record_memory_history(enabled=None, **_history_options(torch))
+            if TRACKING.cuda_ours:
+                torch = sys.modules["torch"]
+                torch.cuda.memory._record_memory_history(enabled=None, **_history_options(torch))
             TRACKING.cuda = False
         if not TRACKING.python and not TRACKING.cuda:
             TRACKING.started_at = None

@@ -72,7 +72,7 @@ import torch
 from rankscope import _native
 from rankscope._probe.torch import models, tables, timed
 from rankscope._probe.torch.stats import FLOATS, _gathered, _norms
-from rankscope._probe.torch.trace import TRACER, _scalar_loss, _tensors, capturing
+from rankscope._probe.torch.trace import TRACER, _cuda_event, _scalar_loss, _spare, _tensors, capturing
 
 # Events kept for `torch nan` (the table keeps them all).
 MAX_EVENTS = 16
@@ -140,8 +140,20 @@ def _wait_for_gpu_flag(finite) -> bool:
     """The GPU check's one flag, read: the training thread waits here (the
     GIL let go) until its device has finished the step's backward. A stack
     of a rank whose GPU is stuck (a collective that never completes) shows
-    this frame, named for what it waits on."""
-    return bool(finite)
+    this frame, named for what it waits on.
+
+    On CUDA by a copy and an event, not ``bool(finite)``: that goes through
+    torch's synchronizing copy, which under the program's
+    ``torch.cuda.set_sync_debug_mode("warn")`` would print a warning into
+    its stderr at every step (and raise under "error"); an event's wait
+    is not one torch reports."""
+    if finite.device.type != "cuda":
+        return bool(finite)
+    host = finite.to("cpu", non_blocking=True)
+    event = _cuda_event(finite.device)
+    event.synchronize()
+    _spare((event,))
+    return bool(host)
 
 
 class NanWatch:
@@ -235,8 +247,8 @@ class NanWatch:
             stand_in = timed.seen(inner, before, self._root_post)
             if not stochastic:
                 # The input kept natively: `before` then runs only where
-                # the arm cannot (searching, a GPU's check waiting); the
-                # RNG state of a random forward is this Python's to copy.
+                # the arm cannot (searching); the RNG state of a random
+                # forward is this Python's to copy.
                 stand_in.arm = self._arm
             return stand_in
 
