@@ -128,6 +128,8 @@ def test_tracking_leaves_the_programs_own_cuda_history_on(cuda_python, spawn, cl
     source = CUDA_TRAIN.replace("print(\"READY\"", "torch.cuda.memory._record_memory_history(max_entries=1000)\nprint(\"READY\"", 1)
     assert source != CUDA_TRAIN
     target = spawn(cuda_python, source)
+    if cli(target.pid, "eval", "hasattr(torch._C, '_cuda_isHistoryEnabled')").stdout.strip() != "True":
+        pytest.skip("this torch cannot say whether its memory history is on")
     run_steps(cli, target, 2, 2)
     assert cli(target.pid, "memory", "track", "on", "--cuda").returncode == 0
     assert cli(target.pid, "memory", "track", "off", "--cuda").returncode == 0
