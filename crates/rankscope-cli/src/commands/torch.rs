@@ -127,6 +127,15 @@ fn nan_text(reply: &Value) -> String {
     if let Some(reason) = reply["disabled"].as_str() {
         out += &format!("nan watch: turned itself off after an error: {reason}\n");
     }
+    // Its cost on a GPU is of another kind: said, so that a slower step
+    // is not a mystery.
+    let waits = reply["gpu_waits"].as_i64().unwrap_or(0);
+    if waits > 0 {
+        out += &format!(
+            "nan watch: {waits} of its checks waited for the GPU to finish the step's backward, \
+             before the optimizer's update (so that a trip's search runs on the step's own weights)\n"
+        );
+    }
     let events = reply["events"].as_array().cloned().unwrap_or_default();
     if events.is_empty() {
         out += "no non-finite value seen\n";
@@ -632,6 +641,19 @@ mod tests {
         let clean =
             collectives_text(&json!({"on": true, "initialized": true, "errors": 0, "groups": []}));
         assert!(!clean.contains("unrecorded"), "{clean}");
+    }
+
+    #[test]
+    fn the_nan_watch_says_when_its_checks_waited_for_a_gpu() {
+        let on_gpu =
+            nan_text(&json!({"armed": true, "checked_steps": 12, "gpu_waits": 12, "events": []}));
+        assert!(
+            on_gpu.contains("nan watch: 12 of its checks waited for the GPU"),
+            "{on_gpu}"
+        );
+        let on_cpu =
+            nan_text(&json!({"armed": true, "checked_steps": 12, "gpu_waits": 0, "events": []}));
+        assert!(!on_cpu.contains("waited"), "{on_cpu}");
     }
 
     #[test]

@@ -173,6 +173,7 @@ class NanWatch:
         self._arm = _native.NanArm(_finite_check(), torch.Tensor, FULL_EVERY)
         self.events: list = []
         self.disabled = None
+        self.gpu_waits = 0  # checks that waited for a GPU (`torch nan` says so)
         self.handles: list = []
         self.tripped_at = None
         self.hooked: set = set()
@@ -407,6 +408,7 @@ class NanWatch:
             finite = torch.isfinite(_gathered(values, values[0].device)).all()
         # A GPU: read now, before the optimizer applies the gradients (see
         # the top of this file). Not while a graph is captured (above).
+        self.gpu_waits += 1
         if not _wait_for_gpu_flag(finite) and self.tripped_at is None:
             self._trip(step_number, self.step, params)
 
@@ -543,6 +545,7 @@ class NanWatch:
         return {
             "armed": self.armed,
             "checked_steps": self.checked_steps,
+            "gpu_waits": self.gpu_waits,
             "tripped_at": self.tripped_at,
             "events": self.events,
             "disabled": self.disabled,
