@@ -648,6 +648,8 @@ impl CollectiveCall {
         };
         let first = match (!args.is_empty()).then(|| args.get_item(0).ok()).flatten() {
             Some(first) => Some(first),
+            // No argument at all: nothing to look for by name.
+            None if kwargs.is_empty() => None,
             None => {
                 let mut found = None;
                 for name in FIRST {
