@@ -325,3 +325,44 @@ def test_every_form_of_call_is_recorded_as_called_and_changes_nothing(python, sp
     errors = cli(target.pid, "eval", "__import__('rankscope._probe.torch.collectives', fromlist=['_']).RECORDER.errors")
     assert errors.returncode == 0, errors.stderr
     assert errors.stdout.strip() == "0", errors.stdout
+
+
+OLD_TORCH = """
+import sys, types
+
+from rankscope._probe.torch import collectives
+
+# torch 2.2 as the wrappers meet it: a version, and no torch.compiler.is_compiling.
+fake = types.ModuleType("torch")
+fake.__version__ = "2.2.2+cpu"
+fake.compiler = types.ModuleType("torch.compiler")
+sys.modules["torch"] = fake
+calls = []
+
+def all_reduce(tensor, op=None, group=None, async_op=False):
+    calls.append(tensor)
+    return "done"
+
+recorder = collectives.Recorder()
+wrapper = recorder._wrapper("all_reduce", all_reduce, ["tensor", "op", "group", "async_op"])
+assert wrapper(1) == "done"
+# Under dynamo's tracing (dynamo imported, compiling), the original alone.
+dynamo = types.ModuleType("torch._dynamo")
+dynamo.is_compiling = lambda: True
+sys.modules["torch._dynamo"] = dynamo
+assert wrapper(2, group=None) == "done"
+assert calls == [1, 2], calls
+assert collectives._version("2.15.0+cu132") == (2, 15)
+assert collectives._version("2.3.0a0+git1234") == (2, 3)
+assert collectives._has_compiler_test(types.SimpleNamespace(__version__="2.3.1"))
+assert not collectives._has_compiler_test(types.SimpleNamespace(__version__="2.1.0"))
+print("OK")
+"""
+
+
+def test_the_wrappers_work_on_a_torch_without_compiler_is_compiling(python):
+    """torch before 2.3 lacks torch.compiler.is_compiling: asking it at
+    every collective raised AttributeError into the program."""
+    result = subprocess.run([python, "-c", OLD_TORCH], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "OK"

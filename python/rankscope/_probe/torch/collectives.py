@@ -64,6 +64,26 @@ OPS = (
 _WRAPPED = "__rankscope_collective__"
 
 
+def _has_compiler_test(torch) -> bool:
+    """Whether this torch has ``torch.compiler.is_compiling`` (2.3 on).
+    Told by its version: the wrappers go in while torch is still importing,
+    before ``torch.compiler`` is there to look at."""
+    major, minor = _version(getattr(torch, "__version__", ""))
+    return (major, minor) >= (2, 3)
+
+
+def _version(text) -> tuple:
+    parts = str(text).split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (99, 0)  # a build that does not say: take it as new
+
+
+def _never() -> bool:
+    return False
+
+
 class Recorder:
     """The wrappers and what they share. A call's own work (its group's
     number, its sizes and call site, its row) is native: a
@@ -144,10 +164,23 @@ class Recorder:
         # torch.compile's tracing, dynamo folds this test and traces the
         # original (which it maps to a functional collective), with no
         # graph break. `recorded` calls the original alone while off.
-        def collective(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                return original(*args, **kwargs)
-            return recorded(args, kwargs)
+        if _has_compiler_test(torch):
+
+            def collective(*args, **kwargs):
+                if torch.compiler.is_compiling():
+                    return original(*args, **kwargs)
+                return recorded(args, kwargs)
+
+        else:
+            # torch before 2.3 has no `torch.compiler.is_compiling`: ask
+            # dynamo, where the program has imported it (nothing compiles
+            # otherwise). Tracing through this may break the graph there,
+            # where the test above would not; the call itself is the same.
+            def collective(*args, **kwargs):
+                dynamo = sys.modules.get("torch._dynamo")
+                if dynamo is not None and getattr(dynamo, "is_compiling", _never)():
+                    return original(*args, **kwargs)
+                return recorded(args, kwargs)
 
         return collective
 
