@@ -451,6 +451,69 @@ def test_rankscope_torch_env_arms_the_watch_and_grads_before_the_model_exists(to
     assert "step 4: total gradient norm nan" in summary and "flagged: fc1.weight nonfinite (norm nan)" in summary, summary
 
 
+# Armed at start, the watch knows no model until the optimizer's first step:
+# a NaN in that first step (a bad initialisation, a bad first batch) was
+# not located ("no forward of a model was seen"). Torch's global module
+# hooks keep the first step's forward until the models are hooked, and go.
+@pytest.mark.parametrize("trap", ["--nan-forward", "--nan-backward"])
+def test_a_nan_in_the_first_step_is_located_when_armed_at_start(torch_python, spawn, cli, trap):
+    target = spawn(torch_python, TRAIN, args=[trap, "0"], env={"RANKSCOPE_TORCH": "nan"})
+    run_steps(cli, target, 2, 2)
+    text = on(cli, target.pid, "nan")
+    if trap == "--nan-forward":
+        assert "step 0: first non-finite in forward, module boom (Boom): its output" in text, text
+    else:
+        assert "step 0: first non-finite in backward, module back (Back)" in text, text
+    hooks = "import torch.nn.modules.module as m; (len(m._global_forward_pre_hooks), len(m._global_forward_hooks))"
+    assert cli(target.pid, "eval", hooks).stdout.strip() == "(0, 0)"
+
+
+# A learning rate too large: at step 2 the loss overflows (a functional loss,
+# which the watch does not see) and so do some weights' gradients, but not
+# the first module's bias, the sentinel checked at most steps. A program
+# that stops there left no event at all; one that goes on was told
+# "forward, module 0, its output" at step 3, where the step's weights were
+# already non-finite.
+DIVERGE = """
+import sys
+import torch, torch.nn as nn, torch.nn.functional as F
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=5.0)
+for step in range(int(sys.argv[1])):
+    x = torch.randn(16, 8) * 10
+    y = torch.randn(16, 1)
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    if "--stop" in sys.argv and not torch.isfinite(loss):
+        break
+print("EXITING", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["stops", "goes-on"])
+def test_a_divergence_the_sentinels_miss_is_still_named_at_its_step(torch_python, spawn, cli, how):
+    args = ["10", "--stop"] if how == "stops" else ["6"]
+    target = spawn(torch_python, DIVERGE, args=args, env={"RANKSCOPE_TORCH": "nan"}, wait=False)
+    assert target.proc.wait(timeout=120) == 0
+    run_dir = target.script.parent / "run"
+    result = cli("query", "--run", run_dir, "SELECT step, stage, module, detail FROM python.nan_events", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert len(rows) == 1 and rows[0]["step"] == 2, rows
+    if how == "stops":
+        # Found at exit, from the gradients step 2 left: the module nearest
+        # the output whose own gradients are non-finite.
+        assert rows[0]["stage"] == "backward" and rows[0]["module"] == "4", rows
+        assert rows[0]["detail"].startswith("from the parameters' gradients (found at exit"), rows
+    else:
+        assert rows[0]["stage"] == "update" and rows[0]["module"] == "0", rows
+
+
 # The statistics read in place on a CPU (grad_read.rs), against torch's own
 # kernels on the same tensors: every float type, odd lengths, non-finite
 # values, and what it leaves to torch (a strided tensor, an integer one).

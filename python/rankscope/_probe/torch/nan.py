@@ -60,6 +60,7 @@ backward NaNs and slows every step 1.5-3x.
 
 from __future__ import annotations
 
+import _thread
 import functools
 import math
 import os
@@ -178,6 +179,12 @@ class NanWatch:
         self.tripped_at = None
         self.hooked: set = set()
         self.sentinels: set = set()
+        # Torch's global module hooks while no model is known (see
+        # `_watch_first_forward`), and the depth of module calls per thread.
+        self.first_hooks = None
+        self.depth: dict = {}
+        self.exit_check = False
+        self.first_rng = None
 
     # ---- on and off (probe thread)
 
@@ -189,6 +196,11 @@ class NanWatch:
         self._hook_roots()
         self.armed = True
         TRACER.nan_arm = self._arm
+        if not self.exit_check:
+            from rankscope._probe.unseen import builtin
+
+            builtin("atexit").register(self.check_at_exit)
+            self.exit_check = True
         return self.describe()
 
     def turn_off(self, quiet: bool = False) -> dict:
@@ -198,6 +210,7 @@ class NanWatch:
         handles, self.handles = self.handles, []
         for entry in handles:
             timed.take_off(entry)
+        self._unwatch_first_forward()
         TRACER.remove_listener(self)
         self.step = _Step()
         return {} if quiet else self.describe()
@@ -238,6 +251,81 @@ class NanWatch:
                 if entry is not None:
                     self.handles.append(entry)
                     self.loss_modules = True
+        if self.hooked:
+            self._unwatch_first_forward()
+        else:
+            self._watch_first_forward()
+
+    # ---- before any model is known (armed at start, or before the model was built)
+
+    def _watch_first_forward(self):
+        """The models are found through their optimizer, at its first step:
+        a watch armed before that (``RANKSCOPE_TORCH=nan``) would miss the
+        forward of the first step, where a bad initialisation or a bad
+        first batch shows. Until a model is hooked, torch's global module
+        hooks keep each outermost module call of the step instead, as the
+        root stand-in does; they go once the models are hooked (at the
+        first step's end). Every module call takes torch's slower general
+        path meanwhile, and a torch.compile'd model compiled during that
+        step is compiled again once without them."""
+        if self.first_hooks is not None:
+            return
+        from torch.nn.modules import module as nn_module
+
+        pre = nn_module.register_module_forward_pre_hook(self._first_pre)
+        try:
+            post = nn_module.register_module_forward_hook(self._first_post, with_kwargs=True, always_call=True)
+        except TypeError:  # a torch without always_call: a forward that raises leaves the depth as it was
+            post = nn_module.register_module_forward_hook(self._first_post, with_kwargs=True)
+        self.first_hooks = (pre, post)
+        self.depth = {}
+
+    def _unwatch_first_forward(self):
+        hooks, self.first_hooks = self.first_hooks, None
+        if hooks is not None:
+            for handle in hooks:
+                handle.remove()
+        self.depth = {}
+        self.first_rng = None
+
+    def _first_pre(self, module, args):
+        try:
+            thread = _thread.get_ident()
+            depth = self.depth.get(thread, 0)
+            self.depth[thread] = depth + 1
+            if depth == 0 and not self.searching and _has_params(module) and _stochastic(module):
+                self.first_rng = _rng_state()
+        except Exception as exc:  # noqa: BLE001
+            self.failed(f"the first forward's pre-hook failed: {type(exc).__name__}: {exc}")
+
+    def _first_post(self, module, args, kwargs, output):
+        try:
+            thread = _thread.get_ident()
+            depth = self.depth.get(thread, 1) - 1
+            self.depth[thread] = depth
+            if depth or self.searching:
+                return
+            step = self.step
+            if _has_params(module):
+                # The model's call: what the root stand-in keeps.
+                step.model, step.args, step.kwargs = weakref.ref(module), args, kwargs
+                step.rng, self.first_rng = self.first_rng, None
+                step.cuda_rng = step.loss = step.loss_call = None
+                loss = _scalar_loss(output)
+                if loss is not None:
+                    step.loss = loss.detach()
+                    step.output = None
+                elif isinstance(output, torch.Tensor):
+                    step.output = weakref.ref(output)
+            elif isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+                # A loss module's call: on the model's output itself, it can be
+                # made again from the replay's.
+                step.loss = output.detach()
+                made = step.output() if step.output is not None else None
+                if args and made is not None and args[0] is made:
+                    step.loss_call = (weakref.ref(module), args[1:], kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self.failed(f"the first forward's hook failed: {type(exc).__name__}: {exc}")
 
     def _stand_in(self, model):
         # partial: called from C, one Python frame less a step.
@@ -429,7 +517,40 @@ class NanWatch:
         finally:
             self.searching = False
             TRACER.restore(held)
-        self._record(step_number, event)
+        self._record(event.pop("at_step", step_number), event)
+
+    def check_at_exit(self) -> None:
+        """A program that stops at its first non-finite loss ends before a
+        step it missed (a gradient the sentinels did not see) shows at the
+        next: the gradients the last step left are checked once at exit.
+        The step cannot be replayed then (its update has run), so the module
+        is named from the parameters' gradients."""
+        try:
+            if not self.armed or self.tripped_at is not None or TRACER.step is None:
+                return
+            seen = set()
+            params = []
+            for optimizer in list(TRACER.known_optimizers):
+                if id(optimizer) not in seen:
+                    seen.add(id(optimizer))
+                    params += models.params_with_grads(optimizer)
+            if not params:
+                return
+            grads = [p.grad for p in params]
+            finite = _finite_check().check(grads)
+            if finite is None:
+                finite = all(math.isfinite(v.item()) for v in _norms(grads))
+            if finite:
+                return
+            step_number = max(TRACER.step - 1, 0)
+            self.tripped_at = step_number
+            event = self._from_param_grads(params, None, "found at exit in the gradients the last step left; "
+                                                        "that step's update had run, so it was not replayed")
+            self._record(step_number, event)
+            tables.flush()
+            _native.store_flush()
+        except Exception:  # noqa: BLE001 - the program is exiting: nothing of ours may change how
+            pass
 
     def _search(self, step, params) -> dict:
         model = step.model() if step.model is not None else None
@@ -437,6 +558,9 @@ class NanWatch:
         loss_value = float(loss) if loss is not None else None
         if model is None or step.args is None:
             return self._from_param_grads(params, loss_value, "no forward of a model was seen this step")
+        spoiled = self._spoiled_weights(model, loss_value)
+        if spoiled is not None:
+            return spoiled
         inputs = _inputs_of(step.args, step.kwargs)
         low, high, bad = _stats(inputs)
         if bad:
@@ -481,6 +605,31 @@ class NanWatch:
         else:
             why = "the replay found no origin"
         return self._from_param_grads(params, loss_value, why)
+
+    def _spoiled_weights(self, model, loss_value):
+        """The step began with non-finite weights: a replay would name the
+        first module that uses one, in a forward that only carried them.
+        Where they came from is the step before: its update (most steps
+        check the sentinels' gradients only, which a gradient that overflows
+        elsewhere can miss), or the program's own change between steps."""
+        for name, module in model.named_modules():
+            own = list(module.parameters(recurse=False))
+            bad = sum(_nonfinite(p) for p in own)
+            if bad:
+                return {
+                    "at_step": max((TRACER.step or 1) - 1, 0),
+                    "stage": "update",
+                    "module": name or models.root_name(model),
+                    "module_type": type(module).__name__,
+                    "what": "its weights became non-finite between this step and the next (the optimizer's update, "
+                            "or the program's own change of them)",
+                    "nonfinite": bad,
+                    "inputs": (None, None, None),
+                    "weights": _stats(own),
+                    "loss": loss_value,
+                    "detail": "found at the next step, whose weights were already non-finite",
+                }
+        return None
 
     def _from_param_grads(self, params, loss_value, why) -> dict:
         """The module nearest the output whose own parameters got non-finite
@@ -559,6 +708,10 @@ def _finite_check():
     if not _FINITE:
         _FINITE.append(_native.FiniteCheck(FLOATS))
     return _FINITE[0]
+
+
+def _has_params(module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def _stochastic(model) -> bool:
