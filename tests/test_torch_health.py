@@ -170,7 +170,7 @@ def test_a_forward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli
     assert any(f["func"] == "train_step" for f in frames), [f["func"] for f in frames]
     listed = cli("crashes", "--format", "json", env={"RANKSCOPE_RUN_DIR": str(Path(event["record"]).parent)})
     assert listed.returncode == 0, listed.stderr
-    assert "NonFiniteValue" in listed.stdout, listed.stdout
+    assert '"rankscope.NonFiniteValue"' in listed.stdout, listed.stdout
 
 
 @pytest.mark.parametrize("loss", ["module", "functional"])

@@ -959,7 +959,9 @@ def _write_record(step_number, event) -> str | None:
         class NonFiniteValue(ArithmeticError):
             pass
 
+        # Named as the docs and `crashes` show it, not by where it is made.
         NonFiniteValue.__module__ = "rankscope"
+        NonFiniteValue.__qualname__ = "NonFiniteValue"
         exc = NonFiniteValue(message)
         exc.__traceback__ = _traceback_here()
         rec = crashes.build_record(exc, "nan-watch", thread_name=_thread_name())
