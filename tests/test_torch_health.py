@@ -468,6 +468,25 @@ def test_a_nan_in_the_first_step_is_located_when_armed_at_start(torch_python, sp
     assert cli(target.pid, "eval", hooks).stdout.strip() == "(0, 0)"
 
 
+INFER = """
+import torch
+model = torch.nn.Linear(4, 4)
+with torch.no_grad():
+    for _ in range(1100):
+        model(torch.ones(1, 4))
+print("READY", flush=True)
+import time
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_the_first_step_hooks_go_from_a_program_that_does_not_train(torch_python, spawn, cli):
+    target = spawn(torch_python, INFER, env={"RANKSCOPE_TORCH": "nan"})
+    hooks = "import torch.nn.modules.module as m; (len(m._global_forward_pre_hooks), len(m._global_forward_hooks))"
+    assert cli(target.pid, "eval", hooks).stdout.strip() == "(0, 0)"
+
+
 # A learning rate too large: at step 2 the loss overflows (a functional loss,
 # which the watch does not see) and so do some weights' gradients, but not
 # the first module's bias, the sentinel checked at most steps. A program

@@ -85,6 +85,9 @@ MAX_EVENTS = 16
 # costs a small CPU model 2-3 %; every 8th, about 0.3 %.
 FULL_EVERY = 8
 MAX_SENTINEL = 1 << 16
+# Model calls watched through torch's global hooks before a step comes (see
+# `NanWatch._watch_first_forward`): more, and the program is not training.
+FIRST_CALLS = 1000
 _rng_state, _cuda_initialized = torch.get_rng_state, torch.cuda.is_initialized
 # The backward search's start where the loss cannot be made again.
 ONES = "ones at the model's output (the loss function is not known here)"
@@ -183,6 +186,7 @@ class NanWatch:
         # `_watch_first_forward`), and the depth of module calls per thread.
         self.first_hooks = None
         self.depth: dict = {}
+        self.first_calls = 0
         self.exit_check = False
         self.first_rng = None
 
@@ -279,6 +283,7 @@ class NanWatch:
             post = nn_module.register_module_forward_hook(self._first_post, with_kwargs=True)
         self.first_hooks = (pre, post)
         self.depth = {}
+        self.first_calls = 0
 
     def _unwatch_first_forward(self):
         hooks, self.first_hooks = self.first_hooks, None
@@ -307,6 +312,12 @@ class NanWatch:
                 return
             step = self.step
             if _has_params(module):
+                self.first_calls += 1
+                if self.first_calls > FIRST_CALLS:
+                    # No step in sight (an inference loop, or no optimizer):
+                    # nothing would be checked, so the general path is not paid.
+                    self._unwatch_first_forward()
+                    return
                 # The model's call: what the root stand-in keeps.
                 step.model, step.args, step.kwargs = weakref.ref(module), args, kwargs
                 step.rng, self.first_rng = self.first_rng, None
