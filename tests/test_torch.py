@@ -55,6 +55,11 @@ class MLP(nn.Module):
         return Out(y) if self.odd_output else y
 
 
+MODEL_LATE = "--model-late" in sys.argv  # torch imported, the model made only once told
+if MODEL_LATE:
+    print("READY", flush=True)
+    while globals().get("go") is None:
+        time.sleep(0.005)
 model = MLP(odd_output="--odd-output" in sys.argv)
 if "--compile" in sys.argv:
     # aot_eager: dynamo and autograd's graphs as inductor gets them, without
@@ -108,7 +113,7 @@ if "--steps" in sys.argv:
     sys.exit(0)
 
 budget = globals().get("budget", 0)  # set with `go` by the import-late test
-if not LATE:
+if not LATE and not MODEL_LATE:
     print("READY", flush=True)
 while True:
     if budget > 0:
@@ -243,6 +248,12 @@ def test_torch_shows_the_module_tree_with_alike_siblings_as_one_line(torch_pytho
     depth3 = [r["name"] for r in tree["rows"] if r["depth"] == 3]
     assert depth3[:2] == ["blocks.*.attn", "blocks.*.mlp"], tree
     assert not any(r["depth"] > 3 for r in tree["rows"]), tree
+    # A glob that matches nothing: the first names it was matched against, and how many more.
+    for feature in (["trace", "on"], ["activations"]):
+        bad = cli(target.pid, "torch", *feature, "--modules", "block.*")
+        assert bad.returncode != 0
+        assert "error: no module matches 'block.*'; modules: Net, embed, blocks, blocks.0, blocks.0.attn," in bad.stderr, bad.stderr
+        assert "extra.0.mlp.0" not in bad.stderr and " and 29 more\n" in bad.stderr, bad.stderr
 
 
 def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_python, spawn, cli, tmp_path):
@@ -420,6 +431,8 @@ def test_module_glob_and_a_bad_glob(torch_python, spawn, cli):
     bad = cli(target.pid, "torch", "trace", "on", "--modules", "encoder.*")
     assert bad.returncode != 0
     assert "no module matches 'encoder.*'" in bad.stderr and "hint:" in bad.stderr
+    # The names the glob was matched against, not the root alone.
+    assert "modules: MLP, fc1, act1, fc2, act2, head\n" in bad.stderr, bad.stderr
     assert cli(target.pid, "torch", "trace", "on", "--modules", "fc*").returncode == 0
     run_steps(cli, target, 3, 3)
     rows = query_json(cli, target.pid, "SELECT DISTINCT module FROM python.torch_trace ORDER BY module")
@@ -555,6 +568,67 @@ def test_rankscope_torch_env_turns_the_trace_on_once_torch_is_imported(torch_pyt
     assert status["trace"]["on"] and status["trace"]["every"] == 2
     steps = query_json(cli, target.pid, "SELECT DISTINCT step FROM python.torch_trace ORDER BY step")
     assert [r["step"] for r in steps] == [2, 4]
+    # On before the program's first step: no step was in progress, so step
+    # 0 has its row (unsampled: no model was known when it began).
+    per_step = query_json(cli, target.pid, "SELECT step, sampled, step_ms, optimizer_ms FROM python.torch_steps ORDER BY step")
+    assert [(r["step"], r["sampled"]) for r in per_step] == [(0, False), (1, False), (2, True), (3, False), (4, True)], per_step
+    assert per_step[0]["step_ms"] is None and per_step[0]["optimizer_ms"] > 0, per_step
+
+
+def test_rankscope_torch_env_grads_every_1_names_every_parameter_from_the_first_step(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, env={"RANKSCOPE_TORCH": "grads,every=1"})
+    # Before any step: the model is there, and counted.
+    assert "grads: on, 6 parameters, every 1 step," in cli(target.pid, "torch", "grads").stdout
+    run_steps(cli, target, 3, 3)
+    rows = query_json(cli, target.pid, "SELECT step, param, module FROM python.grad_stats ORDER BY step, param")
+    names = [("fc1.bias", "fc1"), ("fc1.weight", "fc1"), ("fc2.bias", "fc2"), ("fc2.weight", "fc2"), ("head.bias", "head"), ("head.weight", "head")]
+    assert [(r["step"], r["param"], r["module"]) for r in rows] == [(step, *name) for step in (0, 1, 2) for name in names], rows
+
+
+def test_activations_before_the_model_exists_wait_for_it(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN, args=["--model-late"])
+    on = cli(target.pid, "torch", "activations", "--modules", "fc*")
+    assert on.returncode == 0, on.stderr
+    assert "activations: on, 0 modules" in on.stdout and "note: no model found yet" in on.stdout, on.stdout
+    assert cli(target.pid, "eval", "go = 1; budget = 4").returncode == 0
+    target.wait_for_line("DONE 4")
+    # Found at the clock's first boundary: the steps from there on are watched.
+    rows = query_json(cli, target.pid, "SELECT step, module FROM python.activation_stats ORDER BY step, module")
+    assert [(r["step"], r["module"]) for r in rows] == [(s, m) for s in (1, 2, 3) for m in ("fc1", "fc2")], rows
+    text = cli(target.pid, "torch", "activations").stdout
+    assert "activations: on, 2 modules" in text and "note:" not in text, text
+    # A glob that the model, once found, does not match: off, saying why.
+    late = spawn(torch_python, TRAIN, args=["--model-late"])
+    assert cli(late.pid, "torch", "activations", "--modules", "encoder.*").returncode == 0
+    assert cli(late.pid, "eval", "go = 1; budget = 2").returncode == 0
+    late.wait_for_line("DONE 2")
+    activations = torch_json(cli, late.pid)["features"]["activations"]
+    assert not activations["on"], activations
+    assert activations["disabled"] == "no module matches 'encoder.*'; modules: MLP, fc1, act1, fc2, act2, head", activations
+
+
+def test_trace_on_names_its_first_sampled_step_and_counts_its_modules_alike(torch_python, spawn, cli):
+    target = spawn(torch_python, TRAIN)
+    run_steps(cli, target, 7, 7)
+    # The clock never ran: the step in progress is the optimizer's count.
+    on = cli(target.pid, "torch", "trace", "on", "--modules", "fc*", "--every", "5")
+    assert on.returncode == 0, on.stderr
+    assert "trace on: 2 modules, every 5 steps (first sampled step: 10);" in on.stdout, on.stdout
+    run_steps(cli, target, 3, 10)  # step 10 in progress, sampled
+    assert "; 2 modules timed now;" in cli(target.pid, "torch").stdout
+    assert "trace off: 2 modules as they were" in cli(target.pid, "torch", "trace", "off").stdout
+    # The clock ran for `grads` and stopped: what it counted then is stale.
+    assert cli(target.pid, "torch", "grads").returncode == 0
+    run_steps(cli, target, 3, 13)
+    assert cli(target.pid, "torch", "grads", "off").returncode == 0
+    run_steps(cli, target, 9, 22)
+    on = cli(target.pid, "torch", "trace", "on", "--modules", "fc*", "--every", "5")
+    assert "trace on: 2 modules, every 5 steps (first sampled step: 25);" in on.stdout, on.stdout
+    run_steps(cli, target, 4, 26)
+    sampled = query_json(cli, target.pid, "SELECT step FROM python.torch_steps WHERE sampled AND step > 10 ORDER BY step")
+    assert [r["step"] for r in sampled] == [25], sampled
+    # Between sampled steps, off counts the same modules.
+    assert "trace off: 2 modules as they were" in cli(target.pid, "torch", "trace", "off").stdout
 
 
 def test_without_torch_imported(python, spawn, cli):
@@ -618,15 +692,17 @@ def test_every_rank_samples_the_same_steps_and_cluster_query_sees_them(default_p
         modules = cli("cluster", "query", "--run", run, "SELECT DISTINCT module FROM python.torch_trace ORDER BY module", "--format", "csv")
         assert modules.stdout.split() == ["module", "DistributedDataParallel", "module", "module.0", "module.1", "module.2"]
         steps = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n FROM python.torch_steps GROUP BY rank ORDER BY rank", "--format", "csv")
-        assert steps.stdout.split() == ["rank,n", "0,9", "1,9"]
+        # Ten steps each: the trace came on as the program imported torch,
+        # so step 0 (before the clock's first boundary) has its row too.
+        assert steps.stdout.split() == ["rank,n", "0,10", "1,10"]
         # The issue's query for the slow rank, as written there.
         slow = cli("cluster", "query", "--run", run, "SELECT rank, avg(step_ms) FROM python.torch_steps GROUP BY rank ORDER BY 2 DESC", "--format", "json")
         assert slow.returncode == 0, slow.stderr
         assert sorted(r["rank"] for r in json.loads(slow.stdout)) == [0, 1] and all(v > 0 for r in json.loads(slow.stdout) for k, v in r.items() if k != "rank"), slow.stdout
-        # Each collective carries the step it was called in (the first
-        # iteration's, before the clock's first boundary, has none).
+        # Each collective carries the step it was called in (the clock
+        # started as the program imported torch: the first is step 0).
         collectives = cli("cluster", "query", "--run", run, "SELECT rank, count(*) AS n, min(step) AS first, max(step) AS last, count(DISTINCT step) AS steps FROM python.collectives WHERE op = 'all_reduce' GROUP BY rank ORDER BY rank", "--format", "csv")
-        assert collectives.stdout.split() == ["rank,n,first,last,steps", "0,10,1,9,9", "1,10,1,9,9"], collectives.stdout
+        assert collectives.stdout.split() == ["rank,n,first,last,steps", "0,10,0,9,10", "1,10,0,9,10"], collectives.stdout
 
         status = cli("cluster", "torch", "--run", run)
         assert status.returncode == 0, status.stderr
@@ -650,4 +726,4 @@ def test_every_rank_samples_the_same_steps_and_cluster_query_sees_them(default_p
     # The job is gone: its ranks' rows are still in the run store.
     after = cli("query", "--run", tmp_path / "run", "SELECT rank, count(*) AS n FROM python.torch_steps GROUP BY rank ORDER BY rank", "--format", "csv")
     assert after.returncode == 0, after.stderr
-    assert after.stdout.split() == ["rank,n", "0,9", "1,9"]
+    assert after.stdout.split() == ["rank,n", "0,10", "1,10"]

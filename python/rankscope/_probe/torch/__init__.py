@@ -163,7 +163,8 @@ def _features() -> dict:
 
 
 def _parse_env(spec: str):
-    features, options, unknown = set(), {"every": 1, "modules": "*", "backward": False}, []
+    # `every` None: not given, each feature's own default (the trace 1, grads 10).
+    features, options, unknown = set(), {"every": None, "modules": "*", "backward": False}, []
     for token in filter(None, (t.strip() for t in spec.split(","))):
         key, eq, value = token.partition("=")
         if token in ("trace", "nan", "grads", "collectives"):
@@ -194,31 +195,49 @@ def from_env(at_start: bool) -> None:
     if not features:
         return
 
-    def enable(_module=None):
-        for feature in sorted(features):
+    def enable(_module=None, before_first_step=False):
+        tracer = None
+        if before_first_step and features - {"collectives"}:
             try:
-                if feature == "trace":
-                    from rankscope._probe.torch import trace
+                from rankscope._probe.torch.trace import TRACER as tracer
 
-                    trace.TRACER.turn_on(options["every"], options["modules"], options["backward"], wait_s=0)
-                elif feature == "nan":
-                    from rankscope._probe.torch.nan import WATCH
-
-                    WATCH.turn_on()
-                elif feature == "grads":
-                    from rankscope._probe.torch import stats
-
-                    stats.GRADS.turn_on(options["every"] if options["every"] > 1 else 10)
-                elif feature == "collectives" and "torch.distributed.distributed_c10d" in sys.modules:
-                    from rankscope._probe.torch.collectives import RECORDER
-
-                    RECORDER.turn_on()
-            except Exception as exc:  # noqa: BLE001 - the program runs on without the feature
-                sys.stderr.write(f"rankscope: RANKSCOPE_TORCH={feature} not turned on: {exc}\n")
+                # The program has only just imported torch, so no step is in
+                # progress: the clock starts at step 0, which gets its row.
+                tracer.before_first_step = True
+            except Exception:  # noqa: BLE001 - each feature says why it is not on
+                tracer = None
+        try:
+            _enable_each(features, options)
+        finally:
+            if tracer is not None:
+                tracer.before_first_step = False
 
     if torch_ready():
         enable()
     elif at_start:
         from rankscope._probe.after_import import after_import
 
-        after_import("torch", enable)
+        after_import("torch", lambda module: enable(module, before_first_step=True))
+
+
+def _enable_each(features: set, options: dict) -> None:
+    for feature in sorted(features):
+        try:
+            if feature == "trace":
+                from rankscope._probe.torch import trace
+
+                trace.TRACER.turn_on(options["every"] or 1, options["modules"], options["backward"], wait_s=0)
+            elif feature == "nan":
+                from rankscope._probe.torch.nan import WATCH
+
+                WATCH.turn_on()
+            elif feature == "grads":
+                from rankscope._probe.torch import stats
+
+                stats.GRADS.turn_on(options["every"] or 10)
+            elif feature == "collectives" and "torch.distributed.distributed_c10d" in sys.modules:
+                from rankscope._probe.torch.collectives import RECORDER
+
+                RECORDER.turn_on()
+        except Exception as exc:  # noqa: BLE001 - the program runs on without the feature
+            sys.stderr.write(f"rankscope: RANKSCOPE_TORCH={feature} not turned on: {exc}\n")

@@ -191,6 +191,18 @@ def is_compiled(module) -> bool:
     return wrapper is not None and isinstance(module, wrapper)
 
 
+# A glob that matches nothing is answered with this many of the names it
+# could have matched.
+NAMES_SHOWN = 12
+
+
+def no_match(glob: str, names: list) -> str:
+    """The error for a ``--modules`` glob that matches none of `names` (the
+    qualified names it is matched against), listing the first few."""
+    more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
+    return f"no module matches {glob!r}; modules: {', '.join(names[:NAMES_SHOWN])}{more}"
+
+
 def root_name(model) -> str:
     """How the root is named in the trace: its class (its children go by
     their qualified names, as ``named_modules()`` gives them); a compiled

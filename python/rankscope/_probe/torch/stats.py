@@ -43,6 +43,8 @@ from rankscope._probe.torch import models, tables
 from rankscope._probe.torch.trace import TRACER, _tensors, capturing
 
 WARMUP = 3
+# What `grads` and `activations` say while no model is known (as `trace on` does).
+NO_MODEL_YET = "no model found yet: the probe looks again when an optimizer steps (or at rankscope.step())"
 # Up to this size the weights' copies are kept between sampled steps.
 KEEP_COPIES_BYTES = 16 << 20
 EXPLODING, VANISHING = 10.0, 0.01
@@ -172,14 +174,28 @@ class GradStats:
         self.kept = None
         self.readers.clear()
 
-    def _name_params(self):
+    def _name_params(self, found=None):
         names = {}
-        for model in TRACER.live_models():
+        for model in TRACER.live_models() if found is None else found:
             for name, param in model.named_parameters():
                 module = name.rpartition(".")[0] or models.root_name(model)
                 names[id(param)] = (name, module)
         self.names = names
         self.params = len(names)
+
+    def _name_unknown(self, params) -> None:
+        """Names for parameters the models known so far do not hold: the
+        first sampled step may come before the step clock's first boundary
+        has found the models (RANKSCOPE_TORCH=grads at start), so they are
+        looked for here. Parameters of no model keep positional names, and
+        are not looked for again."""
+        self._name_params(models.discover()[0])
+        unnamed = [p for p in params if id(p) not in self.names]
+        if unnamed:
+            names = dict(self.names)
+            for i, p in enumerate(params):
+                names.setdefault(id(p), (f"param{i}", "?"))
+            self.names = names
 
     def optimizer_pre(self, optimizer, step):
         # Called at sampled steps only (WHEN).
@@ -189,7 +205,7 @@ class GradStats:
         if not params:
             return
         if any(id(p) not in self.names for p in params):
-            self._name_params()
+            self._name_unknown(params)
         grads = [p.grad for p in params]
         if grads[0].device.type == "cpu" and self._native_pre(optimizer, step, params, grads):
             return
@@ -359,7 +375,11 @@ class GradStats:
         return flag
 
     def describe(self) -> dict:
-        return {
+        if self.on and not self.params:
+            # Models that came after `on` (named at the first sampled step
+            # otherwise): `count` says what will be read.
+            self._name_params(models.discover()[0])
+        described = {
             "on": self.on,
             "every": self.every,
             "count": self.params,
@@ -367,6 +387,9 @@ class GradStats:
             "disabled": self.disabled,
             "last": _summary(self.last),
         }
+        if self.on and not self.params:
+            described["note"] = NO_MODEL_YET
+        return described
 
 
 def _summary(rows) -> dict | None:
@@ -450,22 +473,32 @@ class ActivationStats:
             raise ValueError("--every must be 1 or more")
         self.turn_off()
         TRACER.add_listener(self)
-        plan = []
-        for model in TRACER.live_models():
-            for name, module in model.named_modules():
-                qualified = name or models.root_name(model)
-                if glob in ("*", "") or fnmatch.fnmatchcase(qualified, glob):
-                    plan.append((weakref.ref(module), _Watched(qualified, type(module).__name__)))
-        if not plan:
+        found = TRACER.live_models()
+        plan, names = self._plan(found, glob)
+        if found and not plan:
             TRACER.remove_listener(self)
             from rankscope._probe.torch.trace import UserError
 
-            names = [name or models.root_name(m) for m in TRACER.live_models() for name, _ in m.named_modules()]
-            raise UserError(f"no module matches {glob!r}; modules: {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
+            raise UserError(models.no_match(glob, names))
+        # No model yet: as the trace does, it waits for the models the step
+        # clock finds (`boundary`).
         self.plan, self.glob, self.every = plan, glob, every
         self.disabled = None
         self.on = True
         return self.describe()
+
+    @staticmethod
+    def _plan(found, glob) -> tuple[list, list]:
+        """(module ref, _Watched) for each module of `found` that `glob`
+        matches, and every name it was matched against."""
+        plan, names = [], []
+        for model in found:
+            for name, module in model.named_modules():
+                qualified = name or models.root_name(model)
+                names.append(qualified)
+                if glob in ("*", "") or fnmatch.fnmatchcase(qualified, glob):
+                    plan.append((weakref.ref(module), _Watched(qualified, type(module).__name__)))
+        return plan, names
 
     def turn_off(self) -> dict:
         self.on = False
@@ -492,6 +525,14 @@ class ActivationStats:
             self._finish(step - 1)
         self._detach()
         self.waiting = _drain(self.waiting, self._rows)
+        if self.on and not self.plan and TRACER.models:
+            # Turned on before there was a model: the clock has found them.
+            found = TRACER.live_models()
+            self.plan, names = self._plan(found, self.glob)
+            if found and not self.plan:
+                TRACER.remove_listener(self, wait_s=0)
+                self.failed(models.no_match(self.glob, names))
+                return
         if self.on and step % self.every == 0:
             for ref, watched in self.plan:
                 module = ref()
@@ -536,7 +577,7 @@ class ActivationStats:
         tables.extend("activation_stats", rows)
 
     def describe(self) -> dict:
-        return {
+        described = {
             "on": self.on,
             "every": self.every,
             "modules": self.glob,
@@ -544,6 +585,9 @@ class ActivationStats:
             "rows": tables.sizes().get("activation_stats", 0),
             "disabled": self.disabled,
         }
+        if self.on and not self.plan:
+            described["note"] = NO_MODEL_YET
+        return described
 
 
 GRADS = GradStats()

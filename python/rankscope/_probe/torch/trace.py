@@ -309,6 +309,9 @@ class Tracer(_native.StepClock):
         self.disabled = None
         self.next_rediscovery = 1
         self.partial = True
+        # Set while RANKSCOPE_TORCH turns features on as the program
+        # imports torch: no step can be in progress then.
+        self.before_first_step = False
         self._reset_step()
         self.wire(tables, _timeline.step_row, STEP_TOLD_NS)
 
@@ -327,24 +330,37 @@ class Tracer(_native.StepClock):
             found, optimizers, losses = models.discover()
             self._adopt(found, optimizers, losses)
             self.every, self.glob, self.backward = every, glob, backward
-            self.plan = self._plan()
+            names: list = []
+            self.plan = self._plan(names)
             if found and not any(rows for _, _, _, _, rows, _, _ in self.plan):
-                names = ", ".join(name for _, name, _, _, _, _, _ in self.plan[:12])
-                raise UserError(f"no module matches {glob!r}; modules: {names}{' ...' if len(self.plan) > 12 else ''}")
+                raise UserError(models.no_match(glob, names))
             # A new setting takes effect at the next step boundary; the step
-            # in progress was not seen whole, so it gets no row.
+            # in progress was not seen whole, so it gets no row (none is in
+            # progress before the first: see `before_first_step`).
             self._detach()
-            self.partial = True
+            self.partial = not self.before_first_step
             self.tracing = True
             self.disabled = None
         installed = self._start_clock(wait_s)
-        return {"models": len(found), "modules": sum(1 for p in self.plan if p[4]), "optimizer_hooks": installed}
+        return {"models": len(found), "modules": self._traced_modules(), "optimizer_hooks": installed}
+
+    def _traced_modules(self) -> int:
+        """The modules the trace gives rows for (what `trace on`, `trace
+        off` and "timed now" count: not the root kept for the step's
+        figures alone, nor a loss module)."""
+        return sum(1 for ref, _, _, _, rows, _, _ in self.plan if rows and ref() is not None)
 
     def _start_clock(self, wait_s) -> bool:
         with self.lock:
             self.quiet = False
             if not self.on:
-                self.partial = True
+                # What the clock counted when it last ran is stale: the
+                # first boundary numbers the steps afresh. Started before
+                # the program's first step, that step is seen whole, and
+                # is step 0.
+                self.partial = not self.before_first_step
+                self.step = 0 if self.before_first_step else None
+                self.last_end = None
             self.on = True
         installed = self._install_optimizer_hooks(wait_s)
         import rankscope
@@ -412,7 +428,7 @@ class Tracer(_native.StepClock):
             self.tracing = False
             if reason is not None:
                 self.disabled = reason
-            removed = len(self.handles)
+            removed = self._traced_modules() if was_on else 0
             self._detach()
             self.lean_clear()
             idle = not self.listeners
@@ -520,7 +536,9 @@ class Tracer(_native.StepClock):
 
         return fnmatch.fnmatchcase(name, self.glob)
 
-    def _plan(self) -> list:
+    def _plan(self, names: list | None = None) -> list:
+        """The modules a sampled step puts stand-ins on; `names`, where
+        given, gets every name the glob was matched against."""
         plan = []
         for ref in self.models:
             model = ref()
@@ -538,6 +556,8 @@ class Tracer(_native.StepClock):
                 if models.is_compiled(module):
                     compiled.append(name + "." if name else "")
                 qualified = models.root_name(model) if name == "" else name
+                if names is not None:
+                    names.append(qualified)
                 rows = self._matches(qualified)
                 if rows or name == "":
                     depth = 0 if name == "" else name.count(".") + 1
@@ -787,7 +807,7 @@ class Tracer(_native.StepClock):
             slot = _Slot(name, type_name, depth, rows, cuda if cuda is not None and torch.cuda.is_available() else None, len(acc))
             acc += (0, 0)
             fixed.append((name, type_name, depth, "forward") if rows and slot.cuda is None else None)
-            entries.append((ref, self._stand_in(slot, is_root, acc), 1))
+            entries.append((ref, self._stand_in(slot, is_root, acc), 1 if rows else 0))
             slots.append(slot)
             if slot.cuda is not None or self.backward:
                 full.append(slot)
@@ -938,6 +958,23 @@ class Tracer(_native.StepClock):
 
     # ---- what `rankscope PID torch` shows
 
+    def _step_in_progress(self):
+        """The step in progress as the clock numbers it (`trace on` names
+        the first sampled step from it): before the clock's first boundary,
+        the number that boundary will give it less one; None while the
+        clock is off (what it counted then is stale)."""
+        if not self.on:
+            return None
+        if self.step is not None:
+            return self.step
+        if self.marker != "rankscope.step()":
+            primary = self.primary() if self.primary is not None else None
+            counts = [models.completed_steps(opt) for opt in ([primary] if primary is not None else list(self.known_optimizers))]
+            counts = [c for c in counts if c is not None]
+            if counts:
+                return max(counts)
+        return 0  # counted from here: the first boundary makes it 1
+
     def describe(self) -> dict:
         if self.opt_hooks is not None and not self.on:
             self._remove_optimizer_hooks(0)
@@ -951,7 +988,7 @@ class Tracer(_native.StepClock):
             "optimizer_hooks": 0 if self.opt_hooks is None else sum(1 for entry in self.opt_hooks if entry is not None),
             "sampling_now": self.sampling,
             "sampled_steps": self.sampled_steps,
-            "step": self.step,
+            "step": self._step_in_progress(),
             "marker": self.marker,
             "errors": self.errors,
             "disabled": self.disabled,
