@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -119,6 +120,30 @@ def test_a_rank_stuck_with_the_gil_is_read_from_outside(job, cli):
     assert time.monotonic() - started < 10
     assert "rank(s) 1 did not answer in time or run another rankscope version; their stacks were read from outside" in bt.stderr
     assert "rank  1 (1): <module> (target.py:" in bt.stdout  # stuck in the C call, at module level
+
+
+def test_a_stopped_rank_is_read_from_outside(job, cli):
+    """GIVEN a rank stopped by SIGSTOP (its probe cannot answer, and it
+    cannot be paused again), WHEN the job's stacks are asked for, THEN its
+    stack is read from outside without pausing it, in its group."""
+    _, run, targets = job(world_size=2)
+    # READY comes just before the loop: stop the rank once it is in it.
+    deadline = time.monotonic() + 10
+    while "wait_for_peers (" not in cli(targets[1].pid, "bt").stdout:
+        assert time.monotonic() < deadline, "rank 1 never reached its loop"
+    os.kill(targets[1].pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{targets[1].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "rank 1 did not stop"
+            time.sleep(0.01)
+        bt = cli("cluster", "bt", "--run", run, "--timeout", "1", timeout=60)
+        assert bt.returncode == 0, bt.stderr
+        assert "ranks 0-1 (2): wait_for_peers (target.py:" in bt.stdout, bt.stdout + bt.stderr
+        assert "no stacks" not in bt.stdout, bt.stdout
+        assert f"PID {targets[1].pid} is stopped" in bt.stderr, bt.stderr
+    finally:
+        os.kill(targets[1].pid, signal.SIGCONT)
 
 
 def test_bad_ranks_and_missing_jobs_are_hinted_errors(job, cli, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 import xml.etree.ElementTree as ET
 
@@ -155,6 +156,25 @@ def test_diff_names_what_one_rank_does_that_the_others_do_not(job, cli, tmp_path
     rows = json.loads(result.stdout)
     assert [r["rank"] for r in rows] == [0, 1, 2, 3], rows
     assert all((r["odd"] > 0) == (r["rank"] == 2) and r["n"] > 0 for r in rows), rows
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--diff", "7"], "--diff 7: that rank is not among those profiled here"),
+        (["--diff", "2", "-o", "x.json"], "--diff: --diff writes .svg, .folded or .txt"),
+        (["-o", "missing/x.svg"], "there is no folder missing"),
+    ],
+)
+def test_bad_arguments_are_refused_before_sampling(job, cli, tmp_path, args, message):
+    """GIVEN a long duration, WHEN an argument cannot work, THEN it is
+    refused at once, not after every rank was sampled for nothing."""
+    run, _ = job
+    started = time.monotonic()
+    result = cli("cluster", "profile", "--run", run, "--duration", "60", *args, timeout=30)
+    assert time.monotonic() - started < 20
+    assert result.returncode != 0
+    assert message in result.stderr and "hint:" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(

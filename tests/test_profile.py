@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -244,3 +246,80 @@ def test_bad_arguments_get_one_line_and_a_hint(python, spawn, cli, args, message
 def test_a_pid_that_is_not_python(cli):
     result = cli("1", "profile", "--duration", "0.5")
     assert result.returncode != 0 and "hint:" in result.stderr, result.stderr
+
+
+def test_the_kept_profile_of_a_process_without_a_probe_is_read_by_the_command_named(python, spawn, cli, tmp_path):
+    """GIVEN a process without a probe, WHEN it is profiled, THEN the command
+    the CLI names to read python.profile back works as written."""
+    run = tmp_path / "run dir"  # a space: the command must quote it
+    target = spawn(python, WORKLOAD, probe=False, env={"RANKSCOPE_RUN_DIR": str(run)})
+    done = profile(cli, target.pid, "--top", "1")
+    named = re.search(r"^python\.profile: kept in .*\(`(rankscope .*)`\)$", done.stderr, re.M)
+    assert named, done.stderr
+    words = shlex.split(named.group(1))
+    assert words[0] == "rankscope"
+    result = cli(*words[1:])
+    assert result.returncode == 0, f"{named.group(1)}\n{result.stderr}"
+    assert "burn" in result.stdout, result.stdout
+
+
+def test_an_output_folder_that_is_missing_is_said_before_sampling(python, spawn, cli, tmp_path):
+    """GIVEN -o in a folder that does not exist, WHEN a long profile is
+    asked for, THEN it fails at once (not after the duration) with one line
+    and a hint; a write that still fails says its reason once."""
+    target = spawn(python, WORKLOAD)
+    started = time.monotonic()
+    missing = cli(target.pid, "profile", "--duration", "60", "-o", tmp_path / "missing" / "x.svg", timeout=30)
+    assert time.monotonic() - started < 20
+    assert missing.returncode != 0
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), missing.stderr
+    assert f"no folder {tmp_path / 'missing'}" in lines[0] and "mkdir -p" in lines[1], missing.stderr
+
+    # A folder named like the output: only the write itself can tell.
+    (tmp_path / "dir.svg").mkdir()
+    failed = cli(target.pid, "profile", "--duration", "0.3", "-o", tmp_path / "dir.svg")
+    assert failed.returncode != 0
+    assert "cannot write" in failed.stderr and failed.stderr.count("(os error 21)") == 1, failed.stderr
+
+
+def test_a_pid_that_does_not_exist_is_named_plainly(python, spawn, cli):
+    target = spawn(python, WORKLOAD, probe=False)
+    pid = target.pid
+    target.kill()  # reaped: the PID is free
+    result = cli(pid, "profile", "--duration", "0.5")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"error: no process with PID {pid}", result.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint: "), result.stderr
+
+
+GIL_SLEEPER = """
+import ctypes, threading, time
+
+def hold():
+    while True:
+        ctypes.PyDLL(None).usleep(200000)  # PyDLL keeps the GIL while C sleeps
+
+threading.Thread(target=hold, name="holder", daemon=True).start()
+print("READY", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_gil_and_idle_together_find_a_thread_that_waits_holding_the_gil(python, spawn, cli, tmp_path):
+    """--gil and --idle are not exclusive: a thread blocked in C without
+    letting the GIL go is both, and is what the two together find. Where no
+    sample is both, the CLI says so rather than print an empty profile."""
+    target = spawn(python, GIL_SLEEPER)
+    out = tmp_path / "held.folded"
+    profile(cli, target.pid, "--gil", "--idle", "-o", out)
+    counts = folded_counts(out)
+    held = sum(c for s, c in counts.items() if ";hold (" in s)
+    assert held >= 20 and held / sum(counts.values()) > 0.8, counts
+
+    # One thread, always running: never idle while it holds the GIL.
+    busy = spawn(python, 'print("READY", flush=True)\nwhile True:\n    sum(i * i for i in range(1000))\n', probe=False)
+    done = profile(cli, busy.pid, "--gil", "--idle", "--top", "3")
+    assert re.search(r"note: --gil --idle left none of the \d+ samples", done.stderr), done.stderr

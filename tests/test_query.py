@@ -91,6 +91,29 @@ def test_bad_sql_gets_the_engine_message_and_nonzero_exit(default_python, spawn,
     assert target.alive()
 
 
+def test_a_run_dir_that_is_not_one_is_an_error_and_a_real_one_without_rows_is_not(default_python, spawn, cli, tmp_path):
+    """GIVEN `query --run DIR`, WHEN DIR does not exist or holds nothing a
+    run leaves, THEN one line and a hint, exit 1 (not an empty table); a
+    live process's run directory with no rows of the table yet answers 0."""
+    sql = "SELECT count(*) AS n FROM python.torch_steps"
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("not a run")
+    for bad, says in ((tmp_path / "no_such_run", "no run directory at"), (stray, "is not a run directory")):
+        result = cli("query", "--run", bad, sql)
+        assert result.returncode != 0, result.stdout
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), result.stderr
+        assert f"{bad}" in lines[0] and says in lines[0], result.stderr
+        assert result.stdout == ""
+
+    run = tmp_path / "run"
+    spawn(default_python, TARGET, env={"RANKSCOPE_RUN_DIR": str(run)})
+    result = cli("query", "--run", run, sql, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"n": 0}]
+
+
 DEEP = """
 import threading, time
 hold = threading.Event()

@@ -48,7 +48,7 @@ fn explain(pid: u32, err: anyhow::Error) -> anyhow::Error {
         )
         .into();
     }
-    let text = format!("{err:#}");
+    let text = rankscope_profile::reasons(err.as_ref());
     if text.contains("python") || text.contains("Python") {
         return Hinted::new(
             format!("cannot read Python stacks from PID {pid}: {text}"),
@@ -127,18 +127,47 @@ pub fn read_stacks(
     if native {
         require_native()?;
     }
-    let config = Config {
-        native,
-        blocking: LockingStrategy::Lock,
-        include_idle: true,
-        collect_thread_names: true,
-        dump_locals: u64::from(with_locals),
-        full_filenames: true,
-        ..Config::default()
+    let read = |blocking| {
+        let config = Config {
+            native,
+            blocking,
+            include_idle: true,
+            collect_thread_names: true,
+            dump_locals: u64::from(with_locals),
+            full_filenames: true,
+            ..Config::default()
+        };
+        let mut spy = PythonSpy::new(pid as py_spy::Pid, &config)?;
+        let traces = spy.get_stack_traces()?;
+        anyhow::Ok((traces, spy.version.to_string()))
     };
-    let mut spy = PythonSpy::new(pid as py_spy::Pid, &config).map_err(|e| explain(pid, e))?;
-    let traces = spy.get_stack_traces().map_err(|e| explain(pid, e))?;
-    let version = spy.version.to_string();
+    let say_stopped = || {
+        eprintln!(
+            "note: PID {pid} is stopped (SIGSTOP, Ctrl-Z or a debugger): it runs nothing until continued (`kill -CONT {pid}`)"
+        )
+    };
+    // A stopped process cannot be paused again (ptrace's wait sees its
+    // stop instead), and it cannot change its stacks under the read.
+    let read = if stopped(pid) {
+        if native {
+            return Err(stopped_native(pid).into());
+        }
+        say_stopped();
+        read(LockingStrategy::NonBlocking)
+    } else {
+        match read(LockingStrategy::Lock) {
+            // A stop signal still on its way when the state was read.
+            Err(_) if stopped(pid) => {
+                if native {
+                    return Err(stopped_native(pid).into());
+                }
+                say_stopped();
+                read(LockingStrategy::NonBlocking)
+            }
+            read => read,
+        }
+    };
+    let (traces, version) = read.map_err(|e| explain(pid, e))?;
     let mut threads: Vec<ThreadStack> = traces
         .into_iter()
         .filter(|trace| !is_probe_thread(pid, trace.os_thread_id))
@@ -193,6 +222,26 @@ pub fn read_stacks(
         },
         version,
     ))
+}
+
+/// Whether the process is stopped: state `T` (a stop signal) or `t` (a
+/// debugger's stop) in `/proc/PID/stat`.
+pub fn stopped(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name, which may hold spaces and parentheses.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    matches!(state, Some("T" | "t"))
+}
+
+/// Native frames are unwound through ptrace, which a stopped process's
+/// group-stop answers in its place.
+pub fn stopped_native(pid: u32) -> Hinted {
+    Hinted::new(
+        format!("PID {pid} is stopped, and native frames cannot be read from a stopped process"),
+        format!("leave out --native, or continue it first (`kill -CONT {pid}`)"),
+    )
 }
 
 /// py-spy demangles C++ (which also turns Rust's legacy `_ZN` symbols into

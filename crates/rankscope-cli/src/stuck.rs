@@ -264,7 +264,8 @@ pub fn stuck_lines(views: &[RankView], now: f64) -> Vec<String> {
                     "; rank {rank} never joined (no collective on this group yet){}",
                     where_is(view)
                 ),
-                None if view.is_some() => format!(
+                // Only a stack that was read can say where the rank is.
+                None if view.is_some_and(|v| v.stacks.is_some()) => format!(
                     "; rank {rank} never joined, as far as its stack says{}",
                     where_is(view)
                 ),
@@ -470,5 +471,32 @@ mod tests {
             stacks: Some(&elsewhere),
         }];
         assert!(stuck_lines(&calm, 0.0).is_empty());
+    }
+
+    #[test]
+    fn a_rank_with_neither_records_nor_a_stack_is_not_said_to_have_never_joined() {
+        let waiting = stacks(&[("main", "/job/hang.py", 20)]);
+        let views = vec![
+            RankView {
+                rank: 0,
+                records: Some(vec![Record {
+                    members: vec![0, 1],
+                    ..record(5, true, 100.0)
+                }]),
+                stacks: Some(&waiting),
+            },
+            RankView {
+                rank: 1,
+                records: None,
+                stacks: None,
+            },
+        ];
+        let lines = stuck_lines(&views, 112.0);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].ends_with("; rank 1 did not answer"),
+            "{}",
+            lines[0]
+        );
     }
 }

@@ -413,9 +413,9 @@ pub fn write(p: &Profile, path: &str, options: &WriteOptions) -> Result<Format, 
 }
 
 pub(crate) fn write_bytes(path: &str, bytes: &[u8]) -> Result<(), ProfileError> {
-    let fail = |source| ProfileError::Write {
+    let fail = |error| ProfileError::Write {
         path: path.to_string(),
-        source,
+        error,
     };
     let mut file = std::fs::File::create(path).map_err(fail)?;
     file.write_all(bytes).map_err(fail)

@@ -21,15 +21,30 @@ pub use profile::wire;
 pub use profile::{FrameKey, FrameRef, Profile, Slice, StackKey, ThreadInfo};
 pub use sampler::{is_probe_thread, sample, SampleOptions};
 
+/// An error and its causes as one line, each reason once: an error that
+/// prints its source in its own message and also returns it (py-spy's I/O
+/// errors) would otherwise repeat it.
+pub fn reasons(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        let reason = e.to_string();
+        if !text.ends_with(&reason) {
+            text = format!("{text}: {reason}");
+        }
+        cause = e.source();
+    }
+    text
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
     #[error("cannot read PID {pid}: {message}")]
     Read { pid: u32, message: String },
-    #[error("cannot write {path}: {source}")]
-    Write {
-        path: String,
-        source: std::io::Error,
-    },
+    // The reason is in the message, so it is not also the source: a chain
+    // printed in full would say it twice.
+    #[error("cannot write {path}: {error}")]
+    Write { path: String, error: std::io::Error },
     #[error("unknown output format for {0}")]
     Format(String),
     #[error("flame graph: {0}")]
@@ -38,4 +53,22 @@ pub enum ProfileError {
     Diff(String),
     #[error("{0}")]
     Wire(String),
+}
+
+#[cfg(test)]
+mod tests {
+    #[derive(Debug, thiserror::Error)]
+    #[error("{0}")]
+    struct Echo(#[from] std::io::Error);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("no executable name")]
+    struct Context(#[source] Echo);
+
+    #[test]
+    fn a_reason_its_error_prints_and_returns_is_said_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let text = super::reasons(&Context(Echo(io)));
+        assert_eq!(text, "no executable name: entity not found");
+    }
 }

@@ -62,7 +62,7 @@ pub fn sample(
     };
     let mut spy = PythonSpy::new(pid as py_spy::Pid, &config).map_err(|e| ProfileError::Read {
         pid,
-        message: format!("{e:#}"),
+        message: crate::reasons(e.as_ref()),
     })?;
     let wall = SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -100,6 +100,10 @@ impl ProfileArgs {
                 )
             })?;
         }
+        if let Some(output) = &self.output {
+            // Said now, not after the whole duration was sampled for nothing.
+            writable_folder(output)?;
+        }
         if self.native && self.inside {
             return Err(Hinted::new(
                 "--native and --inside do not go together",
@@ -111,6 +115,30 @@ impl ProfileArgs {
             outside::require_native()?;
         }
         Ok(path)
+    }
+
+    /// Says so on stderr when the filters left no sample of `before`.
+    fn note_if_filtered_out(&self, before: u64, after: u64) {
+        if before == 0 || after > 0 {
+            return;
+        }
+        let filters: Vec<&str> = [
+            (self.gil, "--gil"),
+            (self.idle, "--idle"),
+            (self.no_idle, "--no-idle"),
+        ]
+        .into_iter()
+        .filter_map(|(on, flag)| on.then_some(flag))
+        .collect();
+        let why = if self.gil && self.idle {
+            ": no thread held the GIL while idle (only C code that blocks without releasing it does)"
+        } else {
+            ""
+        };
+        eprintln!(
+            "note: {} left none of the {before} samples{why}",
+            filters.join(" ")
+        );
     }
 
     fn sample_options(&self) -> SampleOptions {
@@ -144,6 +172,43 @@ impl ProfileArgs {
     }
 }
 
+/// `-o`'s folder exists and may be written into.
+fn writable_folder(output: &std::path::Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let folder = output
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if !folder.is_dir() {
+        return Err(Hinted::new(
+            format!(
+                "there is no folder {} to write {} into",
+                folder.display(),
+                output.display()
+            ),
+            format!(
+                "create it first (`mkdir -p {}`), or name another -o",
+                folder.display()
+            ),
+        )
+        .into());
+    }
+    let c_path = std::ffi::CString::new(folder.as_os_str().as_bytes())?;
+    // SAFETY: a NUL-terminated path that outlives the call.
+    if unsafe { libc::access(c_path.as_ptr(), libc::W_OK) } != 0 {
+        return Err(Hinted::new(
+            format!(
+                "cannot write into {}: {}",
+                folder.display(),
+                std::io::Error::last_os_error()
+            ),
+            "name an -o in a folder you may write to",
+        )
+        .into());
+    }
+    Ok(())
+}
+
 /// A sampling error in words a user can act on.
 fn explain(pid: u32, e: rankscope_profile::ProfileError) -> anyhow::Error {
     if refused(&e) {
@@ -172,10 +237,12 @@ fn missed_note(missed: u64) -> String {
 /// Keeps the profile in the sampled process's run store (`python.profile`),
 /// where that process's own tables go: its run directory from its
 /// environment at start. A failure is only a note: the profile is out.
-fn keep(profile: &Profile) -> Result<PathBuf, String> {
+/// Returns the table's folder and the run directory.
+fn keep(profile: &Profile) -> Result<(PathBuf, PathBuf), String> {
     let vars = crate::outside::initial_environ(profile.pid);
     let run_dir = rankscope_core::crash::run_dir_of(|name| vars.get(name).cloned());
     rankscope_profile::table::keep(profile, &run_dir, &rankscope_core::host::hostname())
+        .map(|table_dir| (table_dir, run_dir.clone()))
         .map_err(|e| format!("python.profile not kept in {}: {e}", run_dir.display()))
 }
 
@@ -189,6 +256,11 @@ fn probe_meta(pid: u32) -> Option<rankscope_core::protocol::ProcessMeta> {
 
 pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     let path = args.check()?;
+    // No such process: said in the words every command uses.
+    Probe::find(pid)?;
+    if args.native && outside::stopped(pid) {
+        return Err(outside::stopped_native(pid).into());
+    }
     // A probe, where there is one, names the rank and where the torch step
     // is kept; sampling never needs it.
     let meta = probe_meta(pid);
@@ -232,15 +304,46 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
         Err(e) => return Err(explain(pid, e)),
     };
     profile.rank = rank;
+    let before = profile.total();
     args.filter(&mut profile);
+    args.note_if_filtered_out(before, profile.total());
     match keep(&profile) {
-        Ok(dir) => eprintln!(
-            "python.profile: kept in {} (`rankscope {pid} query \"SELECT func, sum(samples) FROM python.profile GROUP BY 1 ORDER BY 2 DESC\"`)",
-            dir.display()
+        Ok((table_dir, run_dir)) => eprintln!(
+            "python.profile: kept in {} (`{}`)",
+            table_dir.display(),
+            kept_query(pid, meta.is_some(), &run_dir)
         ),
         Err(e) => eprintln!("note: {e}"),
     }
     output(profile, &args, path)
+}
+
+/// The command that reads a kept profile back: `PID query` needs a probe
+/// that answers, so without one it is `query --run` over the run directory.
+fn kept_query(pid: u32, probed: bool, run_dir: &std::path::Path) -> String {
+    const SQL: &str = "SELECT func, sum(samples) FROM python.profile";
+    const BY_FUNC: &str = "GROUP BY 1 ORDER BY 2 DESC";
+    if probed {
+        return format!("rankscope {pid} query \"{SQL} {BY_FUNC}\"");
+    }
+    format!(
+        "rankscope query --run {} \"{SQL} WHERE pid = {pid} {BY_FUNC}\"",
+        shell_word(&run_dir.to_string_lossy())
+    )
+}
+
+/// `word` as one word for a POSIX shell: as it is where that is safe, else
+/// single-quoted.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-+=:,@%".contains(&b));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
 }
 
 fn refused(e: &rankscope_profile::ProfileError) -> bool {
@@ -259,7 +362,9 @@ fn inside(pid: u32, rank: Option<i64>, args: &ProfileArgs, path: Option<String>)
     let answer = probe.profile(args.duration, args.rate)?;
     let mut profile = rankscope_profile::wire::from_json(&answer)?;
     profile.rank = rank;
+    let before = profile.total();
     args.filter(&mut profile);
+    args.note_if_filtered_out(before, profile.total());
     eprintln!("python.profile: kept by the probe in its run store");
     output(profile, args, path)
 }
@@ -292,6 +397,16 @@ pub fn cluster(
     args: ProfileArgs,
 ) -> Result<u8> {
     let path = args.check()?;
+    let failed = |e: rankscope_profile::ProfileError| -> anyhow::Error {
+        match e {
+            rankscope_profile::ProfileError::Diff(text) => Hinted::new(
+                format!("--diff: {text}"),
+                "--diff needs the rank and at least one other with samples, and writes .svg, .folded or .txt",
+            )
+            .into(),
+            other => other.into(),
+        }
+    };
     let found = cluster::local_ranks(job, run_dir, ranks)?;
     for (rank, why) in &found.not_here {
         eprintln!("note: rank {rank} is not profiled ({why})");
@@ -333,6 +448,13 @@ pub fn cluster(
                 "leave --ranks out, or name more ranks",
             )
             .into());
+        }
+        if let Some(Format::Speedscope | Format::Chrome) =
+            path.as_deref().and_then(|p| Format::of(p).ok())
+        {
+            return Err(failed(rankscope_profile::ProfileError::Diff(
+                "--diff writes .svg, .folded or .txt".into(),
+            )));
         }
     }
     if args.native {
@@ -419,9 +541,11 @@ pub fn cluster(
         eprintln!();
     }
     let mut job = JobProfile::default();
+    let mut before = 0;
     for ((rank, _), result) in found.here.iter().zip(results) {
         match result {
             Ok(mut profile) => {
+                before += profile.total();
                 args.filter(&mut profile);
                 if let Err(e) = keep(&profile) {
                     eprintln!("note: rank {rank}: {e}");
@@ -435,12 +559,14 @@ pub fn cluster(
     for ((rank, host, _), result) in found.remote.iter().zip(remote_results) {
         match result {
             Ok(mut profile) => {
+                before += profile.total();
                 args.filter(&mut profile);
                 job.profiles.push(profile);
             }
             Err(e) => eprintln!("note: rank {rank} (on {host}) is not profiled: {e:#}"),
         }
     }
+    args.note_if_filtered_out(before, job.total());
     job.profiles.sort_by_key(|p| p.rank);
     if job.profiles.is_empty() {
         return Err(Hinted::new(
@@ -450,16 +576,6 @@ pub fn cluster(
         .into());
     }
     let write = args.write_options();
-    let failed = |e: rankscope_profile::ProfileError| -> anyhow::Error {
-        match e {
-            rankscope_profile::ProfileError::Diff(text) => Hinted::new(
-                format!("--diff: {text}"),
-                "--diff needs the rank and at least one other with samples, and writes .svg, .folded or .txt",
-            )
-            .into(),
-            other => other.into(),
-        }
-    };
     match path {
         Some(path) => {
             let format = job.write(&path, &write, diff).map_err(failed)?;

@@ -335,7 +335,47 @@ impl RowSource for RunDirs {
 
 /// `rankscope query SQL`: no process, only what the run directories hold.
 pub fn run_offline(run: Option<PathBuf>, all: bool, sql: &str, format: QueryFormat) -> Result<u8> {
+    if let Some(dir) = &run {
+        check_run_dir(dir)?;
+    }
     execute(Arc::new(RunDirs { run, all }), sql, format)
+}
+
+/// A mistyped `--run` would read as a run with no rows. A run directory
+/// holds what its processes left (`tables/`, `ranks/`, crash records,
+/// native logs, post-mortem sockets), or nothing yet.
+fn check_run_dir(dir: &std::path::Path) -> Result<()> {
+    let hint = "--run names the folder a job's processes write to (their RANKSCOPE_RUN_DIR); \
+                leave it out to read every job under ~/.local/state/rankscope/runs";
+    let entries: Vec<String> = match std::fs::read_dir(dir) {
+        Ok(read) => read
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Hinted::new(format!("no run directory at {}", dir.display()), hint).into())
+        }
+        Err(e) => {
+            return Err(Hinted::new(format!("cannot read {}: {e}", dir.display()), hint).into())
+        }
+    };
+    let left_by_a_run = |name: &str| {
+        matches!(name, "tables" | "ranks")
+            || (name.starts_with("crash-") && name.ends_with(".json"))
+            || (name.starts_with("native-") && name.ends_with(".log"))
+            || (name.starts_with("debug-") && name.ends_with(".sock"))
+    };
+    if entries.is_empty() || entries.iter().any(|name| left_by_a_run(name)) {
+        return Ok(());
+    }
+    Err(Hinted::new(
+        format!(
+            "{} is not a run directory (no tables/, ranks/ or crash records in it)",
+            dir.display()
+        ),
+        hint,
+    )
+    .into())
 }
 
 pub fn run(
