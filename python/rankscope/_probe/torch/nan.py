@@ -528,7 +528,8 @@ class NanWatch:
         finally:
             self.searching = False
             TRACER.restore(held)
-        self._record(event.pop("at_step", step_number), event)
+        # Weights spoiled before the step began: the step before spoiled them.
+        self._record(max(step_number - 1, 0) if event.pop("previous_step", False) else step_number, event)
 
     def check_at_exit(self) -> None:
         """A program that stops at its first non-finite loss ends before a
@@ -539,12 +540,7 @@ class NanWatch:
         try:
             if not self.armed or self.tripped_at is not None or TRACER.step is None:
                 return
-            seen = set()
-            params = []
-            for optimizer in list(TRACER.known_optimizers):
-                if id(optimizer) not in seen:
-                    seen.add(id(optimizer))
-                    params += models.params_with_grads(optimizer)
+            params = [p for optimizer in list(TRACER.known_optimizers) for p in models.params_with_grads(optimizer)]
             if not params:
                 return
             grads = [p.grad for p in params]
@@ -628,7 +624,7 @@ class NanWatch:
             bad = sum(_nonfinite(p) for p in own)
             if bad:
                 return {
-                    "at_step": max((TRACER.step or 1) - 1, 0),
+                    "previous_step": True,
                     "stage": "update",
                     "module": name or models.root_name(model),
                     "module_type": type(module).__name__,
