@@ -727,3 +727,78 @@ def test_every_rank_samples_the_same_steps_and_cluster_query_sees_them(default_p
     after = cli("query", "--run", tmp_path / "run", "SELECT rank, count(*) AS n FROM python.torch_steps GROUP BY rank ORDER BY rank", "--format", "csv")
     assert after.returncode == 0, after.stderr
     assert after.stdout.split() == ["rank,n", "0,10", "1,10"]
+
+
+# SGD keeps no count of its steps: each rank's clock counts from where it
+# started. Every rank feeds the step's own number in, so that the same
+# step has the same loss on every rank.
+DDP_SGD_UNTIL_STOPPED = """
+import os, time
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+here = os.path.dirname(os.path.abspath(__file__))
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+criterion = nn.MSELoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+target = torch.zeros(4, 1)
+i = 0
+open(os.path.join(here, f"rank{rank}.ready"), "w").close()
+while not os.path.exists(os.path.join(here, "stop")):
+    loss = criterion(model(torch.full((4, 8), 0.01 * i)), target)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    i += 1
+    time.sleep(0.02)
+"""
+
+
+def test_cluster_trace_on_numbers_steps_alike_on_ranks_whose_clocks_started_apart(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    script = tmp_path / "ddp_sgd.py"
+    script.write_text(DDP_SGD_UNTIL_STOPPED)
+    proc = launch_torchrun(default_python, script, 2, endpoint_dir, tmp_path / "run", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = str(tmp_path / "run")
+
+    def rank_status():
+        result = cli("cluster", "torch", "--run", run, "--format", "json")
+        return {r["rank"]: r.get("torch") for r in json.loads(result.stdout)} if result.returncode == 0 else {}
+
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.ready"))) < 2 or len(rank_status()) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        # Rank 0's clock starts now, rank 1's only with the trace, steps later.
+        first = cli("cluster", "torch", "--run", run, "--ranks", "0", "grads", "on", "--every", "1000")
+        assert first.returncode == 0, first.stdout + first.stderr
+        while (rank_status()[0] or {}).get("step") is None or rank_status()[0]["step"] < 8:
+            assert time.monotonic() < deadline, rank_status()
+            time.sleep(0.05)
+        on = cli("cluster", "torch", "--run", run, "trace", "on", "--every", "4")
+        assert on.returncode == 0, on.stdout + on.stderr
+        assert "steps: numbered alike on 2 ranks" in on.stdout and "moved: rank 1 +" in on.stdout, on.stdout
+        sql = "SELECT rank, step, loss FROM python.torch_steps WHERE sampled ORDER BY rank, step"
+        while True:
+            rows = json.loads(cli("cluster", "query", "--run", run, sql, "--format", "json").stdout)
+            by_rank = {rank: {r["step"]: r["loss"] for r in rows if r["rank"] == rank} for rank in (0, 1)}
+            if all(len(steps) >= 4 for steps in by_rank.values()):
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.1)
+        shared = sorted(set(by_rank[0]) & set(by_rank[1]))
+        assert len(shared) >= 3, by_rank
+        assert all(step % 4 == 0 for steps in by_rank.values() for step in steps), by_rank
+        # The same step number is the same step: its loss is the same.
+        assert [by_rank[0][s] for s in shared] == [by_rank[1][s] for s in shared], by_rank
+        assert len({by_rank[0][s] for s in shared}) == len(shared), by_rank
+    finally:
+        (tmp_path / "stop").touch()
+        kill_tree(proc.pid)
+        proc.wait()

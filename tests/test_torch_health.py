@@ -614,3 +614,106 @@ print("IN PLACE OK")
 def test_gradient_statistics_read_in_place_agree_with_torch(torch_python):
     result = subprocess.run([torch_python, "-c", IN_PLACE], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "IN PLACE OK", result.stderr
+
+
+# Two DDP ranks; rank 1's input at step 5 holds a NaN, which DDP's
+# all-reduce then hands to rank 0's gradients. The model has BatchNorm
+# (DDP's forward broadcasts its buffers) and, with COLLECTIVE, a module of
+# its own that all-reduces in its forward: a re-run that issued either on
+# one rank would hang the job.
+DDP_NAN = """
+import os, time
+import torch
+import torch.distributed as dist
+from torch import nn
+
+COLLECTIVE = {collective}
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+here = os.path.dirname(os.path.abspath(__file__))
+
+
+class GlobalCentre(nn.Module):
+    def forward(self, x):
+        total = x.detach().sum(0, keepdim=True)
+        dist.all_reduce(total)
+        return x - total / (x.shape[0] * dist.get_world_size())
+
+
+torch.manual_seed(0)
+layers = [nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()] + ([GlobalCentre()] if COLLECTIVE else [])
+model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers, nn.Linear(16, 1)))
+criterion = nn.MSELoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+data = torch.Generator().manual_seed(rank)
+losses = []
+for step in range(10):
+    x = torch.randn(4, 8, generator=data)
+    if rank == 1 and step == 5:
+        x[0, 0] = float("nan")
+    loss = criterion(model(x), torch.zeros(4, 1))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item().hex())
+with open(os.path.join(here, "out", f"rank{{rank}}.losses"), "w") as f:
+    f.write(" ".join(losses))
+while os.environ.get("RANKSCOPE") and not os.path.exists(os.path.join(here, "stop")):
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("collective", [False, True], ids=["ddp-buffers", "model-collective"])
+def test_a_nan_from_one_ddp_rank_is_traced_to_it_and_the_job_goes_on_as_without_rankscope(default_python, cli, endpoint_dir, tmp_path, collective):
+    import time
+
+    from conftest import kill_tree, launch_torchrun, require_torch
+
+    require_torch(default_python)
+
+    def job(name, probe):
+        where = tmp_path / name
+        (where / "out").mkdir(parents=True)
+        (where / "ddp_nan.py").write_text(DDP_NAN.format(collective=collective))
+        proc = launch_torchrun(
+            default_python, where / "ddp_nan.py", 2, endpoint_dir, where / "run", probe=probe,
+            env={"RANKSCOPE_TORCH": "nan"} if probe else {}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        return where, proc
+
+    def losses(where, proc):
+        deadline = time.monotonic() + 90
+        while len(list((where / "out").glob("rank*.losses"))) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the job did not finish its steps: a rank is stuck"
+            time.sleep(0.05)
+        return {p.name: p.read_text() for p in (where / "out").glob("rank*.losses")}
+
+    where, proc = job("bare", probe=False)
+    try:
+        expected = losses(where, proc)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        kill_tree(proc.pid)
+    where, proc = job("watched", probe=True)
+    try:
+        assert losses(where, proc) == expected
+        out = cli("cluster", "torch", "--run", where / "run", "nan")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "job: the first non-finite value began on rank 1, at step 5 (input, in DistributedDataParallel)" in out.stdout, out.stdout
+        rows = json.loads(cli("cluster", "query", "--run", where / "run", "SELECT rank, step, stage, module, detail FROM python.nan_events ORDER BY rank", "--format", "json").stdout)
+        assert [(r["rank"], r["step"]) for r in rows] == [(0, 5), (1, 5)], rows
+        if collective:
+            # Rank 0's own forward went non-finite through the model's
+            # all-reduce: not re-run, named from its gradients.
+            assert "at the same step: rank 0 (backward)" in out.stdout, out.stdout
+            assert "not replayed" in rows[0]["detail"] and "c10d.allreduce_" in rows[0]["detail"], rows[0]
+        else:
+            assert "at the same step: rank 0 (all_reduce)" in out.stdout, out.stdout
+            assert rows[0]["stage"] == "all_reduce" and "MSELoss" in rows[0]["detail"], rows[0]
+        (where / "stop").touch()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode(errors="replace")
+    finally:
+        (where / "stop").touch()
+        kill_tree(proc.pid)

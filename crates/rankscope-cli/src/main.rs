@@ -3,6 +3,7 @@
 //! `rankscope PID <command>` acts on one process; the PID is rewritten into a
 //! hidden `pid` subcommand before clap sees it.
 
+mod align;
 mod client;
 mod commands;
 mod hint;

@@ -819,8 +819,10 @@ pub fn breakpoints(
 }
 
 /// `cluster torch ...`: the same torch request to every rank (or
-/// `--ranks`) at once, so a trace starts on the same step boundary
-/// everywhere it can; each answer under its rank.
+/// `--ranks`) at once; each answer under its rank. A request that turns on
+/// a feature which samples steps first has the ranks number their steps
+/// alike (`numbered_alike`), so that `--every N` picks the same steps on
+/// every rank.
 pub fn torch(
     job: Option<&str>,
     run: Option<PathBuf>,
@@ -829,19 +831,162 @@ pub fn torch(
     format: crate::BtFormat,
 ) -> Result<u8> {
     let request = super::torch::request_of(action)?;
+    let job = find_job(job, run)?;
+    let (shifts, note) = if samples_steps(&request) {
+        numbered_alike(&job, ranks)?
+    } else {
+        (BTreeMap::new(), None)
+    };
+    let answers = ask_ranks_each(&job, ranks, |entry, probe| {
+        let mut request = request.clone();
+        if let Some(by) = shifts.get(&entry.meta.rank) {
+            request["shift"] = serde_json::json!(by);
+        }
+        probe.torch(&request)
+    })?;
+    let failed = answers.iter().any(|(_, answer)| answer.is_err());
     if let crate::BtFormat::Json = format {
-        return json_per_rank(job, run, ranks, "torch", |probe| probe.torch(&request));
+        let rows: Vec<serde_json::Value> = answers
+            .into_iter()
+            .map(|(entry, answer)| {
+                let (key, value) = match answer {
+                    Ok(reply) => ("torch", reply),
+                    Err(why) => ("error", serde_json::Value::String(why)),
+                };
+                serde_json::json!({"rank": entry.meta.rank, "pid": entry.meta.pid, key: value})
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        if let Some(note) = note {
+            eprintln!("{note}");
+        }
+        return Ok(u8::from(failed));
     }
-    each_rank(
-        job,
-        run,
-        ranks,
-        |probe| probe.torch(&request),
-        |reply| {
-            print!("{}", super::torch::text_of(action, &reply));
-            0
-        },
-    )
+    if let Some(note) = note {
+        println!("{note}");
+    }
+    if let Some(crate::TorchAction::Nan { .. }) = action {
+        let replies: Vec<(i64, &serde_json::Value)> = answers
+            .iter()
+            .filter_map(|(entry, answer)| {
+                answer.as_ref().ok().map(|reply| (entry.meta.rank, reply))
+            })
+            .collect();
+        if let Some(line) = super::torch::job_nan_line(&replies) {
+            println!("{line}");
+        }
+    }
+    for (entry, answer) in answers {
+        println!("== rank {} (pid {})", entry.meta.rank, entry.meta.pid);
+        match answer {
+            Ok(reply) => print!("{}", super::torch::text_of(action, &reply)),
+            Err(why) => println!("error: {why}"),
+        }
+    }
+    Ok(u8::from(failed))
+}
+
+/// Whether `request` turns on (or resets) a feature that samples steps.
+fn samples_steps(request: &serde_json::Value) -> bool {
+    match request["action"].as_str() {
+        Some("trace_on") => true,
+        Some("grads") | Some("activations") => {
+            request["switch"] == "on"
+                || (request["switch"].is_null()
+                    && (!request["every"].is_null() || !request["modules"].is_null()))
+        }
+        _ => false,
+    }
+}
+
+/// How long `cluster torch` waits for the ranks' boundaries to meet.
+const ALIGN_WAIT: Duration = Duration::from_secs(10);
+
+/// Has every selected rank record its step boundaries' collective counts
+/// until they share one (`crate::align`); returns how far each rank moves
+/// its step number, and a line for the user. Ranks that cannot take part
+/// (no torch.distributed, a rank that did not answer) are left as they
+/// are, and the line says so.
+fn numbered_alike(job: &Job, ranks: Option<&str>) -> Result<(BTreeMap<i64, i64>, Option<String>)> {
+    let start = serde_json::json!({"action": "anchors", "switch": "on"});
+    let mut taking_part = Vec::new();
+    let mut why_not = None;
+    for (entry, answer) in ask_ranks(job, ranks, |probe| probe.torch(&start))? {
+        match answer {
+            Ok(reply) if reply["available"] == true => taking_part.push(entry.meta.rank),
+            Ok(reply) => {
+                why_not.get_or_insert_with(|| {
+                    format!(
+                        "rank {}: {}",
+                        entry.meta.rank,
+                        reply["why"].as_str().unwrap_or("no reason given")
+                    )
+                });
+            }
+            // The feature's own request will say what is wrong with it.
+            Err(_) => {}
+        }
+    }
+    if taking_part.len() < 2 {
+        return Ok((
+            BTreeMap::new(),
+            why_not.map(|why| format!("steps: not numbered alike across ranks ({why})")),
+        ));
+    }
+    let look = serde_json::json!({"action": "anchors"});
+    let deadline = std::time::Instant::now() + ALIGN_WAIT;
+    loop {
+        let mut anchors = Vec::new();
+        for (entry, answer) in ask_ranks(job, ranks, |probe| probe.torch(&look))? {
+            if !taking_part.contains(&entry.meta.rank) {
+                continue;
+            }
+            let list = answer
+                .ok()
+                .and_then(|reply| reply["anchors"].as_array().cloned())
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|pair| Some((pair[0].as_i64()?, pair[1].as_i64()?)))
+                .collect::<Vec<_>>();
+            anchors.push((entry.meta.rank, list));
+        }
+        if let Some(met) = crate::align::meet(&anchors) {
+            let moved: Vec<String> = met
+                .shifts
+                .iter()
+                .filter(|(_, by)| **by != 0)
+                .map(|(rank, by)| format!("rank {rank} +{by}"))
+                .collect();
+            let note = format!(
+                "steps: numbered alike on {} ranks (they share step {} at collective #{} of the default group){}",
+                met.shifts.len(),
+                met.step,
+                met.count,
+                if moved.is_empty() { String::new() } else { format!("; moved: {}", moved.join(", ")) },
+            );
+            return Ok((met.shifts, Some(note)));
+        }
+        let hopeless = crate::align::hopeless(&anchors, 4);
+        if hopeless || std::time::Instant::now() >= deadline {
+            let why = if hopeless {
+                "their steps issue no collective on the default process group".to_string()
+            } else {
+                format!(
+                    "their step boundaries did not meet within {} s; a rank that is stuck, or steps longer than that, leave them apart",
+                    ALIGN_WAIT.as_secs()
+                )
+            };
+            // Each rank's recording stops with the feature's request.
+            let none: BTreeMap<i64, i64> = taking_part.iter().map(|&rank| (rank, 0)).collect();
+            return Ok((
+                none,
+                Some(format!(
+                    "steps: not numbered alike across ranks ({why}); each counts from where its clock started unless its optimizer keeps a count"
+                )),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// `cluster memory`: a light look at every rank at once, one line each,
@@ -991,19 +1136,27 @@ fn ask_ranks<'j, T: Send>(
     ranks: Option<&str>,
     ask: impl Fn(&Probe) -> Result<T> + Sync,
 ) -> Result<Vec<(&'j RankEntry, Result<T, String>)>> {
+    ask_ranks_each(job, ranks, |_, probe| ask(probe))
+}
+
+/// `ask_ranks`, with a question that depends on the rank.
+fn ask_ranks_each<'j, T: Send>(
+    job: &'j Job,
+    ranks: Option<&str>,
+    ask: impl Fn(&RankEntry, &Probe) -> Result<T> + Sync,
+) -> Result<Vec<(&'j RankEntry, Result<T, String>)>> {
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
-    let results =
-        fan_out(&selected, |entry| match liveness(entry, &here) {
-            // A rank's error keeps its hint (a bad --thread/--frame names what exists).
-            Liveness::Running => probe_of(entry).and_then(|p| ask(&p)).map_err(|e| {
-                match e.downcast_ref::<Hinted>() {
-                    Some(h) => format!("{}\nhint: {}", h.message, h.hint),
-                    None => format!("{e:#}"),
-                }
+    let results = fan_out(&selected, |entry| match liveness(entry, &here) {
+        // A rank's error keeps its hint (a bad --thread/--frame names what exists).
+        Liveness::Running => probe_of(entry)
+            .and_then(|p| ask(entry, &p))
+            .map_err(|e| match e.downcast_ref::<Hinted>() {
+                Some(h) => format!("{}\nhint: {}", h.message, h.hint),
+                None => format!("{e:#}"),
             }),
-            other => Err(other.word().to_string()),
-        });
+        other => Err(other.word().to_string()),
+    });
     Ok(selected.into_iter().zip(results).collect())
 }
 

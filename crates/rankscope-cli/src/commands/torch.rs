@@ -115,6 +115,73 @@ fn number(v: &Value) -> String {
     }
 }
 
+/// Where a stage puts a rank when the ranks are compared: a rank whose
+/// own input, forward or loss went non-finite made the value; one whose
+/// gradients came non-finite out of DDP's all-reduce got it from another.
+fn stage_order(stage: &str) -> u8 {
+    match stage {
+        "input" => 0,
+        "forward" => 1,
+        "loss" => 2,
+        "backward" => 3,
+        "update" => 4,
+        "all_reduce" => 6,
+        _ => 5,
+    }
+}
+
+/// `cluster torch nan`: one line for the job, naming the rank where the
+/// first non-finite value began (each rank's first event compared: the
+/// earliest step, then the stage that made it rather than received it,
+/// then the time); None while no rank has an event.
+pub fn job_nan_line(replies: &[(i64, &Value)]) -> Option<String> {
+    let mut firsts: Vec<(i64, i64, &str, &str, f64)> = replies
+        .iter()
+        .filter_map(|(rank, reply)| {
+            let e = reply["events"].as_array()?.first()?;
+            Some((
+                *rank,
+                e["step"].as_i64()?,
+                e["stage"].as_str().unwrap_or("unknown"),
+                e["module"].as_str().unwrap_or("?"),
+                e["ts"].as_f64().unwrap_or(f64::MAX),
+            ))
+        })
+        .collect();
+    firsts.sort_by(|a, b| {
+        (a.1, stage_order(a.2))
+            .cmp(&(b.1, stage_order(b.2)))
+            .then(a.4.total_cmp(&b.4))
+    });
+    let (rank, step, stage, module, _) = *firsts.first()?;
+    let mut line = format!("job: the first non-finite value began on rank {rank}, at step {step} ({stage}, in {module})");
+    let same: Vec<String> = firsts[1..]
+        .iter()
+        .filter(|f| f.1 == step)
+        .map(|f| format!("rank {} ({})", f.0, f.2))
+        .collect();
+    if !same.is_empty() {
+        line += &format!("; at the same step: {}", same.join(", "));
+    }
+    let later: Vec<String> = firsts[1..]
+        .iter()
+        .filter(|f| f.1 != step)
+        .map(|f| format!("rank {} at step {} ({})", f.0, f.1, f.2))
+        .collect();
+    if !later.is_empty() {
+        line += &format!("; later: {}", later.join(", "));
+    }
+    let clean: Vec<i64> = replies
+        .iter()
+        .filter(|(rank, _)| !firsts.iter().any(|f| f.0 == *rank))
+        .map(|(rank, _)| *rank)
+        .collect();
+    if !clean.is_empty() {
+        line += &format!("; none on ranks {}", rankscope_core::ranks::compress(clean));
+    }
+    Some(line)
+}
+
 /// `torch nan [on|off]`: whether the watch is armed, and what it found.
 fn nan_text(reply: &Value) -> String {
     let mut out = String::new();
@@ -668,5 +735,49 @@ mod tests {
             ),
             "{text}"
         );
+    }
+}
+
+#[cfg(test)]
+mod job_nan_tests {
+    use super::*;
+
+    fn reply(step: i64, stage: &str, ts: f64) -> Value {
+        json!({"events": [{"step": step, "stage": stage, "module": "m", "ts": ts}]})
+    }
+
+    #[test]
+    fn the_rank_that_made_the_value_is_named_before_those_that_received_it() {
+        // Rank 0's all-reduce tripped a moment before rank 1's own input did.
+        let (a, b, c) = (
+            reply(5, "all_reduce", 1.0),
+            reply(5, "input", 2.0),
+            json!({"events": []}),
+        );
+        let line = job_nan_line(&[(0, &a), (1, &b), (2, &c)]).expect("a line");
+        assert!(
+            line.starts_with(
+                "job: the first non-finite value began on rank 1, at step 5 (input, in m)"
+            ),
+            "{line}"
+        );
+        assert!(
+            line.contains("at the same step: rank 0 (all_reduce)"),
+            "{line}"
+        );
+        assert!(line.ends_with("none on ranks 2"), "{line}");
+    }
+
+    #[test]
+    fn an_earlier_step_comes_first_and_no_event_gives_no_line() {
+        let (a, b) = (reply(9, "forward", 1.0), reply(7, "all_reduce", 2.0));
+        let line = job_nan_line(&[(0, &a), (1, &b)]).expect("a line");
+        assert!(
+            line.contains("began on rank 1, at step 7")
+                && line.contains("later: rank 0 at step 9 (forward)"),
+            "{line}"
+        );
+        let none = json!({"events": []});
+        assert_eq!(job_nan_line(&[(0, &none)]), None);
     }
 }

@@ -44,7 +44,13 @@ def handle(request_text: str) -> str:
         from rankscope._probe.torch import trace
 
         action = request.get("action", "status")
+        if action == "anchors":
+            from rankscope._probe.torch.align import ANCHORS
+
+            return json.dumps({"ok": ANCHORS.turn_on() if request.get("switch") == "on" else ANCHORS.describe()})
+        shift = request.get("shift")
         try:
+            shifted = _shift(int(shift)) if shift is not None else None
             if action == "status":
                 result = _status()
             elif action == "trace_on":
@@ -63,9 +69,25 @@ def handle(request_text: str) -> str:
             return json.dumps({"error": str(err), "hint": "`rankscope PID torch` lists the models and their modules"})
         except LookupError as err:
             return json.dumps({"error": str(err), "hint": "collectives are recorded once the program uses torch.distributed"})
+        finally:
+            if shift is not None:
+                # The feature that needed the anchors keeps the clock now.
+                from rankscope._probe.torch.align import ANCHORS
+
+                ANCHORS.done()
+        if shifted is not None and isinstance(result, dict):
+            result["step_shift"] = int(shift) if shifted else None
         return json.dumps({"ok": _no_nan(result)}, default=_json_value)
     except (ValueError, TypeError) as err:
         return json.dumps({"error": f"bad torch request: {err}", "hint": "send JSON with an action"})
+
+
+def _shift(by: int) -> bool:
+    """`cluster torch` moving this rank's step number so that every rank
+    numbers its steps alike (see align.py), before the feature goes on."""
+    from rankscope._probe.torch.align import ANCHORS
+
+    return ANCHORS.shift(by)
 
 
 def _json_value(value):

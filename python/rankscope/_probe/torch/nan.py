@@ -48,6 +48,20 @@ ran with (the optimizer's pre-hook, before the update):
   by 0) does so for ones too; one that overflows only at the real
   gradient's size is then found from the parameters' gradients instead.
 
+In a job of several ranks the re-run must make no collective: the other
+ranks would not join it, and the job would hang or pair it with another
+call. A model wrapped in DDP is re-run through the module it wraps (DDP's
+own forward broadcasts buffers, and its backward all-reduces gradients),
+and the whole re-run goes under a dispatch mode that refuses every c10d
+operator before it is issued (``_no_collectives``: DDP's C++ calls and
+the Python API's alike go through them). A step whose model itself makes
+a collective (SyncBatchNorm, a sharded model) is then not searched by
+re-running: its module is named from the parameters' gradients, and the
+detail says why. A DDP rank whose own forward and backward re-run finite
+while its gradients are not got them from another rank, through the
+gradients' all-reduce (stage ``all_reduce``); ``cluster torch nan`` names
+the rank where it began.
+
 The re-run touches nothing the program keeps: ``.grad`` is left alone
 (``autograd.grad`` returns its gradients), the RNG states (CPU, and CUDA
 where it is in use) and every buffer that changed (BatchNorm's running
@@ -61,6 +75,7 @@ backward NaNs and slows every step 1.5-3x.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import functools
 import math
 import os
@@ -581,6 +596,15 @@ class NanWatch:
                 "weights": _stats(list(model.parameters())),
                 "loss": loss_value,
             }
+        try:
+            return self._replayed(model, step, params, loss_value)
+        except _CollectiveInReplay as stopped:
+            return self._from_param_grads(
+                params, loss_value,
+                f"not replayed: the step's model makes a collective ({stopped.op}) that the other ranks would not join",
+            )
+
+    def _replayed(self, model, step, params, loss_value) -> dict:
         replay = _Replay(model, step)
         found = replay.forward()
         if found is not None:
@@ -604,6 +628,22 @@ class NanWatch:
             if back.start is not None:
                 found["detail"] = f"backward replayed from {back.start}"
             return found
+        if _ddp(model) and back.start is not None and _world() > 1:
+            detail = f"this rank's own forward and backward were finite when replayed; the backward started from {back.start}"
+            if back.start == ONES:
+                detail += "; a loss whose own gradient is non-finite at a finite value would look the same"
+            return {
+                "stage": "all_reduce",
+                "module": models.root_name(model),
+                "module_type": type(model).__name__,
+                "what": "its gradients, after DDP's all-reduce: another rank sent non-finite ones "
+                        "(`rankscope cluster torch nan` names the rank where it began)",
+                "nonfinite": sum(_nonfinite(p.grad) for p in params),
+                "inputs": (None, None, None),
+                "weights": _stats(list(model.parameters())),
+                "loss": loss_value,
+                "detail": detail,
+            }
         if back.start == ONES:
             why = (
                 "the replay's forward was finite, and so was its backward from ones at the model's output: the "
@@ -756,11 +796,79 @@ def _loss_name() -> str:
     return "the loss"
 
 
+class _CollectiveInReplay(Exception):
+    """A re-run reached a collective, and was stopped before it was issued."""
+
+    def __init__(self, op):
+        super().__init__(op)
+        self.op = op
+
+
+# The c10d operators every collective goes through, from Python or C++
+# (functional collectives included).
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+
+def _world() -> int:
+    """How many ranks the default process group has (1 without one)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:  # noqa: BLE001 - no group to ask
+        pass
+    return 1
+
+
+def _no_collectives():
+    """A dispatch mode that stops a re-run at its first collective, before
+    it is issued; a no-op outside a job of several ranks."""
+    if _world() < 2:
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoCollectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
+                raise _CollectiveInReplay(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return NoCollectives()
+
+
+def _ddp(model) -> bool:
+    parallel = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+    return parallel is not None and isinstance(model, parallel)
+
+
+def _to_ddp_device(model, args, kwargs):
+    """The step's inputs as DDP's forward hands them to the module it wraps:
+    on its device, where it was given one."""
+    ids = getattr(model, "device_ids", None)
+    if not ids:
+        return args, kwargs
+    device = torch.device(getattr(model, "device_type", "cuda"), ids[0]) if isinstance(ids[0], int) else torch.device(ids[0])
+
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, (list, tuple)):
+            return type(value)(move(v) for v in value) if not hasattr(value, "_fields") else type(value)(*(move(v) for v in value))
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        return value
+
+    return move(tuple(args)), move(dict(kwargs or {}))
+
+
 class _Replay:
     """The step's forward run again, with a hook on every module."""
 
     def __init__(self, model, step):
         self.model, self.step = model, step
+        # What the re-run calls: the module DDP wraps, not DDP's forward
+        # (see the module's docstring).
+        self.inner = model.module if _ddp(model) else model
         self.names = {}
         for name, module in model.named_modules():
             self.names[id(module)] = name or models.root_name(model)
@@ -833,8 +941,11 @@ class _Replay:
                 torch.set_rng_state(step.rng)
             if step.cuda_rng is not None:
                 torch.cuda.set_rng_state_all(step.cuda_rng)
-            with torch.set_grad_enabled(grad_enabled):
-                output = self.model(*step.args, **(step.kwargs or {}))
+            args, kwargs = step.args, step.kwargs or {}
+            if self.inner is not self.model:
+                args, kwargs = _to_ddp_device(self.model, args, kwargs)
+            with torch.set_grad_enabled(grad_enabled), _no_collectives():
+                output = self.inner(*args, **kwargs)
                 return then(output) if then is not None else output
         finally:
             for handle in handles:
