@@ -717,3 +717,90 @@ def test_a_nan_from_one_ddp_rank_is_traced_to_it_and_the_job_goes_on_as_without_
     finally:
         (where / "stop").touch()
         kill_tree(proc.pid)
+
+
+# FSDP2 on two CPU ranks: every parameter and gradient is a DTensor, whose
+# `data_ptr()` is not an address and whose reductions all-reduce when read.
+# Rank 1's input at step 5 holds a NaN; the program's own collectives are
+# counted at the end (the group's sequence number), and step 3's whole
+# gradient norms written out (a collective of the program's, in both runs).
+FSDP_TRAIN = """
+import json, os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+here = os.path.dirname(os.path.abspath(__file__))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+for layer in model:
+    if isinstance(layer, nn.Linear):
+        fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+data = torch.Generator().manual_seed(rank)
+losses, norms = [], {}
+for step in range(8):
+    x = torch.randn(4, 8, generator=data)
+    if rank == 1 and step == 5:
+        x[0, 0] = float("nan")
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    if step == 3:
+        norms = {name: p.grad.full_tensor().norm().item() for name, p in model.named_parameters()}
+    optimizer.step()
+    losses.append(loss.item().hex())
+seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+with open(os.path.join(here, "out", f"rank{rank}.json"), "w") as f:
+    json.dump({"losses": losses, "collectives": seq, "norms": norms}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_sharded_parameters_are_read_by_their_shards_and_no_collective_is_added(default_python, cli, endpoint_dir, tmp_path):
+    import math
+
+    from conftest import kill_tree, launch_torchrun, require_torch
+
+    require_torch(default_python)
+    if subprocess.run([default_python, "-c", "from torch.distributed.fsdp import fully_shard"], capture_output=True).returncode != 0:
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+
+    def job(name, probe):
+        where = tmp_path / name
+        (where / "out").mkdir(parents=True)
+        (where / "fsdp.py").write_text(FSDP_TRAIN)
+        proc = launch_torchrun(
+            default_python, where / "fsdp.py", 2, endpoint_dir, where / "run", probe=probe,
+            env={"RANKSCOPE_TORCH": "trace,nan,grads,every=1"} if probe else {}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        try:
+            code = proc.wait(timeout=120)
+        finally:
+            kill_tree(proc.pid)
+        # Before the fix, the NaN watch's read in place killed the ranks (SIGSEGV).
+        assert code == 0, proc.stderr.read().decode(errors="replace")
+        return where, {p.name: json.loads(p.read_text()) for p in (where / "out").glob("rank*.json")}
+
+    _, bare = job("bare", probe=False)
+    where, watched = job("watched", probe=True)
+    # The same losses, bit for bit, and not one collective more.
+    assert watched == bare
+    run = where / "run"
+    rows = json.loads(cli("query", "--run", run, "SELECT rank, param, numel, norm FROM python.grad_stats WHERE step = 3", "--format", "json").stdout)
+    # Each rank's row is its own shard: together they make the whole norm.
+    for name, whole in bare["rank0.json"]["norms"].items():
+        shards = [r for r in rows if r["param"] == name]
+        assert sorted(r["rank"] for r in shards) == [0, 1], rows
+        assert math.isclose(math.sqrt(sum(r["norm"] ** 2 for r in shards)), whole, rel_tol=1e-5), (name, shards, whole)
+    events = json.loads(cli("query", "--run", run, "SELECT rank, step, stage, detail FROM python.nan_events ORDER BY rank", "--format", "json").stdout)
+    assert [(e["rank"], e["step"]) for e in events] == [(0, 5), (1, 5)], events
+    assert events[1]["stage"] == "input", events
+    # Rank 0's re-run would have all-gathered the shards on one rank: refused.
+    assert "not replayed" in events[0]["detail"] and "c10d." in events[0]["detail"], events
+    steps = json.loads(cli("query", "--run", run, "SELECT rank, count(*) AS n FROM python.torch_trace GROUP BY rank ORDER BY rank", "--format", "json").stdout)
+    assert [r["rank"] for r in steps] == [0, 1] and all(r["n"] > 0 for r in steps), steps

@@ -246,7 +246,7 @@ pub const NAN_EVENTS: TableDef = TableDef {
 pub const GRAD_STATS: TableDef = TableDef {
     schema: "python",
     name: "grad_stats",
-    description: "per parameter per sampled step (`torch grads`): gradient norm, max |g|, non-finite count, update/weight ratio, and a flag against the parameter's own history",
+    description: "per parameter per sampled step (`torch grads`): gradient norm, max |g|, non-finite count, update/weight ratio, and a flag against the parameter's own history; a sharded (DTensor) parameter's row is this rank's shard",
     columns: &[
         col("step", Int64),
         col("param", Utf8),

@@ -46,8 +46,15 @@ impl Float {
 }
 
 /// torch's float dtypes, as given by the caller (float32, float64, float16,
-/// bfloat16), to tell a tensor's element type by identity.
-pub(crate) struct Dtypes(Vec<(Py<PyAny>, Float)>);
+/// bfloat16), to tell a tensor's element type by identity; and the tensor
+/// types whose `data_ptr()` is always an address in a storage of their own.
+pub(crate) struct Dtypes {
+    kinds: Vec<(Py<PyAny>, Float)>,
+    /// `torch.Tensor` and `torch.nn.Parameter`.
+    plain: Vec<Py<PyAny>>,
+    /// `torch.strided`: the one layout whose values lie at `data_ptr()`.
+    strided: Py<PyAny>,
+}
 
 /// A contiguous CPU tensor's values: `count` elements of `kind` at `ptr`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -58,15 +65,22 @@ pub(crate) struct View {
 }
 
 impl Dtypes {
-    pub(crate) fn new(dtypes: &Bound<'_, PyTuple>) -> Self {
+    pub(crate) fn new(dtypes: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let py = dtypes.py();
         let kinds = [Float::F32, Float::F64, Float::F16, Float::BF16];
-        Dtypes(
-            dtypes
+        let torch = py.import("torch")?;
+        Ok(Dtypes {
+            kinds: dtypes
                 .iter()
                 .zip(kinds)
                 .map(|(dtype, kind)| (dtype.unbind(), kind))
                 .collect(),
-        )
+            plain: vec![
+                torch.getattr("Tensor")?.unbind(),
+                torch.getattr("nn")?.getattr("Parameter")?.unbind(),
+            ],
+            strided: torch.getattr("strided")?.unbind(),
+        })
     }
 
     /// Where `tensor`'s values are, if this can read them in place: a
@@ -80,10 +94,12 @@ impl Dtypes {
         // Names interned once: each read is then a lookup, not a new string.
         let py = tensor.py();
         let dtype = tensor.getattr(intern!(py, "dtype"))?;
-        let Some(&(_, kind)) = self.0.iter().find(|(d, _)| d.is(&dtype)) else {
+        let Some(&(_, kind)) = self.kinds.iter().find(|(d, _)| d.is(&dtype)) else {
             return Ok(None);
         };
-        if !tensor.getattr(intern!(py, "is_cpu"))?.extract::<bool>()?
+        // A sparse gradient (an Embedding's) has no values at data_ptr().
+        if !tensor.getattr(intern!(py, "layout"))?.is(&self.strided)
+            || !tensor.getattr(intern!(py, "is_cpu"))?.extract::<bool>()?
             || !tensor
                 .call_method0(intern!(py, "is_contiguous"))?
                 .extract::<bool>()?
@@ -97,8 +113,44 @@ impl Dtypes {
         if count > max_elements || (count > 0 && (ptr == 0 || !ptr.is_multiple_of(kind.size()))) {
             return Ok(None);
         }
+        let ty = tensor.get_type();
+        if count > 0
+            && !self.plain.iter().any(|plain| ty.is(plain))
+            && !within_own_storage(tensor, ptr, count * kind.size())
+        {
+            return Ok(None);
+        }
         Ok(Some(View { ptr, count, kind }))
     }
+}
+
+/// Whether `bytes` at `ptr` lie inside `tensor`'s own storage. A tensor
+/// subclass may have none: a wrapper such as DTensor (an FSDP2 or
+/// tensor-parallel parameter, and its gradient) answers `data_ptr()` with
+/// its storage offset in bytes (0x40, 0x100), not an address, and its
+/// `numel()` counts every rank's shard; reading there killed the process.
+fn within_own_storage(tensor: &Bound<'_, PyAny>, ptr: usize, bytes: usize) -> bool {
+    let py = tensor.py();
+    let Ok(storage) = tensor.call_method0(intern!(py, "untyped_storage")) else {
+        return false;
+    };
+    let number = |name: &Bound<'_, pyo3::types::PyString>| {
+        storage
+            .call_method0(name)
+            .and_then(|v| v.extract::<usize>())
+            .ok()
+    };
+    let (Some(base), Some(size)) = (
+        number(intern!(py, "data_ptr")),
+        number(intern!(py, "nbytes")),
+    ) else {
+        return false;
+    };
+    base != 0
+        && ptr >= base
+        && ptr
+            .checked_add(bytes)
+            .is_some_and(|end| end <= base.saturating_add(size))
 }
 
 fn finite_bits16(bits: u16, exponent_mask: u16) -> bool {
@@ -174,7 +226,7 @@ impl FiniteCheck {
     #[new]
     fn new(dtypes: &Bound<'_, PyTuple>) -> PyResult<Self> {
         Ok(FiniteCheck {
-            dtypes: Dtypes::new(dtypes),
+            dtypes: Dtypes::new(dtypes)?,
         })
     }
 

@@ -342,12 +342,12 @@ fn run<T: Send>(py: Python<'_>, free: bool, work: impl FnOnce() -> T + Send) -> 
 #[pymethods]
 impl GradRead {
     #[new]
-    fn new(dtypes: &Bound<'_, PyTuple>) -> Self {
-        GradRead {
-            dtypes: Dtypes::new(dtypes),
+    fn new(dtypes: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        Ok(GradRead {
+            dtypes: Dtypes::new(dtypes)?,
             kept: Pages::none(),
             views: Vec::new(),
-        }
+        })
     }
 
     /// `(norms, max |g|)` of each tensor, or None where one cannot be read

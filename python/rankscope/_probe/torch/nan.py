@@ -88,7 +88,7 @@ import torch
 from rankscope import _native
 from rankscope._probe.torch import models, tables, timed
 from rankscope._probe.torch.stats import FLOATS, _gathered, _norms
-from rankscope._probe.torch.trace import TRACER, _cuda_event, _scalar_loss, _spare, _tensors, capturing
+from rankscope._probe.torch.trace import TRACER, _cuda_event, _local, _scalar_loss, _spare, _tensors, capturing
 
 # Events kept for `torch nan` (the table keeps them all).
 MAX_EVENTS = 16
@@ -118,7 +118,7 @@ def _stats(tensors) -> tuple:
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
             continue
         seen = True
-        flat = tensor.detach()
+        flat = _local(tensor).detach()
         finite = torch.isfinite(flat)
         count = int(finite.numel() - int(finite.sum()))
         bad += count
@@ -500,6 +500,10 @@ class NanWatch:
                 if not finite and self.tripped_at is None:
                     self._trip(step_number, self.step, params)
                 return
+        # Through torch: a sharded gradient's own shard (see trace._local).
+        grads = [_local(g) for g in grads]
+        if loss is not None:
+            loss = _local(loss)
         first = grads[0] if grads else loss
         if first is not None and first.device.type != "cpu" and capturing():
             # A step captured into a CUDA graph: no kernel of the watch's
@@ -558,7 +562,7 @@ class NanWatch:
             params = [p for optimizer in list(TRACER.known_optimizers) for p in models.params_with_grads(optimizer)]
             if not params:
                 return
-            grads = [p.grad for p in params]
+            grads = [_local(p.grad) for p in params]
             finite = _finite_check().check(grads)
             if finite is None:
                 finite = all(math.isfinite(v.item()) for v in _norms(grads))
@@ -577,7 +581,7 @@ class NanWatch:
     def _search(self, step, params) -> dict:
         model = step.model() if step.model is not None else None
         loss = step.loss
-        loss_value = float(loss) if loss is not None else None
+        loss_value = float(_local(loss)) if loss is not None else None
         if model is None or step.args is None:
             return self._from_param_grads(params, loss_value, "no forward of a model was seen this step")
         spoiled = self._spoiled_weights(model, loss_value)

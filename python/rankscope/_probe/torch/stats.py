@@ -40,7 +40,7 @@ import torch
 
 from rankscope import _native
 from rankscope._probe.torch import models, tables
-from rankscope._probe.torch.trace import TRACER, _tensors, capturing
+from rankscope._probe.torch.trace import TRACER, _local, _tensors, capturing
 
 WARMUP = 3
 # What `grads` and `activations` say while no model is known (as `trace on` does).
@@ -211,7 +211,14 @@ class GradStats:
             return
         if grads[0].device.type != "cpu" and capturing():
             return  # a captured step: no copy out, no event (see trace.capturing)
-        size = sum(p.numel() * p.element_size() for p in params)
+        # Values through torch: a sharded parameter's own shard, read
+        # without a collective (see trace._local); the rows say so by its
+        # size. The parameters themselves stay, for their names.
+        local = [_local(p) for p in params]
+        grads = [_local(g) for g in grads]
+        if grads[0].device.type == "cpu" and self._native_pre(optimizer, step, local, grads, params):
+            return
+        size = sum(p.numel() * p.element_size() for p in local)
         device = grads[0].device
         with torch.no_grad():
             norms = _gathered(_norms(grads), device)
@@ -221,12 +228,12 @@ class GradStats:
                 maxes = torch.maximum(torch.stack(highs), torch.stack(lows).neg()).float()
             else:
                 maxes = _gathered(_norms(grads, math.inf), device)
-            weights = _gathered(_norms([p.detach() for p in params]), device)
+            weights = _gathered(_norms([p.detach() for p in local]), device)
             stacked = torch.stack([norms, maxes, weights])
-            copies = self._copies(optimizer, params, size)
-        self.before[id(optimizer)] = (weakref.ref(optimizer, self._optimizer_gone), step, params, stacked, copies)
+            copies = self._copies(optimizer, local, size)
+        self.before[id(optimizer)] = (weakref.ref(optimizer, self._optimizer_gone), step, params, stacked, copies, local)
 
-    def _native_pre(self, optimizer, step, params, grads) -> bool:
+    def _native_pre(self, optimizer, step, params, grads, named=None) -> bool:
         """On a CPU: the statistics read in place (``_native.GradRead``,
         crates/rankscope-probe/src/grad_read.rs), one pass over each tensor
         and no torch call; False where a tensor is not one it reads
@@ -247,7 +254,7 @@ class GradStats:
         weight_norms = read.keep(params, self.cap)
         if weight_norms is None:
             return False
-        self.before[id(optimizer)] = (reader[0], step, params, (got[0], got[1], weight_norms), read)
+        self.before[id(optimizer)] = (reader[0], step, named or params, (got[0], got[1], weight_norms), read, params)
         return True
 
     def _optimizer_gone(self, gone) -> None:
@@ -273,12 +280,13 @@ class GradStats:
         except Exception:  # noqa: BLE001
             pass
 
-    def _meta(self, step, params, have_update, read_now) -> tuple:
-        """What a step's rows are made with besides its values. Read later
-        (a GPU), the gradients are another step's by then: a non-finite
+    def _meta(self, step, params, have_update, read_now, local) -> tuple:
+        """What a step's rows are made with besides its values (sizes: of
+        what was read, a sharded parameter's own shard). Read later (a
+        GPU), the gradients are another step's by then: a non-finite
         norm's count is left null, not counted on those (no `params`)."""
         names = [self.names.get(id(p), (f"param{i}", "?")) for i, p in enumerate(params)]
-        return (time.time(), step, names, [p.numel() for p in params], have_update, params if read_now else None)
+        return (time.time(), step, names, [p.numel() for p in local], have_update, params if read_now else None)
 
     def _copies(self, optimizer, params, size):
         """The weights before the update, for its norm: into buffers kept
@@ -314,9 +322,9 @@ class GradStats:
             if isinstance(taken[4], _native.GradRead):
                 taken[4].release()
             return
-        _, step, params, stacked, copies = taken
+        _, step, params, stacked, copies, local = taken
         if isinstance(copies, _native.GradRead):
-            updates = copies.update(params)
+            updates = copies.update(local)
             if copies.kept_bytes > KEEP_COPIES_BYTES:
                 copies.release()
             if len(self.readers) > 1:
@@ -325,18 +333,18 @@ class GradStats:
                 for _, other in self.readers.values():
                     if other is not copies:
                         other.release()
-            self._rows((*stacked, updates), self._meta(step, params, updates is not None, True))
+            self._rows((*stacked, updates), self._meta(step, params, updates is not None, True, local))
             return
         with torch.no_grad():
             if copies is not None:
                 # In place on the copies: before - after, with no new buffers.
-                torch._foreach_sub_(copies, [p.detach() for p in params])
+                torch._foreach_sub_(copies, [p.detach() for p in local])
                 updates = _gathered(_norms(copies), stacked.device)
             else:
                 updates = torch.full_like(stacked[0], float("nan"))
             both = torch.cat([stacked, updates.reshape(1, -1).to(stacked.device)])
         resolve, now = _to_host(both)
-        meta = self._meta(step, params, copies is not None, now)
+        meta = self._meta(step, params, copies is not None, now, local)
         if now:
             self._rows(resolve(), meta)
         else:
@@ -353,7 +361,7 @@ class GradStats:
             norm = norms[i]
             nonfinite = 0
             if not math.isfinite(norm):
-                grad = params[i].grad if params is not None else None
+                grad = _local(params[i].grad) if params is not None and params[i].grad is not None else None
                 nonfinite = int((~torch.isfinite(grad)).sum()) if grad is not None else None
             update = updates[i] if have_update else None
             ratio = update / weights[i] if update is not None and weights[i] > 0 else None
@@ -549,7 +557,7 @@ class ActivationStats:
                 if tensor is None or (tensor.is_cuda and capturing()):
                     return
                 with torch.no_grad():
-                    watched.values.append(_activation(tensor.detach()))
+                    watched.values.append(_activation(_local(tensor).detach()))
                 watched.calls += 1
                 watched.shape, watched.dtype = "x".join(map(str, tensor.shape)), str(tensor.dtype).removeprefix("torch.")
             except Exception as exc:  # noqa: BLE001

@@ -218,6 +218,16 @@ def _gpu_ms(pairs):
     return resolve
 
 
+def _local(tensor):
+    """A DTensor's own shard (an FSDP2 or tensor-parallel parameter, its
+    gradient, a sharded output); any other tensor as it is. The probe reads
+    values through this: a DTensor's reductions are partial, and reading
+    one (``.item()``, ``.tolist()``) all-reduces it, a collective the
+    program never made (one rank alone making it hangs the job)."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
@@ -878,6 +888,7 @@ class Tracer(_native.StepClock):
             self.samples += first.shape[0]
 
     def _take_loss(self, loss):
+        loss = _local(loss)
         if loss.is_cuda:
             if torch.cuda.is_current_stream_capturing():
                 return  # (a copy and an event would be nodes of the graph)
