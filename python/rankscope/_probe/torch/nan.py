@@ -104,6 +104,9 @@ MAX_SENTINEL = 1 << 16
 # `NanWatch._watch_first_forward`): more, and the program is not training.
 FIRST_CALLS = 1000
 _rng_state, _cuda_initialized = torch.get_rng_state, torch.cuda.is_initialized
+# Whether dynamo is tracing the code that asks (torch 2.3 on; an older
+# torch's hooks are traced as they are).
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 # The backward search's start where the loss cannot be made again.
 ONES = "ones at the model's output (the loss function is not known here)"
 
@@ -285,8 +288,19 @@ class NanWatch:
         hooks keep each outermost module call of the step instead, as the
         root stand-in does; they go once the models are hooked (at the
         first step's end). Every module call takes torch's slower general
-        path meanwhile, and a torch.compile'd model compiled during that
-        step is compiled again once without them."""
+        path meanwhile.
+
+        With torch.compile: `torch.compile(module)` warns of global hooks
+        in the program's stderr at every call of the module it makes, so
+        the hooks go as that module is made (a global module-registration
+        hook sees it take the module it wraps; those hooks are not counted
+        as forward hooks, and cost nothing at a call). Dynamo traces into
+        the hooks where it compiles a module's call (`module.compile()`, a
+        compiled function that calls modules): they do nothing while it
+        does (a graph break there, and an error under `fullgraph=True`).
+        A compiled program's first step is then searched from its
+        gradients, and a graph compiled with the hooks there compiles once
+        more when they go."""
         if self.first_hooks is not None:
             return
         from torch.nn.modules import module as nn_module
@@ -296,19 +310,36 @@ class NanWatch:
             post = nn_module.register_module_forward_hook(self._first_post, with_kwargs=True, always_call=True)
         except TypeError:  # a torch without always_call: a forward that raises leaves the depth as it was
             post = nn_module.register_module_forward_hook(self._first_post, with_kwargs=True)
-        self.first_hooks = (pre, post)
+        registration = nn_module.register_module_module_registration_hook(self._first_registration)
+        self.first_hooks = (pre, post, registration)
         self.depth = {}
         self.first_calls = 0
+
+    def _first_registration(self, module, name, submodule):
+        # `torch.compile(module)` making its wrapper: it registers the
+        # module it wraps as `_orig_mod` (torch._dynamo's OptimizedModule).
+        if name == "_orig_mod" and type(module).__name__ == "OptimizedModule":
+            self._unwatch_first_forward()
+        return None
 
     def _unwatch_first_forward(self):
         hooks, self.first_hooks = self.first_hooks, None
         if hooks is not None:
+            from torch.nn.modules import module as nn_module
+
             for handle in hooks:
                 handle.remove()
+                # torch's handle for a global forward hook forgets its entry
+                # in the with_kwargs table, which `_has_any_global_hook()`
+                # reads: left there, every compiled call would warn of hooks.
+                for table in ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called"):
+                    getattr(nn_module, table, {}).pop(handle.id, None)
         self.depth = {}
         self.first_rng = None
 
     def _first_pre(self, module, args):
+        if _compiling():
+            return  # traced by dynamo: nothing of this may go into its graph
         try:
             thread = _thread.get_ident()
             depth = self.depth.get(thread, 0)
@@ -318,11 +349,19 @@ class NanWatch:
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the first forward's pre-hook failed: {type(exc).__name__}: {exc}")
 
-    def _first_post(self, module, args, kwargs, output):
+    def _first_post(self, module, args, *rest):
+        # (module, args, kwargs, output) as registered; (module, args,
+        # None) where the forward raised: torch's `always_call` passes no
+        # kwargs then. Either way the call is over.
+        if _compiling():
+            return
         try:
             thread = _thread.get_ident()
             depth = self.depth.get(thread, 1) - 1
             self.depth[thread] = depth
+            if len(rest) != 2:
+                return
+            kwargs, output = rest
             if depth or self.searching:
                 return
             step = self.step
