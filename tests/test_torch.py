@@ -421,9 +421,20 @@ def test_a_compiled_model_is_timed_at_its_boundary_and_never_recompiled(torch_py
     assert cli(target.pid, "torch", "trace", "off").returncode == 0
     run_steps(cli, target, 2, 7)
     assert cli(target.pid, "eval", graphs).stdout.strip() == before, "the trace made dynamo compile again"
+    # Activation statistics the same way: the boundary only (a hook on fc1
+    # inside the compiled region recompiled the model).
+    inside = cli(target.pid, "torch", "activations", "--modules", "fc*")
+    assert inside.returncode != 0 and "watched at its boundary only" in inside.stderr, inside.stderr
+    assert cli(target.pid, "torch", "activations", "--modules", "*").returncode == 0
+    run_steps(cli, target, 2, 9)
+    assert cli(target.pid, "torch", "activations", "off").returncode == 0
+    watched = query_json(cli, target.pid, "SELECT DISTINCT module FROM python.activation_stats")
+    assert watched == [{"module": "MLP"}], watched
+    run_steps(cli, target, 1, 10)
+    assert cli(target.pid, "eval", graphs).stdout.strip() == before, "activations made dynamo compile again"
     probed = tmp_path / "probed.pt"
     assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
-    assert_bitwise_equal(torch_python, probed, reference_run(torch_python, tmp_path, 7, how))
+    assert_bitwise_equal(torch_python, probed, reference_run(torch_python, tmp_path, 10, how))
 
 
 def test_module_glob_and_a_bad_glob(torch_python, spawn, cli):
@@ -802,3 +813,79 @@ def test_cluster_trace_on_numbers_steps_alike_on_ranks_whose_clocks_started_apar
         (tmp_path / "stop").touch()
         kill_tree(proc.pid)
         proc.wait()
+
+
+# A DataLoader whose workers multiprocessing starts by spawn: each worker
+# (and the resource tracker) inherits its rank's RANK, WORLD_SIZE and
+# TORCHELASTIC_RUN_ID, and registered as a rank of the job.
+DDP_SPAWN_LOADER = """
+import os, time
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((8,), float(i)), torch.zeros(1)
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with open(os.path.join(HERE, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    loader = DataLoader(Numbers(), batch_size=4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True)
+    while not os.path.exists(os.path.join(HERE, "stop")):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            time.sleep(0.01)
+    dist.destroy_process_group()
+"""
+
+
+def test_dataloader_workers_started_by_spawn_are_not_ranks_of_the_job(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    script = tmp_path / "loader.py"
+    script.write_text(DDP_SPAWN_LOADER)
+    proc = launch_torchrun(default_python, script, 2, endpoint_dir, tmp_path / "run", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = str(tmp_path / "run")
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        pids = {int(p.name[4]): int(p.read_text()) for p in tmp_path.glob("rank*.pid")}
+        # The workers are up once a step has run on each rank.
+        while True:
+            status = cli("cluster", "torch", "--run", run, "--format", "json")
+            answers = json.loads(status.stdout) if status.stdout.strip() else []
+            if status.returncode == 0 and len(answers) == 2 and all((a["torch"].get("step") or 0) > 0 or a["torch"]["optimizers"] for a in answers):
+                break
+            assert time.monotonic() < deadline, status.stdout + status.stderr
+            time.sleep(0.2)
+        listed = json.loads(cli("cluster", "list", "--run", run, "--format", "json").stdout)
+        assert sorted((r["rank"], r["pid"]) for r in listed) == sorted(pids.items()), listed
+        on = cli("cluster", "torch", "--run", run, "trace", "on")
+        assert on.returncode == 0, on.stdout + on.stderr
+        assert all(f"== rank {rank} (pid {pid})" in on.stdout for rank, pid in pids.items()), on.stdout
+    finally:
+        (tmp_path / "stop").touch()
+        try:
+            proc.wait(timeout=60)
+        finally:
+            kill_tree(proc.pid)
+    crashes = cli("crashes", "--run", run)
+    assert "vanished" not in crashes.stdout + crashes.stderr, crashes.stdout

@@ -718,6 +718,11 @@ def test_a_nan_from_one_ddp_rank_is_traced_to_it_and_the_job_goes_on_as_without_
             assert rows[0]["stage"] == "all_reduce" and "MSELoss" in rows[0]["detail"], rows[0]
         (where / "stop").touch()
         assert proc.wait(timeout=60) == 0, proc.stderr.read().decode(errors="replace")
+        # The job is over: the same answer from its run store.
+        after = cli("cluster", "torch", "--run", where / "run", "nan")
+        assert after.returncode == 0, after.stdout + after.stderr
+        assert "no rank of this job is running" in after.stdout, after.stdout
+        assert "job: the first non-finite value began on rank 1, at step 5 (input, in DistributedDataParallel)" in after.stdout, after.stdout
     finally:
         (where / "stop").touch()
         kill_tree(proc.pid)

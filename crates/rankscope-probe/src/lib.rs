@@ -162,6 +162,8 @@ fn set_rank(rank: i64, world_size: i64) -> PyResult<Option<String>> {
         serde_json::from_str(&current).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
     meta["rank"] = rank.into();
     meta["world_size"] = world_size.into();
+    // torch.distributed made this process a rank (mp.spawn's workers).
+    meta::BYSTANDER.store(false, std::sync::atomic::Ordering::Relaxed);
     let meta_json = meta.to_string();
     r.handler.set_meta(meta_json.clone());
     write_meta_file(&r.dir, r.pid, &meta_json).map_err(PyRuntimeError::new_err)?;
@@ -172,8 +174,12 @@ fn set_rank(rank: i64, world_size: i64) -> PyResult<Option<String>> {
     Ok(Some(meta_json))
 }
 
-/// The rank in the probe's metadata (the launcher's, or torch's once set).
+/// The rank in the probe's metadata (the launcher's, or torch's once set);
+/// None for a process that is no rank (`meta::BYSTANDER`).
 pub(crate) fn current_rank() -> Option<i64> {
+    if meta::BYSTANDER.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
     let running = lock_running();
     let meta: serde_json::Value = serde_json::from_str(&running.as_ref()?.handler.meta()?).ok()?;
     meta["rank"].as_i64()

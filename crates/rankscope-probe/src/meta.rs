@@ -27,7 +27,43 @@ fn link(path: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Set at start for a process that inherits a rank's environment without
+/// being a rank (a multiprocessing child, torchrun's own process), until
+/// torch.distributed makes it one: its rows carry no rank.
+pub static BYSTANDER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A child that multiprocessing starts by spawn or forkserver (a DataLoader
+/// worker, the resource tracker, the fork server): it inherits its parent
+/// rank's RANK, WORLD_SIZE and job id, which describe the parent. It is no
+/// rank of the job unless it calls `init_process_group` itself (mp.spawn's
+/// workers do). A forked child keeps no probe at all.
+pub fn multiprocessing_child(cmdline: &[String]) -> bool {
+    cmdline.iter().any(|arg| arg == "--multiprocessing-fork")
+        || cmdline
+            .windows(2)
+            .any(|w| w[0] == "-c" && w[1].trim_start().starts_with("from multiprocessing."))
+}
+
+/// torchrun's own process (or torch.distributed.launch's): it runs the
+/// workers without being one, and keeps its job id (it names the job).
+pub fn launcher(cmdline: &[String]) -> bool {
+    cmdline.windows(2).any(|w| {
+        w[0] == "-m" && (w[1] == "torch.distributed.run" || w[1] == "torch.distributed.launch")
+    }) || cmdline.iter().take(2).any(|arg| {
+        arg.rsplit('/').next() == Some("torchrun")
+            || arg.ends_with("torch/distributed/run.py")
+            || arg.ends_with("torch/distributed/launch.py")
+    })
+}
+
 pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
+    let cmdline = cmdline();
+    let child = multiprocessing_child(&cmdline);
+    BYSTANDER.store(
+        child || launcher(&cmdline),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    let env_int = |names: &[&str]| if child { None } else { env_int(names) };
     ProcessMeta {
         pid: std::process::id(),
         // SAFETY: getppid cannot fail.
@@ -43,7 +79,7 @@ pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
             "SLURM_NTASKS",
         ])
         .unwrap_or(1),
-        cmdline: cmdline(),
+        cmdline,
         exe: link("/proc/self/exe"),
         cwd: link("/proc/self/cwd"),
         python_version: python_version.to_string(),
@@ -59,7 +95,44 @@ pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
             "PMIX_NAMESPACE",
         ]
         .iter()
+        .filter(|_| !child)
         .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty())),
         step_address: Some(crate::memory::step_address()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Vec<String> {
+        line.split('|').map(str::to_string).collect()
+    }
+
+    #[test]
+    fn multiprocessing_children_and_launchers_are_told_from_ranks() {
+        let spawn = args("/usr/bin/python3|-c|from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)|--multiprocessing-fork");
+        let tracker =
+            args("/usr/bin/python3|-c|from multiprocessing.resource_tracker import main;main(6)");
+        assert!(multiprocessing_child(&spawn) && multiprocessing_child(&tracker));
+        assert!(!launcher(&spawn));
+        for line in [
+            "/venv/bin/python|-m|torch.distributed.run|--nproc-per-node|2|train.py",
+            "/venv/bin/python3|/venv/bin/torchrun|--standalone|train.py",
+            "/venv/bin/python|/venv/lib/python3.11/site-packages/torch/distributed/launch.py|train.py",
+        ] {
+            assert!(launcher(&args(line)), "{line}");
+            assert!(!multiprocessing_child(&args(line)), "{line}");
+        }
+        for line in [
+            "/venv/bin/python|train.py|--multiprocessing|x",
+            "/venv/bin/python|-c|print(1)",
+            "/venv/bin/python|train.py|torchrun",
+        ] {
+            assert!(
+                !launcher(&args(line)) && !multiprocessing_child(&args(line)),
+                "{line}"
+            );
+        }
     }
 }

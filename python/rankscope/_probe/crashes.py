@@ -47,10 +47,15 @@ def run_dir() -> str:
     return _native.run_dir()
 
 
-def _rank() -> int:
+def _rank() -> int | None:
     torch_rank = sys.modules.get("rankscope._probe.torch_rank")
     if torch_rank is not None and torch_rank.assigned() is not None:
         return torch_rank.assigned()[0]
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is not None and multiprocessing.parent_process() is not None:
+        # A child multiprocessing started (a DataLoader worker): RANK is its
+        # parent's (see meta.rs, `multiprocessing_child`).
+        return None
     try:
         return int(os.environ.get("RANK", "0"))
     except ValueError:

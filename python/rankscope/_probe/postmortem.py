@@ -97,7 +97,7 @@ def _console(exc: BaseException, tb) -> None:
 def _hold_on_socket(exc: BaseException, tb) -> None:
     import socket
 
-    rank, pid = crashes._rank(), os.getpid()
+    rank, pid = crashes._rank() or 0, os.getpid()
     directory = crashes.run_dir()
     os.makedirs(directory, mode=0o700, exist_ok=True)
     path = socket_path(rank, pid)

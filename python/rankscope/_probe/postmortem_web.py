@@ -116,7 +116,7 @@ document.getElementById("console").addEventListener("submit", async (event) => {
 def serve(exc: BaseException, tb, hold: float) -> bool:
     """Serves the page until the session ends or idles past `hold`. False
     when the port cannot be had (the caller falls back to the socket)."""
-    rank, pid = crashes._rank(), os.getpid()
+    rank, pid = crashes._rank() or 0, os.getpid()
     token = secrets.token_urlsafe(24)
     session = _Session(exc, tb, token)
     last_request = [time.monotonic()]

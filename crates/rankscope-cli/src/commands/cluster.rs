@@ -831,7 +831,16 @@ pub fn torch(
     format: crate::BtFormat,
 ) -> Result<u8> {
     let request = super::torch::request_of(action)?;
-    let job = find_job(job, run)?;
+    let job = match (find_job(job, run.clone()), action, &run) {
+        (Ok(job), _, _) => job,
+        // The job is over: what its NaN watch found is in its run store.
+        (Err(_), Some(crate::TorchAction::Nan { switch: None }), Some(dir))
+            if !matches!(format, crate::BtFormat::Json) =>
+        {
+            return nan_after_the_job(dir);
+        }
+        (Err(err), _, _) => return Err(err),
+    };
     let (shifts, note) = if samples_steps(&request) {
         numbered_alike(&job, ranks)?
     } else {
@@ -884,6 +893,46 @@ pub fn torch(
         }
     }
     Ok(u8::from(failed))
+}
+
+/// `cluster torch --run DIR nan` once no rank runs: each rank's events from
+/// `python.nan_events` in the run store, under the same line for the job.
+fn nan_after_the_job(dir: &std::path::Path) -> Result<u8> {
+    let rows = super::query::offline_rows(
+        dir,
+        "SELECT rank, pid, date_part('epoch', ts) AS ts, step, stage, module, module_type, what, nonfinite, \
+         input_min, input_max, input_nonfinite, weight_min, weight_max, weight_nonfinite, loss, detail, record \
+         FROM python.nan_events ORDER BY rank, ts",
+    )?;
+    let mut by_rank: BTreeMap<(i64, i64), Vec<serde_json::Value>> = BTreeMap::new();
+    for row in rows {
+        let key = (
+            row["rank"].as_i64().unwrap_or(-1),
+            row["pid"].as_i64().unwrap_or(0),
+        );
+        by_rank.entry(key).or_default().push(row);
+    }
+    println!(
+        "no rank of this job is running: the NaN watch's events from its run store ({})",
+        dir.display()
+    );
+    let replies: Vec<((i64, i64), serde_json::Value)> = by_rank
+        .into_iter()
+        .map(|(key, events)| (key, serde_json::json!({ "events": events })))
+        .collect();
+    let ranked: Vec<(i64, &serde_json::Value)> = replies
+        .iter()
+        .map(|((rank, _), reply)| (*rank, reply))
+        .collect();
+    match super::torch::job_nan_line(&ranked) {
+        Some(line) => println!("{line}"),
+        None => println!("no non-finite value was recorded"),
+    }
+    for ((rank, pid), reply) in &replies {
+        println!("== rank {rank} (pid {pid})");
+        print!("{}", super::torch::nan_events_text(reply));
+    }
+    Ok(0)
 }
 
 /// Whether `request` turns on (or resets) a feature that samples steps.

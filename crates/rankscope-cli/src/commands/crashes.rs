@@ -460,7 +460,7 @@ fn vanished_text(gone: &[Vanished]) -> String {
             None => "no memory timeline on disk".to_string(),
         };
         out += &format!(
-            "rank {} (pid {}) vanished without a record: {last}; killed from outside, by the kernel's OOM killer or a SIGKILL (`dmesg` names the OOM killer's victims)\n",
+            "rank {} (pid {}) vanished without a record: {last}; killed from outside by a signal it does not handle: the kernel's OOM killer, a SIGKILL, or a SIGTERM (torchrun sends one to the other ranks when a rank fails; `dmesg` names the OOM killer's victims)\n",
             v.rank, v.pid
         );
     }

@@ -341,6 +341,19 @@ pub fn run_offline(run: Option<PathBuf>, all: bool, sql: &str, format: QueryForm
     execute(Arc::new(RunDirs { run, all }), sql, format)
 }
 
+/// The rows `sql` gives over the run directory `run` (no process), as JSON
+/// objects: for commands that answer from what a job left.
+pub fn offline_rows(run: &std::path::Path, sql: &str) -> Result<Vec<serde_json::Value>> {
+    check_run_dir(run)?;
+    let source = Arc::new(RunDirs {
+        run: Some(run.to_path_buf()),
+        all: false,
+    });
+    let (schema, batches) = run_sql(source, sql).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let text = rankscope_query::render(&schema, &batches, OutputFormat::Json, None)?;
+    Ok(serde_json::from_str(&text)?)
+}
+
 /// A mistyped `--run` would read as a run with no rows. A run directory
 /// holds what its processes left (`tables/`, `ranks/`, crash records,
 /// native logs, post-mortem sockets), or nothing yet.

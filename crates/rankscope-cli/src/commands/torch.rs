@@ -203,6 +203,13 @@ fn nan_text(reply: &Value) -> String {
              before the optimizer's update (so that a trip's search runs on the step's own weights)\n"
         );
     }
+    out + &nan_events_text(reply)
+}
+
+/// The events of a `torch nan` reply (or of `python.nan_events` rows), one
+/// block each.
+pub fn nan_events_text(reply: &Value) -> String {
+    let mut out = String::new();
     let events = reply["events"].as_array().cloned().unwrap_or_default();
     if events.is_empty() {
         out += "no non-finite value seen\n";

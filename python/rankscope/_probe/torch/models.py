@@ -196,11 +196,15 @@ def is_compiled(module) -> bool:
 NAMES_SHOWN = 12
 
 
-def no_match(glob: str, names: list) -> str:
+def no_match(glob: str, names: list, found: list = ()) -> str:
     """The error for a ``--modules`` glob that matches none of `names` (the
-    qualified names it is matched against), listing the first few."""
+    qualified names it is matched against), listing the first few; and why
+    a compiled model's modules are not among them, where one of `found` has one."""
     more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
-    return f"no module matches {glob!r}; modules: {', '.join(names[:NAMES_SHOWN])}{more}"
+    text = f"no module matches {glob!r}; modules: {', '.join(names[:NAMES_SHOWN])}{more}"
+    if any(is_compiled(m) for model in found for m in model.modules()):
+        text += " (a torch.compile'd module is watched at its boundary only: a hook inside it would make dynamo recompile)"
+    return text
 
 
 def root_name(model) -> str:

@@ -39,7 +39,7 @@ import weakref
 import torch
 
 from rankscope import _native
-from rankscope._probe.torch import models, tables
+from rankscope._probe.torch import models, tables, timed
 from rankscope._probe.torch.trace import TRACER, _local, _tensors, capturing
 
 WARMUP = 3
@@ -456,6 +456,22 @@ def _activation(x):
     ]).float()
 
 
+def _nothing(args, kwargs):
+    return None
+
+
+class _TakenOff:
+    """A stand-in's entry (timed.put_on) with a hook handle's `remove()`."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry):
+        self.entry = entry
+
+    def remove(self):
+        timed.take_off(self.entry)
+
+
 class _Watched:
     __slots__ = ("name", "type", "values", "calls", "shape", "dtype")
 
@@ -487,7 +503,7 @@ class ActivationStats:
             TRACER.remove_listener(self)
             from rankscope._probe.torch.trace import UserError
 
-            raise UserError(models.no_match(glob, names))
+            raise UserError(models.no_match(glob, names, found))
         # No model yet: as the trace does, it waits for the models the step
         # clock finds (`boundary`).
         self.plan, self.glob, self.every = plan, glob, every
@@ -501,7 +517,14 @@ class ActivationStats:
         matches, and every name it was matched against."""
         plan, names = [], []
         for model in found:
+            compiled = []  # prefixes of torch.compile'd modules: watched at their boundary only
             for name, module in model.named_modules():
+                if any(name.startswith(prefix) for prefix in compiled):
+                    # A hook inside a compiled region is traced into its graph:
+                    # putting it on or taking it off would make dynamo recompile.
+                    continue
+                if models.is_compiled(module):
+                    compiled.append(name + "." if name else "")
                 qualified = name or models.root_name(model)
                 names.append(qualified)
                 if glob in ("*", "") or fnmatch.fnmatchcase(qualified, glob):
@@ -539,14 +562,23 @@ class ActivationStats:
             self.plan, names = self._plan(found, self.glob)
             if found and not self.plan:
                 TRACER.remove_listener(self, wait_s=0)
-                self.failed(models.no_match(self.glob, names))
+                self.failed(models.no_match(self.glob, names, found))
                 return
         if self.on and step % self.every == 0:
             for ref, watched in self.plan:
                 module = ref()
                 if module is not None:
                     watched.values, watched.calls = [], 0
-                    self.handles.append(module.register_forward_hook(self._hook(watched)))
+                    hook = self._hook(watched)
+                    if module.__dict__.get("_compiled_call_impl") is not None:
+                        # Compiled in place (`module.compile()`): its hooks run
+                        # inside the compiled call, so a stand-in goes on that
+                        # call instead, as the trace's does (timed.boundary).
+                        entry = timed.put_on(module, lambda inner, hook=hook: timed.seen(inner, _nothing, lambda args, out: hook(None, args, out)))
+                        if entry is not None:
+                            self.handles.append(_TakenOff(entry))
+                    else:
+                        self.handles.append(module.register_forward_hook(hook))
 
     def _hook(self, watched):
         owner = self

@@ -343,7 +343,7 @@ class Tracer(_native.StepClock):
             names: list = []
             self.plan = self._plan(names)
             if found and not any(rows for _, _, _, _, rows, _, _ in self.plan):
-                raise UserError(models.no_match(glob, names))
+                raise UserError(models.no_match(glob, names, found))
             # A new setting takes effect at the next step boundary; the step
             # in progress was not seen whole, so it gets no row (none is in
             # progress before the first: see `before_first_step`).
