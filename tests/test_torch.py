@@ -889,3 +889,24 @@ def test_dataloader_workers_started_by_spawn_are_not_ranks_of_the_job(default_py
             kill_tree(proc.pid)
     crashes = cli("crashes", "--run", run)
     assert "vanished" not in crashes.stdout + crashes.stderr, crashes.stdout
+
+
+def test_cluster_trace_on_in_a_job_of_one_rank_says_nothing_of_numbering(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    script = tmp_path / "ddp_sgd.py"
+    script.write_text(DDP_SGD_UNTIL_STOPPED)
+    proc = launch_torchrun(default_python, script, 1, endpoint_dir, tmp_path / "run", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = str(tmp_path / "run")
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("rank*.ready")) or cli("cluster", "list", "--run", run).returncode != 0:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the rank did not start"
+            time.sleep(0.1)
+        on = cli("cluster", "torch", "--run", run, "trace", "on", "--every", "2")
+        assert on.returncode == 0, on.stdout + on.stderr
+        assert "steps:" not in on.stdout and "== rank 0" in on.stdout, on.stdout
+    finally:
+        (tmp_path / "stop").touch()
+        kill_tree(proc.pid)
+        proc.wait()

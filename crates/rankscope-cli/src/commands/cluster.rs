@@ -959,6 +959,9 @@ const ALIGN_WAIT: Duration = Duration::from_secs(10);
 fn numbered_alike(job: &Job, ranks: Option<&str>) -> Result<(BTreeMap<i64, i64>, Option<String>)> {
     let start = serde_json::json!({"action": "anchors", "switch": "on"});
     let mut taking_part = Vec::new();
+    if job.selected(ranks)?.len() < 2 {
+        return Ok((BTreeMap::new(), None));
+    }
     let mut why_not = None;
     for (entry, answer) in ask_ranks(job, ranks, |probe| probe.torch(&start))? {
         match answer {
@@ -977,8 +980,9 @@ fn numbered_alike(job: &Job, ranks: Option<&str>) -> Result<(BTreeMap<i64, i64>,
         }
     }
     if taking_part.len() < 2 {
+        // A rank that did start recording stops with the feature's request.
         return Ok((
-            BTreeMap::new(),
+            taking_part.iter().map(|&rank| (rank, 0)).collect(),
             why_not.map(|why| format!("steps: not numbered alike across ranks ({why})")),
         ));
     }
