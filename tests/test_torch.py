@@ -740,6 +740,15 @@ def test_every_rank_samples_the_same_steps_and_cluster_query_sees_them(default_p
     assert after.stdout.split() == ["rank,n", "0,10", "1,10"]
 
 
+def wait_for_files(proc, folder, pattern, count, deadline, what, ready=lambda: True):
+    """Until `count` files match `pattern` in `folder` (and `ready()`): the
+    ranks of a torchrun job are up. The job must not end meanwhile."""
+    while len(list(folder.glob(pattern))) < count or not ready():
+        assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
 # SGD keeps no count of its steps: each rank's clock counts from where it
 # started. Every rank feeds the step's own number in, so that the same
 # step has the same loss on every rank.
@@ -782,10 +791,7 @@ def test_cluster_trace_on_numbers_steps_alike_on_ranks_whose_clocks_started_apar
 
     try:
         deadline = time.monotonic() + 120
-        while len(list(tmp_path.glob("rank*.ready"))) < 2 or len(rank_status()) < 2:
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.1)
+        wait_for_files(proc, tmp_path, "rank*.ready", 2, deadline, "the ranks did not start", lambda: len(rank_status()) == 2)
         # Rank 0's clock starts now, rank 1's only with the trace, steps later.
         first = cli("cluster", "torch", "--run", run, "--ranks", "0", "grads", "on", "--every", "1000")
         assert first.returncode == 0, first.stdout + first.stderr
@@ -863,10 +869,7 @@ def test_dataloader_workers_started_by_spawn_are_not_ranks_of_the_job(default_py
     run = str(tmp_path / "run")
     try:
         deadline = time.monotonic() + 120
-        while len(list(tmp_path.glob("rank*.pid"))) < 2:
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.1)
+        wait_for_files(proc, tmp_path, "rank*.pid", 2, deadline, "the ranks did not start")
         pids = {int(p.name[4]): int(p.read_text()) for p in tmp_path.glob("rank*.pid")}
         # The workers are up once a step has run on each rank.
         while True:
@@ -899,10 +902,8 @@ def test_cluster_trace_on_in_a_job_of_one_rank_says_nothing_of_numbering(default
     run = str(tmp_path / "run")
     try:
         deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("rank*.ready")) or cli("cluster", "list", "--run", run).returncode != 0:
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
-            assert time.monotonic() < deadline, "the rank did not start"
-            time.sleep(0.1)
+        wait_for_files(proc, tmp_path, "rank*.ready", 1, deadline, "the rank did not start",
+                       lambda: cli("cluster", "list", "--run", run).returncode == 0)
         on = cli("cluster", "torch", "--run", run, "trace", "on", "--every", "2")
         assert on.returncode == 0, on.stdout + on.stderr
         assert "steps:" not in on.stdout and "== rank 0" in on.stdout, on.stdout

@@ -196,6 +196,20 @@ def is_compiled(module) -> bool:
 NAMES_SHOWN = 12
 
 
+def outside_compiled(model):
+    """`model.named_modules()`, less those inside a torch.compile'd module
+    (the compiled module itself is its boundary): a hook or stand-in inside
+    a compiled region is traced into its graph, so putting it on or taking
+    it off would make dynamo compile again."""
+    compiled = []  # prefixes of the compiled modules seen
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in compiled):
+            continue
+        if is_compiled(module):
+            compiled.append(name + "." if name else "")
+        yield name, module
+
+
 def no_match(glob: str, names: list, found: list = ()) -> str:
     """The error for a ``--modules`` glob that matches none of `names` (the
     qualified names it is matched against), listing the first few; and why

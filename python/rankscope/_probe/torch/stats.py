@@ -517,14 +517,7 @@ class ActivationStats:
         matches, and every name it was matched against."""
         plan, names = [], []
         for model in found:
-            compiled = []  # prefixes of torch.compile'd modules: watched at their boundary only
-            for name, module in model.named_modules():
-                if any(name.startswith(prefix) for prefix in compiled):
-                    # A hook inside a compiled region is traced into its graph:
-                    # putting it on or taking it off would make dynamo recompile.
-                    continue
-                if models.is_compiled(module):
-                    compiled.append(name + "." if name else "")
+            for name, module in models.outside_compiled(model):
                 qualified = name or models.root_name(model)
                 names.append(qualified)
                 if glob in ("*", "") or fnmatch.fnmatchcase(qualified, glob):

@@ -218,12 +218,17 @@ def _gpu_ms(pairs):
     return resolve
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _local(tensor):
     """A DTensor's own shard (an FSDP2 or tensor-parallel parameter, its
     gradient, a sharded output); any other tensor as it is. The probe reads
     values through this: a DTensor's reductions are partial, and reading
     one (``.item()``, ``.tolist()``) all-reduces it, a collective the
     program never made (one rank alone making it hangs the job)."""
+    if type(tensor) in _PLAIN:
+        return tensor  # (a missing attribute's lookup raises inside: a microsecond a tensor)
     local = getattr(tensor, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else tensor
 
@@ -557,14 +562,7 @@ class Tracer(_native.StepClock):
             first = next(model.parameters(), None)
             # The device its GPU figures are read on (None: a CPU model).
             cuda = first.device if first is not None and first.is_cuda else None
-            compiled = []  # prefixes of torch.compile'd modules: hooked at their boundary only
-            for name, module in model.named_modules():
-                if any(name.startswith(prefix) for prefix in compiled):
-                    # Inside a compiled region a hook is traced into the graph:
-                    # turning the trace on or off would make dynamo recompile.
-                    continue
-                if models.is_compiled(module):
-                    compiled.append(name + "." if name else "")
+            for name, module in models.outside_compiled(model):
                 qualified = models.root_name(model) if name == "" else name
                 if names is not None:
                     names.append(qualified)
