@@ -325,6 +325,10 @@ def test_every_form_of_call_is_recorded_as_called_and_changes_nothing(python, sp
     errors = cli(target.pid, "eval", "__import__('rankscope._probe.torch.collectives', fromlist=['_']).RECORDER.errors")
     assert errors.returncode == 0, errors.stderr
     assert errors.stdout.strip() == "0", errors.stdout
+    # A list's bytes are the whole list's, as all_gather_into_tensor's output's are.
+    listed = cli(target.pid, "eval", "__import__('rankscope._probe.torch.collectives', fromlist=['_']).RECORDER._tensors([torch.zeros(6)] * 5)")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.strip() == "('6;6;6;6;... (5 tensors)', 'float32', 120)", listed.stdout
 
 
 OLD_TORCH = """

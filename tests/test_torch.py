@@ -69,7 +69,7 @@ if "--compile-in-place" in sys.argv:
     model.compile(backend="aot_eager")  # the module itself, no wrapper
 criterion = nn.MSELoss()
 MANUAL = "--manual" in sys.argv
-optimizer = None if MANUAL else torch.optim.Adam(model.parameters(), lr=1e-3)
+optimizer = None if MANUAL else (torch.optim.SGD(model.parameters(), lr=1e-2) if "--sgd" in sys.argv else torch.optim.Adam(model.parameters(), lr=1e-3))
 data = torch.Generator().manual_seed(1)
 losses = []
 done = 0
@@ -625,6 +625,7 @@ def test_trace_on_names_its_first_sampled_step_and_counts_its_modules_alike(torc
     on = cli(target.pid, "torch", "trace", "on", "--modules", "fc*", "--every", "5")
     assert on.returncode == 0, on.stderr
     assert "trace on: 2 modules, every 5 steps (first sampled step: 10);" in on.stdout, on.stdout
+    assert "counted from here" not in on.stdout, on.stdout  # Adam's own count
     run_steps(cli, target, 3, 10)  # step 10 in progress, sampled
     assert "; 2 modules timed now;" in cli(target.pid, "torch").stdout
     assert "trace off: 2 modules as they were" in cli(target.pid, "torch", "trace", "off").stdout
@@ -640,6 +641,14 @@ def test_trace_on_names_its_first_sampled_step_and_counts_its_modules_alike(torc
     assert [r["step"] for r in sampled] == [25], sampled
     # Between sampled steps, off counts the same modules.
     assert "trace off: 2 modules as they were" in cli(target.pid, "torch", "trace", "off").stdout
+    # SGD keeps no count: the numbers start from the clock's, and `trace on` says so.
+    sgd = spawn(torch_python, TRAIN, args=["--sgd"])
+    run_steps(cli, sgd, 7, 7)
+    on = cli(sgd.pid, "torch", "trace", "on", "--every", "5")
+    assert "trace on: 6 modules, every 5 steps (first sampled step: 5);" in on.stdout, on.stdout
+    assert "note: steps are counted from here, as the program keeps no count" in on.stdout, on.stdout
+    run_steps(cli, sgd, 2, 9)
+    assert torch_json(cli, sgd.pid)["trace"]["numbered"] == "clock"
 
 
 def test_without_torch_imported(python, spawn, cli):

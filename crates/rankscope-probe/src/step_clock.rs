@@ -152,6 +152,12 @@ pub struct StepClock {
     /// A weakref to the optimizer whose step ends a step.
     #[pyo3(get, set)]
     primary: Option<Py<PyAny>>,
+    /// Where the program called the primary's step: its frames' (code,
+    /// instruction) from the outermost; see `weigh`.
+    primary_path: Vec<(Py<PyAny>, i64)>,
+    /// Weakrefs to the optimizers already weighed against the primary
+    /// (the primary among them): each is weighed once.
+    weighed: Vec<Py<PyAny>>,
     /// Stand-ins are on for the step in progress (it is sampled).
     #[pyo3(get, set)]
     sampling: bool,
@@ -183,6 +189,8 @@ impl StepClock {
             opt_calls: 0,
             marker: None,
             primary: None,
+            primary_path: Vec::new(),
+            weighed: Vec::new(),
             sampling: false,
             told: [None, None, None],
             wired: OnceLock::new(),
@@ -443,8 +451,10 @@ fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -
     if by_call {
         return Ok(());
     }
-    // The first optimizer seen stepping marks steps (the primary); others
-    // (a GAN's second) are timed, not counted.
+    // The optimizer that steps last in the program's loop marks steps
+    // (the primary); others (a GAN's first, Muon's partner) are timed, not
+    // counted. The first seen stepping is the primary until another is
+    // seen that the program calls later (see `weigh`).
     let primary = match held {
         Some(weak) => weak.bind(py).call0()?,
         None => py.None().into_bound(py),
@@ -452,9 +462,21 @@ fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -
     let new = primary.is_none();
     if new {
         let weak = PyWeakrefReference::new(optimizer)?.into_any().unbind();
-        let old = slf.borrow_mut().primary.replace(weak);
-        drop(old);
+        let path = call_path(py)?;
+        let (old, old_path, old_weighed) = {
+            let mut clock = slf.borrow_mut();
+            (
+                clock.primary.replace(weak.clone_ref(py)),
+                std::mem::replace(&mut clock.primary_path, path),
+                std::mem::replace(&mut clock.weighed, vec![weak]),
+            )
+        };
+        drop((old, old_path, old_weighed));
     } else if !primary.is(optimizer) {
+        // Made the primary here, it ends the step at its next step: the
+        // step in progress is then longer, and the steps stay counted one
+        // a loop.
+        weigh(slf, optimizer)?;
         return Ok(());
     }
     slf.borrow_mut().marker = Some("optimizer".to_owned());
@@ -463,6 +485,87 @@ fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -
             .getattr(intern!(py, "known_optimizers"))?
             .contains(optimizer)?;
     boundary_at(slf, now, optimizer, unknown)
+}
+
+/// The frames of the Python code running now, from the outermost: each
+/// one's code and the instruction it is at.
+fn call_path(py: Python<'_>) -> PyResult<Vec<(Py<PyAny>, i64)>> {
+    let mut path = Vec::new();
+    let mut frame = py
+        .import(intern!(py, "sys"))?
+        .call_method1(intern!(py, "_getframe"), (0,))?;
+    while !frame.is_none() && path.len() < MAX_PATH {
+        path.push((
+            frame.getattr(intern!(py, "f_code"))?.unbind(),
+            frame.getattr(intern!(py, "f_lasti"))?.extract()?,
+        ));
+        frame = frame.getattr(intern!(py, "f_back"))?;
+    }
+    path.reverse();
+    Ok(path)
+}
+
+/// Frames kept of a call path (deeper ones are compared as alike).
+const MAX_PATH: usize = 512;
+
+/// Whether the call at `path` comes after the one at `than` in the
+/// program's loop: where they part, the same code at a later instruction.
+/// A call whose path holds the other's (an optimizer that steps inside
+/// another's step) comes first; alike paths (`for opt in optimizers:
+/// opt.step()`) are taken in the order seen. None: they part in different
+/// code, and cannot be told apart.
+fn comes_later(path: &[(Py<PyAny>, i64)], than: &[(Py<PyAny>, i64)]) -> Option<bool> {
+    for ((code, at), (other_code, other_at)) in path.iter().zip(than) {
+        if !code.is(other_code) {
+            return None;
+        }
+        if at != other_at {
+            return Some(at > other_at);
+        }
+    }
+    Some(path.len() <= than.len())
+}
+
+/// A step of an optimizer other than the primary, seen for the first time:
+/// it becomes the primary where the program calls it later in its loop
+/// (the step's end is after the last optimizer's). Each optimizer is
+/// weighed once, so that two that step at different rates (a critic's five
+/// steps to a generator's one) do not take turns.
+fn weigh(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
+    let py = slf.py();
+    let weighed: Vec<Py<PyAny>> = slf
+        .borrow()
+        .weighed
+        .iter()
+        .map(|w| w.clone_ref(py))
+        .collect();
+    let mut live = Vec::with_capacity(weighed.len() + 1);
+    for weak in weighed {
+        let held = weak.bind(py).call0()?;
+        if held.is(optimizer) {
+            return Ok(());
+        }
+        if !held.is_none() {
+            live.push(weak);
+        }
+    }
+    let weak = PyWeakrefReference::new(optimizer)?.into_any().unbind();
+    live.push(weak.clone_ref(py));
+    let path = call_path(py)?;
+    let later = comes_later(&path, &slf.borrow().primary_path) == Some(true);
+    let dropped = {
+        let mut clock = slf.borrow_mut();
+        let old_weighed = std::mem::replace(&mut clock.weighed, live);
+        if later {
+            let old = clock.primary.replace(weak);
+            let old_path = std::mem::replace(&mut clock.primary_path, path);
+            (old_weighed, old, old_path)
+        } else {
+            (old_weighed, None, path)
+        }
+    };
+    drop(dropped);
+    Ok(())
 }
 
 /// The short way through a boundary, where the last long one left the

@@ -666,6 +666,9 @@ fn trace_on_text(reply: &Value) -> String {
             .map(|f| format!(" (first sampled step: {f})"))
             .unwrap_or_default(),
     );
+    if status["trace"]["numbered"].as_str() == Some("clock") {
+        out += "note: steps are counted from here, as the program keeps no count that the probe can read (SGD keeps none), so their numbers may not be your loop's\n";
+    }
     out += &trace_line(&status["trace"]);
     out
 }

@@ -206,14 +206,19 @@ class Recorder:
 
     def _tensors(self, first):
         """(shapes, dtype, bytes) of a first argument that is not a tensor:
-        the list of tensors that the call moves, or nothing."""
+        the list of tensors that the call moves, or nothing. Its bytes are
+        the whole list's, as a tensor first argument's are the whole
+        tensor's: `all_gather`'s list and `all_gather_into_tensor`'s output
+        count alike (nccl-tests' size)."""
         # type(), not isinstance(): an object list's items may be anything.
         tensor_type = sys.modules["torch"].Tensor
         if type(first) in (list, tuple):
-            tensors = [v for v in first[:4] if issubclass(type(v), tensor_type)]
+            tensors = [v for v in first if issubclass(type(v), tensor_type)]
             if tensors:
-                shapes, dtype, item = self._shape_of(tensors)
-                return shapes, dtype, tensors[0].numel() * item
+                shapes, dtype, item = self._shape_of(tensors[:4])
+                if len(tensors) > 4:
+                    shapes += f";... ({len(tensors)} tensors)"
+                return shapes, dtype, sum(t.numel() for t in tensors) * item
         return None, None, None
 
     @staticmethod

@@ -57,7 +57,44 @@ def discover(objects: list | None = None) -> tuple[list, list, list]:
         models = [root for root in roots if any(id(p) in updated for p in root.parameters())]
     else:
         models = [root for root in roots if not isinstance(root, loss_type) and next(root.parameters(), None) is not None]
+    _label(models)
     return models, found_optimizers, losses
+
+
+# id(model) -> the label its modules' names start with, where the program
+# has more than one model (a GAN's two): their own names (`main.0`) would
+# be alike. Set by each `discover`.
+_LABELS: dict = {}
+
+
+def _label(found: list) -> None:
+    global _LABELS
+    if len(found) < 2:
+        _LABELS = {}
+        return
+    main = getattr(sys.modules.get("__main__"), "__dict__", {})
+    by_id = {id(value): name for name, value in list(main.items()) if not name.startswith("_") and id(value) in {id(m) for m in found}}
+    labels, used = {}, set()
+    for model in found:
+        label = by_id.get(id(model)) or root_name(model)
+        n = 1
+        while (label if n == 1 else f"{label}#{n}") in used:
+            n += 1
+        label = label if n == 1 else f"{label}#{n}"
+        used.add(label)
+        labels[id(model)] = label
+    _LABELS = labels
+
+
+def qualified(model, name: str) -> str:
+    """The name the tables give `model`'s module (or parameter) `name`
+    (as ``named_modules()`` names it; "" for the root): the name itself,
+    the root by its class; with several models, each name after its
+    model's label (the variable in ``__main__`` that holds it, else its class)."""
+    label = _LABELS.get(id(model))
+    if label is None:
+        return name or root_name(model)
+    return f"{label}.{name}" if name else label
 
 
 def params_with_grads(optimizer) -> list:
@@ -124,7 +161,7 @@ def describe_model(model, found_optimizers: list) -> dict:
         child_total, _ = _count(child.parameters())
         children.append({"name": name, "type": type(child).__name__, "parameters": child_total})
     return {
-        "name": root_name(model),
+        "name": qualified(model, ""),
         "type": type(model).__name__,
         "submodules": sum(1 for _ in model.modules()) - 1,
         "parameters": total,

@@ -631,7 +631,7 @@ class NanWatch:
         if bad:
             return {
                 "stage": "input",
-                "module": models.root_name(model),
+                "module": models.qualified(model, ""),
                 "module_type": type(model).__name__,
                 "what": "the model's input",
                 "nonfinite": bad,
@@ -677,7 +677,7 @@ class NanWatch:
                 detail += "; a loss whose own gradient is non-finite at a finite value would look the same"
             return {
                 "stage": "all_reduce",
-                "module": models.root_name(model),
+                "module": models.qualified(model, ""),
                 "module_type": type(model).__name__,
                 "what": "its gradients, after DDP's all-reduce: another rank sent non-finite ones "
                         "(`rankscope cluster torch nan` names the rank where it began)",
@@ -709,7 +709,7 @@ class NanWatch:
                 return {
                     "previous_step": True,
                     "stage": "update",
-                    "module": name or models.root_name(model),
+                    "module": models.qualified(model, name),
                     "module_type": type(module).__name__,
                     "what": "its weights became non-finite between this step and the next (the optimizer's update, "
                             "or the program's own change of them)",
@@ -728,9 +728,9 @@ class NanWatch:
         order = []
         for model in TRACER.live_models():
             for name, module in model.named_modules():
-                order.append((name or models.root_name(model), module))
+                order.append((models.qualified(model, name), module))
                 for p in module.parameters(recurse=False):
-                    names[id(p)] = (name or models.root_name(model), module)
+                    names[id(p)] = (models.qualified(model, name), module)
         bad = {id(p) for p in params if _nonfinite(p.grad)}
         culprit = None
         for name, module in order:
@@ -914,7 +914,7 @@ class _Replay:
         self.inner = model.module if _ddp(model) else model
         self.names = {}
         for name, module in model.named_modules():
-            self.names[id(module)] = name or models.root_name(model)
+            self.names[id(module)] = models.qualified(model, name)
         self.found = None
         self.running: list = []  # modules whose forward is in progress
         self.output = None

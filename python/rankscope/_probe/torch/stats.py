@@ -178,8 +178,7 @@ class GradStats:
         names = {}
         for model in TRACER.live_models() if found is None else found:
             for name, param in model.named_parameters():
-                module = name.rpartition(".")[0] or models.root_name(model)
-                names[id(param)] = (name, module)
+                names[id(param)] = (models.qualified(model, name), models.qualified(model, name.rpartition(".")[0]))
         self.names = names
         self.params = len(names)
 
@@ -518,9 +517,9 @@ class ActivationStats:
         plan, names = [], []
         for model in found:
             for name, module in models.outside_compiled(model):
-                qualified = name or models.root_name(model)
+                qualified = models.qualified(model, name)
                 names.append(qualified)
-                if glob in ("*", "") or fnmatch.fnmatchcase(qualified, glob):
+                if glob in ("*", "") or fnmatch.fnmatchcase(qualified, glob) or (name and fnmatch.fnmatchcase(name, glob)):
                     plan.append((weakref.ref(module), _Watched(qualified, type(module).__name__)))
         return plan, names
 

@@ -246,6 +246,10 @@ def _tensors(value):
                 yield item
 
 
+# A sampled step on a GPU keeps this many losses' copies at most.
+MAX_LOSSES = 1024
+
+
 def _scalar_loss(output):
     """The loss in a root module's output: a 0-dim floating tensor, or the
     ``loss`` of a model output that carries one (Hugging Face's)."""
@@ -306,6 +310,10 @@ class Tracer(_native.StepClock):
         self.primary = None  # weakref to the optimizer whose step ends a step
         self.marker = None
         self.step = None  # the step in progress
+        # Where the clock's step numbers come from: "start" (the program's
+        # first step is 0), "optimizer" (its own count) or "clock" (counted
+        # from the clock's first boundary: SGD keeps no count).
+        self.numbered = None
         self.last_end = None
         self.step_told = 0
         self.sampling = False  # stand-ins are on for the step in progress
@@ -334,6 +342,7 @@ class Tracer(_native.StepClock):
         self.first_fwd = self.pass_start = self.opt_start = None
         self.fwd_ns = self.bwd_ns = self.opt_ns = self.opt_calls = self.samples = 0
         self.loss = self.loss_event = None
+        self.loss_n = None  # (how many, their sum) where `loss` is their mean, a float
 
     # ---- turning on and off (probe thread, or the env at torch's import)
 
@@ -375,6 +384,7 @@ class Tracer(_native.StepClock):
                 # is step 0.
                 self.partial = not self.before_first_step
                 self.step = 0 if self.before_first_step else None
+                self.numbered = "start" if self.before_first_step else None
                 self.last_end = None
             self.on = True
         installed = self._install_optimizer_hooks(wait_s)
@@ -563,10 +573,11 @@ class Tracer(_native.StepClock):
             # The device its GPU figures are read on (None: a CPU model).
             cuda = first.device if first is not None and first.is_cuda else None
             for name, module in models.outside_compiled(model):
-                qualified = models.root_name(model) if name == "" else name
+                qualified = models.qualified(model, name)
                 if names is not None:
                     names.append(qualified)
-                rows = self._matches(qualified)
+                # (A glob may leave out the model's label.)
+                rows = self._matches(qualified) or (name != "" and name != qualified and self._matches(name))
                 if rows or name == "":
                     depth = 0 if name == "" else name.count(".") + 1
                     plan.append((weakref.ref(module), qualified, type(module).__name__, depth, rows, name == "",
@@ -591,11 +602,13 @@ class Tracer(_native.StepClock):
              None if slot.bwd_open is None else list(slot.bwd_open), list(slot.bwd_events))
             for slot in self.full
         ]
+        loss, event = self.loss, self.loss_event
         return (list(self.acc), self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples,
-                self.loss, self.loss_event, slots)
+                list(loss) if type(loss) is list else loss, list(event) if type(event) is list else event,
+                self.loss_n, slots)
 
     def restore(self, held: tuple) -> None:
-        acc, self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples, self.loss, self.loss_event, slots = held
+        acc, self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples, self.loss, self.loss_event, self.loss_n, slots = held
         if len(acc) == len(self.acc):
             self.acc[:] = acc
         for slot, open_events, events, mem_starts, *rest in slots:
@@ -638,6 +651,8 @@ class Tracer(_native.StepClock):
                 # trace turned on at different times on two ranks numbers
                 # their steps alike; counted from here on.
                 completed = models.completed_steps(optimizer) if optimizer is not None else None
+                if self.numbered is None:
+                    self.numbered = "clock" if completed is None else "optimizer"
             elif self.step is not None and self.tracing:
                 self._finish_step(now)
             if tables.waiting:
@@ -711,18 +726,21 @@ class Tracer(_native.StepClock):
     def _loss_into(self, row, index):
         """Puts the loss in `row` now (CPU), or returns how to read it
         later without a device sync (CUDA)."""
-        loss, event = self.loss, self.loss_event
+        loss, events = self.loss, self.loss_event
         if loss is None:
             return ()
-        if event is None:
+        if events is None:
             row[index] = float(loss)
             return ()
 
         def resolve():
-            # The host copy, once the copy's event has passed.
-            if not event.query():
+            # The host copies, once their copies' events have passed.
+            if not all(event.query() for event in events):
                 raise LookupError("not yet")
-            return float(loss)
+            total = 0.0
+            for copy in loss:
+                total += float(copy)
+            return total / len(loss)
 
         return [(index, resolve)]
 
@@ -886,17 +904,33 @@ class Tracer(_native.StepClock):
             self.samples += first.shape[0]
 
     def _take_loss(self, loss):
+        """Keeps a loss of the sampled step: its row has the mean of them
+        all, which under gradient accumulation is the micro-batches' mean
+        (the batch's loss), not the last micro-batch's."""
         loss = _local(loss)
+        held = self.loss
         if loss.is_cuda:
             if torch.cuda.is_current_stream_capturing():
                 return  # (a copy and an event would be nodes of the graph)
             # Copied out behind the step's kernels and read once the copy's
             # event has passed: `float()` of a GPU tensor would wait for the
             # whole queue (a sync per sampled step).
-            self.loss = loss.detach().to("cpu", non_blocking=True)
-            self.loss_event = _cuda_event(loss.device)
-        else:
+            copy, event = loss.detach().to("cpu", non_blocking=True), _cuda_event(loss.device)
+            if type(held) is list:
+                if len(held) < MAX_LOSSES:
+                    held.append(copy)
+                    self.loss_event.append(event)
+            else:
+                self.loss, self.loss_event = [copy], [event]
+        elif held is None or type(held) is list:
+            # (The first; or a CPU loss after GPU ones, which a step of
+            # one model does not make: the CPU's alone count then.)
             self.loss, self.loss_event = loss.detach(), None
+        else:
+            # Summed in the order seen, as a loop of `total += loss` does.
+            n, total = self.loss_n if type(held) is float else (1, float(held))
+            total += float(loss)
+            self.loss, self.loss_n = total / (n + 1), (n + 1, total)
 
     def _loss_out(self, args, output):
         try:
@@ -984,6 +1018,17 @@ class Tracer(_native.StepClock):
                 return max(counts)
         return 0  # counted from here: the first boundary makes it 1
 
+    def _numbering(self):
+        """Where the step numbers come from (see `numbered`), also before
+        the clock's first boundary has settled it."""
+        if not self.on or self.numbered is not None:
+            return self.numbered
+        if self.marker != "rankscope.step()":
+            primary = self.primary() if self.primary is not None else None
+            if any(models.completed_steps(opt) is not None for opt in ([primary] if primary is not None else list(self.known_optimizers))):
+                return "optimizer"
+        return "clock"
+
     def describe(self) -> dict:
         if self.opt_hooks is not None and not self.on:
             self._remove_optimizer_hooks(0)
@@ -998,6 +1043,7 @@ class Tracer(_native.StepClock):
             "sampling_now": self.sampling,
             "sampled_steps": self.sampled_steps,
             "step": self._step_in_progress(),
+            "numbered": self._numbering(),
             "marker": self.marker,
             "errors": self.errors,
             "disabled": self.disabled,

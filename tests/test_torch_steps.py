@@ -1,0 +1,170 @@
+"""What a step is where a loop is more than one forward, one backward and
+one optimizer step: two optimizers stepped one after the other (Muon with
+AdamW, a GAN's two), in two lines or in a loop over a list, and gradient
+accumulation. A step ends at the last optimizer of the loop, so each
+step's rows hold that loop's gradients, whichever optimizer updates them;
+its loss is the mean of the losses seen in it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import require_torch
+
+LOOP = """
+import json, sys, time
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+MODE = sys.argv[1]
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+criterion = nn.MSELoss()
+micro = 1
+if MODE == "accumulate":
+    optimizers = [torch.optim.Adam(model.parameters(), lr=1e-2)]
+    micro = 4
+else:
+    # An optimizer that keeps no count first, as Muon's usual partner
+    # order has it: the steps' numbers come from the program's start.
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizers = [torch.optim.SGD(matrices, lr=0.05), torch.optim.Adam(vectors, lr=1e-2)]
+norms, losses = [], []
+for it in range(12):
+    for opt in optimizers:
+        opt.zero_grad()
+    seen = []
+    for _ in range(micro):
+        x, y = torch.randn(8, 8), torch.randn(8, 4)
+        loss = criterion(model(x), y)
+        seen.append(loss.item())
+        (loss / micro).backward()
+    total = 0.0
+    for value in seen:
+        total += value
+    losses.append(total / micro)
+    norms.append({name: p.grad.norm().item() for name, p in model.named_parameters()})
+    if MODE == "list":
+        for opt in optimizers:
+            opt.step()
+    elif MODE == "two":
+        optimizers[0].step()
+        optimizers[1].step()
+    else:
+        optimizers[0].step()
+print("RESULT " + json.dumps({"norms": norms, "losses": losses}), flush=True)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+PARAMS = ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def query(cli, pid, sql):
+    result = cli(pid, "query", sql, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("mode", ["two", "list"])
+def test_a_step_of_two_optimizers_ends_after_the_last_and_holds_its_loops_gradients(python, spawn, cli, mode):
+    require_torch(python)
+    target = spawn(python, LOOP, args=[mode], env={"RANKSCOPE_TORCH": "trace,grads,every=1"}, wait=False)
+    program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    steps = query(cli, target.pid, "SELECT step, optimizer_ms FROM python.torch_steps ORDER BY step")
+    # One step a loop: the first ended at the first optimizer seen, before
+    # the second was known to step after it, so the second is longer.
+    assert [r["step"] for r in steps] == list(range(12)), steps
+    rows = query(cli, target.pid, "SELECT step, param, norm FROM python.grad_stats WHERE step >= 2 ORDER BY step, param")
+    got = {}
+    for r in rows:
+        got.setdefault(r["step"], []).append((r["param"], r["norm"]))
+    assert sorted(got) == list(range(2, 12)), rows
+    for step, params in got.items():
+        assert [name for name, _ in params] == PARAMS, (step, params)
+        for name, norm in params:
+            # Both optimizers' parameters, from the loop the step numbers.
+            assert norm == pytest.approx(program["norms"][step][name], rel=1e-5), (step, name, norm, program["norms"][step])
+    described = json.loads(cli(target.pid, "torch", "--format", "json").stdout)
+    assert described["step"] == 12 and described["step_source"] == "optimizer", described
+
+
+def test_under_gradient_accumulation_a_steps_loss_is_its_micro_batches_mean(python, spawn, cli):
+    require_torch(python)
+    target = spawn(python, LOOP, args=["accumulate"], env={"RANKSCOPE_TORCH": "trace,every=1"}, wait=False)
+    program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    rows = query(cli, target.pid, "SELECT step, loss, samples FROM python.torch_steps ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(12)), rows
+    # (Step 0 was run before the probe had seen the model.)
+    for r in rows[1:]:
+        # To the bit: the four micro-batches' losses summed in their order.
+        assert r["loss"] == program["losses"][r["step"]], (r, program["losses"])
+        assert r["samples"] == 32, r
+
+
+GAN = """
+import json, time
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+netG = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+netD = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+bce = nn.BCEWithLogitsLoss()
+optD = torch.optim.Adam(netD.parameters(), lr=1e-3)
+optG = torch.optim.Adam(netG.parameters(), lr=1e-3)
+ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
+norms, losses = [], []
+for it in range(12):
+    real, z = torch.randn(8, 8), torch.randn(8, 4)
+    optD.zero_grad()
+    fake = netG(z)
+    real_loss, fake_loss = bce(netD(real), ones), bce(netD(fake.detach()), zeros)
+    (real_loss + fake_loss).backward()
+    seen = {"netD." + name: p.grad.norm().item() for name, p in netD.named_parameters()}
+    optD.step()
+    optG.zero_grad()
+    g_loss = bce(netD(fake), ones)
+    g_loss.backward()
+    seen.update({"netG." + name: p.grad.norm().item() for name, p in netG.named_parameters()})
+    optG.step()
+    norms.append(seen)
+    total = 0.0
+    for value in (real_loss.item(), fake_loss.item(), g_loss.item()):
+        total += value
+    losses.append(total / 3)
+print("RESULT " + json.dumps({"norms": norms, "losses": losses}), flush=True)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_gans_two_models_are_named_apart_and_its_step_ends_after_the_generators_update(python, spawn, cli):
+    require_torch(python)
+    target = spawn(python, GAN, env={"RANKSCOPE_TORCH": "trace,grads,every=1"}, wait=False)
+    program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    # Each model's modules after the variable that holds it: both are a
+    # Sequential of Linear, ReLU, Linear, whose own names are alike.
+    modules = query(cli, target.pid, "SELECT DISTINCT module FROM python.torch_trace ORDER BY module")
+    assert [r["module"] for r in modules] == [f"{net}{child}" for net in ("netD", "netG") for child in ("", ".0", ".1", ".2")], modules
+    rows = query(cli, target.pid, "SELECT step, param, module, norm FROM python.grad_stats WHERE step >= 2 ORDER BY step, param")
+    got = {}
+    for r in rows:
+        got.setdefault(r["step"], {})[r["param"]] = r["norm"]
+        assert r["param"].startswith(r["module"] + "."), r
+    assert sorted(got) == list(range(2, 12)), rows
+    for step, params in got.items():
+        # The discriminator's update and the generator's, of the same loop.
+        assert sorted(params) == sorted(program["norms"][step]), params
+        for name, norm in params.items():
+            assert norm == pytest.approx(program["norms"][step][name], rel=1e-5), (step, name)
+    steps = query(cli, target.pid, "SELECT step, loss FROM python.torch_steps WHERE step >= 2 ORDER BY step")
+    assert [r["loss"] for r in steps] == program["losses"][2:], (steps, program["losses"])
