@@ -26,6 +26,17 @@ micro = 1
 if MODE == "accumulate":
     optimizers = [torch.optim.Adam(model.parameters(), lr=1e-2)]
     micro = 4
+elif MODE == "nested":
+    # An optimizer whose step is another's (ZeroRedundancyOptimizer's is).
+    class Outer(torch.optim.Optimizer):
+        def __init__(self, inner):
+            self.inner = inner
+            super().__init__(inner.param_groups, {})
+
+        def step(self, closure=None):
+            self.inner.step()
+
+    optimizers = [Outer(torch.optim.Adam(model.parameters(), lr=1e-2))]
 else:
     # An optimizer that keeps no count first, as Muon's usual partner
     # order has it: the steps' numbers come from the program's start.
@@ -70,7 +81,7 @@ def query(cli, pid, sql):
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("mode", ["two", "list"])
+@pytest.mark.parametrize("mode", ["two", "list", "nested"])
 def test_a_step_of_two_optimizers_ends_after_the_last_and_holds_its_loops_gradients(python, spawn, cli, mode):
     require_torch(python)
     target = spawn(python, LOOP, args=[mode], env={"RANKSCOPE_TORCH": "trace,grads,every=1"}, wait=False)
@@ -96,7 +107,10 @@ def test_a_step_of_two_optimizers_ends_after_the_last_and_holds_its_loops_gradie
 
 def test_under_gradient_accumulation_a_steps_loss_is_its_micro_batches_mean(python, spawn, cli):
     require_torch(python)
-    target = spawn(python, LOOP, args=["accumulate"], env={"RANKSCOPE_TORCH": "trace,every=1"}, wait=False)
+    # A warning of the probe's own (float() of a loss that needs grad) would
+    # be the program's stderr: made an error, it turns the trace off.
+    quiet = {"PYTHONWARNINGS": "error::UserWarning:rankscope._probe.torch.trace"}
+    target = spawn(python, LOOP, args=["accumulate"], env={"RANKSCOPE_TORCH": "trace,every=1", **quiet}, wait=False)
     program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
     target.wait_for_line("READY")
     rows = query(cli, target.pid, "SELECT step, loss, samples FROM python.torch_steps ORDER BY step")
@@ -106,6 +120,7 @@ def test_under_gradient_accumulation_a_steps_loss_is_its_micro_batches_mean(pyth
         # To the bit: the four micro-batches' losses summed in their order.
         assert r["loss"] == program["losses"][r["step"]], (r, program["losses"])
         assert r["samples"] == 32, r
+    assert json.loads(cli(target.pid, "torch", "--format", "json").stdout)["trace"]["errors"] == 0
 
 
 GAN = """

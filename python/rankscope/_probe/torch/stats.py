@@ -201,6 +201,12 @@ class GradStats:
         if not self.on:
             return
         params = models.params_with_grads(optimizer)
+        if self.before:
+            # Another optimizer's step of this step is open: this one steps
+            # inside it (ZeroRedundancyOptimizer's local one, a wrapper's
+            # inner one), over parameters already read there.
+            taken = {id(p) for entry in self.before.values() if entry[1] == step for p in entry[2]}
+            params = [p for p in params if id(p) not in taken]
         if not params:
             return
         if any(id(p) not in self.names for p in params):

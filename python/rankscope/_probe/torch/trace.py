@@ -929,7 +929,7 @@ class Tracer(_native.StepClock):
         else:
             # Summed in the order seen, as a loop of `total += loss` does.
             n, total = self.loss_n if type(held) is float else (1, float(held))
-            total += float(loss)
+            total += float(loss.detach())  # (of a tensor that needs grad, float() warns)
             self.loss, self.loss_n = total / (n + 1), (n + 1, total)
 
     def _loss_out(self, args, output):
