@@ -26,6 +26,10 @@ micro = 1
 if MODE == "accumulate":
     optimizers = [torch.optim.Adam(model.parameters(), lr=1e-2)]
     micro = 4
+elif MODE == "aux":
+    # A second optimizer stepped every fourth loop, after the first.
+    head_bias = model[2].bias
+    optimizers = [torch.optim.Adam([p for p in model.parameters() if p is not head_bias], lr=1e-2), torch.optim.SGD([head_bias], lr=0.1)]
 elif MODE == "nested":
     # An optimizer whose step is another's (ZeroRedundancyOptimizer's is).
     class Outer(torch.optim.Optimizer):
@@ -64,6 +68,10 @@ for it in range(12):
     elif MODE == "two":
         optimizers[0].step()
         optimizers[1].step()
+    elif MODE == "aux":
+        optimizers[0].step()
+        if it % 4 == 3:
+            optimizers[1].step()
     else:
         optimizers[0].step()
 print("RESULT " + json.dumps({"norms": norms, "losses": losses}), flush=True)
@@ -88,14 +96,15 @@ def test_a_step_of_two_optimizers_ends_after_the_last_and_holds_its_loops_gradie
     program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
     target.wait_for_line("READY")
     steps = query(cli, target.pid, "SELECT step, optimizer_ms FROM python.torch_steps ORDER BY step")
-    # One step a loop: the first ended at the first optimizer seen, before
-    # the second was known to step after it, so the second is longer.
+    # One step a loop: the first two ended at the first optimizer seen,
+    # before the second was known to step at its rate and after it, so the
+    # third is longer.
     assert [r["step"] for r in steps] == list(range(12)), steps
-    rows = query(cli, target.pid, "SELECT step, param, norm FROM python.grad_stats WHERE step >= 2 ORDER BY step, param")
+    rows = query(cli, target.pid, "SELECT step, param, norm FROM python.grad_stats WHERE step >= 3 ORDER BY step, param")
     got = {}
     for r in rows:
         got.setdefault(r["step"], []).append((r["param"], r["norm"]))
-    assert sorted(got) == list(range(2, 12)), rows
+    assert sorted(got) == list(range(3, 12)), rows
     for step, params in got.items():
         assert [name for name, _ in params] == PARAMS, (step, params)
         for name, norm in params:
@@ -103,6 +112,19 @@ def test_a_step_of_two_optimizers_ends_after_the_last_and_holds_its_loops_gradie
             assert norm == pytest.approx(program["norms"][step][name], rel=1e-5), (step, name, norm, program["norms"][step])
     described = json.loads(cli(target.pid, "torch", "--format", "json").stdout)
     assert described["step"] == 12 and described["step_source"] == "optimizer", described
+
+
+def test_an_optimizer_stepped_every_few_loops_does_not_mark_steps(python, spawn, cli):
+    require_torch(python)
+    target = spawn(python, LOOP, args=["aux"], env={"RANKSCOPE_TORCH": "trace,grads,every=1"}, wait=False)
+    program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    steps = query(cli, target.pid, "SELECT step FROM python.torch_steps ORDER BY step")
+    assert [r["step"] for r in steps] == list(range(12)), steps
+    rows = query(cli, target.pid, "SELECT step, param, norm FROM python.grad_stats WHERE step >= 1 AND param <> '2.bias' ORDER BY step, param")
+    assert [(r["step"], r["param"]) for r in rows] == [(step, name) for step in range(1, 12) for name in PARAMS if name != "2.bias"], rows
+    for r in rows:
+        assert r["norm"] == pytest.approx(program["norms"][r["step"]][r["param"]], rel=1e-5), r
 
 
 def test_under_gradient_accumulation_a_steps_loss_is_its_micro_batches_mean(python, spawn, cli):
@@ -170,16 +192,16 @@ def test_a_gans_two_models_are_named_apart_and_its_step_ends_after_the_generator
     # Sequential of Linear, ReLU, Linear, whose own names are alike.
     modules = query(cli, target.pid, "SELECT DISTINCT module FROM python.torch_trace ORDER BY module")
     assert [r["module"] for r in modules] == [f"{net}{child}" for net in ("netD", "netG") for child in ("", ".0", ".1", ".2")], modules
-    rows = query(cli, target.pid, "SELECT step, param, module, norm FROM python.grad_stats WHERE step >= 2 ORDER BY step, param")
+    rows = query(cli, target.pid, "SELECT step, param, module, norm FROM python.grad_stats WHERE step >= 3 ORDER BY step, param")
     got = {}
     for r in rows:
         got.setdefault(r["step"], {})[r["param"]] = r["norm"]
         assert r["param"].startswith(r["module"] + "."), r
-    assert sorted(got) == list(range(2, 12)), rows
+    assert sorted(got) == list(range(3, 12)), rows
     for step, params in got.items():
         # The discriminator's update and the generator's, of the same loop.
         assert sorted(params) == sorted(program["norms"][step]), params
         for name, norm in params.items():
             assert norm == pytest.approx(program["norms"][step][name], rel=1e-5), (step, name)
-    steps = query(cli, target.pid, "SELECT step, loss FROM python.torch_steps WHERE step >= 2 ORDER BY step")
-    assert [r["loss"] for r in steps] == program["losses"][2:], (steps, program["losses"])
+    steps = query(cli, target.pid, "SELECT step, loss FROM python.torch_steps WHERE step >= 3 ORDER BY step")
+    assert [r["loss"] for r in steps] == program["losses"][3:], (steps, program["losses"])

@@ -155,9 +155,10 @@ pub struct StepClock {
     /// Where the program called the primary's step: its frames' (code,
     /// instruction) from the outermost; see `weigh`.
     primary_path: Vec<(Py<PyAny>, i64)>,
-    /// Weakrefs to the optimizers already weighed against the primary
-    /// (the primary among them): each is weighed once.
-    weighed: Vec<Py<PyAny>>,
+    /// The optimizers seen besides the primary (it among them), each a
+    /// weakref and the step it was first seen in, or `WEIGHED` once it
+    /// was weighed against the primary: each is weighed once.
+    weighed: Vec<(Py<PyAny>, i64)>,
     /// Stand-ins are on for the step in progress (it is sampled).
     #[pyo3(get, set)]
     sampling: bool,
@@ -468,7 +469,7 @@ fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -
             (
                 clock.primary.replace(weak.clone_ref(py)),
                 std::mem::replace(&mut clock.primary_path, path),
-                std::mem::replace(&mut clock.weighed, vec![weak]),
+                std::mem::replace(&mut clock.weighed, vec![(weak, WEIGHED)]),
             )
         };
         drop((old, old_path, old_weighed));
@@ -487,18 +488,31 @@ fn post_on(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>, now: i64) -
     boundary_at(slf, now, optimizer, unknown)
 }
 
-/// The frames of the Python code running now, from the outermost: each
-/// one's code and the instruction it is at.
+/// Where the program called the optimizer step in progress: the frames
+/// above the outermost call of torch's step wrapper (the innermost frame,
+/// which calls the hooks), from the outermost, each one's code and the
+/// instruction it is at. torch's own frames are left out: 3.11 may show
+/// the same call there at either of two instructions (a call specialised
+/// or not), and what orders two steps is the program's code.
 fn call_path(py: Python<'_>) -> PyResult<Vec<(Py<PyAny>, i64)>> {
     let mut path = Vec::new();
     let mut frame = py
         .import(intern!(py, "sys"))?
         .call_method1(intern!(py, "_getframe"), (0,))?;
+    let mut wrapper: Option<Bound<'_, PyAny>> = None;
     while !frame.is_none() && path.len() < MAX_PATH {
-        path.push((
-            frame.getattr(intern!(py, "f_code"))?.unbind(),
-            frame.getattr(intern!(py, "f_lasti"))?.extract()?,
-        ));
+        let code = frame.getattr(intern!(py, "f_code"))?;
+        match &wrapper {
+            None => wrapper = Some(code.clone()),
+            Some(w) if code.is(w) => path.clear(),
+            Some(_) => {}
+        }
+        if !wrapper.as_ref().is_some_and(|w| code.is(w)) {
+            path.push((
+                code.unbind(),
+                frame.getattr(intern!(py, "f_lasti"))?.extract()?,
+            ));
+        }
         frame = frame.getattr(intern!(py, "f_back"))?;
     }
     path.reverse();
@@ -510,9 +524,9 @@ const MAX_PATH: usize = 512;
 
 /// Whether the call at `path` comes after the one at `than` in the
 /// program's loop: where they part, the same code at a later instruction.
-/// A call whose path holds the other's (an optimizer that steps inside
-/// another's step) comes first; alike paths (`for opt in optimizers:
-/// opt.step()`) are taken in the order seen. None: they part in different
+/// Alike paths (`for opt in optimizers: opt.step()`, or an optimizer that
+/// steps inside another's step, cut at the outer step) are taken in the
+/// order seen: the later seen ends later. None: they part in different
 /// code, and cannot be told apart.
 fn comes_later(path: &[(Py<PyAny>, i64)], than: &[(Py<PyAny>, i64)]) -> Option<bool> {
     for ((code, at), (other_code, other_at)) in path.iter().zip(than) {
@@ -526,42 +540,71 @@ fn comes_later(path: &[(Py<PyAny>, i64)], than: &[(Py<PyAny>, i64)]) -> Option<b
     Some(path.len() <= than.len())
 }
 
-/// A step of an optimizer other than the primary, seen for the first time:
-/// it becomes the primary where the program calls it later in its loop
-/// (the step's end is after the last optimizer's). Each optimizer is
-/// weighed once, so that two that step at different rates (a critic's five
-/// steps to a generator's one) do not take turns.
+/// An entry of `weighed` that was weighed.
+const WEIGHED: i64 = i64::MIN;
+
+/// A step of an optimizer other than the primary. At its next step, where
+/// the primary's step came once in between (they step at the same rate, as
+/// Muon's partner and a GAN's two do), it becomes the primary if the
+/// program calls it later in its loop (the step's end is after the last
+/// optimizer's). One that steps at another rate never does: an auxiliary
+/// optimizer stepped every hundredth loop would make steps a hundred loops
+/// long, and a critic's five steps to a generator's one would have the two
+/// take turns. Each is weighed once.
 fn weigh(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
     let py = slf.py();
-    let weighed: Vec<Py<PyAny>> = slf
-        .borrow()
-        .weighed
-        .iter()
-        .map(|w| w.clone_ref(py))
-        .collect();
+    let (weighed, step) = {
+        let clock = slf.borrow();
+        let weighed: Vec<(Py<PyAny>, i64)> = clock
+            .weighed
+            .iter()
+            .map(|(w, seen)| (w.clone_ref(py), *seen))
+            .collect();
+        (weighed, clock.step.unwrap_or(0))
+    };
     let mut live = Vec::with_capacity(weighed.len() + 1);
-    for weak in weighed {
+    let mut found = None;
+    for (weak, seen) in weighed {
         let held = weak.bind(py).call0()?;
         if held.is(optimizer) {
-            return Ok(());
-        }
-        if !held.is_none() {
-            live.push(weak);
+            if seen == WEIGHED {
+                return Ok(());
+            }
+            found = Some(seen);
+            live.push((weak, WEIGHED));
+        } else if !held.is_none() {
+            live.push((weak, seen));
         }
     }
-    let weak = PyWeakrefReference::new(optimizer)?.into_any().unbind();
-    live.push(weak.clone_ref(py));
-    let path = call_path(py)?;
-    let later = comes_later(&path, &slf.borrow().primary_path) == Some(true);
+    let later = match found {
+        None => {
+            let weak = PyWeakrefReference::new(optimizer)?.into_any().unbind();
+            live.push((weak, step));
+            None
+        }
+        Some(seen) if step == seen + 1 => {
+            let path = call_path(py)?;
+            (comes_later(&path, &slf.borrow().primary_path) == Some(true)).then_some(path)
+        }
+        Some(_) => None,
+    };
+    let later = match later {
+        Some(path) => Some((
+            path,
+            PyWeakrefReference::new(optimizer)?.into_any().unbind(),
+        )),
+        None => None,
+    };
     let dropped = {
         let mut clock = slf.borrow_mut();
         let old_weighed = std::mem::replace(&mut clock.weighed, live);
-        if later {
-            let old = clock.primary.replace(weak);
-            let old_path = std::mem::replace(&mut clock.primary_path, path);
-            (old_weighed, old, old_path)
-        } else {
-            (old_weighed, None, path)
+        match later {
+            Some((path, weak)) => {
+                let old = clock.primary.replace(weak);
+                let old_path = std::mem::replace(&mut clock.primary_path, path);
+                (old_weighed, old, old_path)
+            }
+            None => (old_weighed, None, Vec::new()),
         }
     };
     drop(dropped);
