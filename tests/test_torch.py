@@ -180,7 +180,7 @@ def test_torch_lists_the_model_and_optimizer(torch_python, spawn, cli):
     assert text.returncode == 0, text.stderr
     assert "model MLP: 5 submodules, 1,633 parameters (1,633 trainable), float32 on cpu, training" in text.stdout
     assert "fc1" in text.stdout and "Linear" in text.stdout
-    assert "optimizer 0: Adam, 1 param group" in text.stdout
+    assert "optimizer 0 (optimizer): Adam, 1 param group" in text.stdout  # named by its variable
     assert "lr=0.001" in text.stdout
     assert "step 3 (from optimizer state)" in text.stdout
     assert "loss modules: MSELoss" in text.stdout

@@ -203,5 +203,9 @@ def test_a_gans_two_models_are_named_apart_and_its_step_ends_after_the_generator
         assert sorted(params) == sorted(program["norms"][step]), params
         for name, norm in params.items():
             assert norm == pytest.approx(program["norms"][step][name], rel=1e-5), (step, name)
+    # The models and optimizers by their variables.
+    text = cli(target.pid, "torch").stdout
+    assert "model netG: " in text and "model netD: " in text, text
+    assert {line.split(":")[0].split(" ", 2)[2] for line in text.splitlines() if line.startswith("optimizer ")} == {"(optD)", "(optG)"}, text
     steps = query(cli, target.pid, "SELECT step, loss FROM python.torch_steps WHERE step >= 3 ORDER BY step")
     assert [r["loss"] for r in steps] == program["losses"][3:], (steps, program["losses"])

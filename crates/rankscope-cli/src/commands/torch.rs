@@ -527,8 +527,12 @@ fn status_text(status: &Value) -> String {
         .enumerate()
     {
         let groups = opt["param_groups"].as_array().cloned().unwrap_or_default();
+        let name = opt["name"]
+            .as_str()
+            .map(|n| format!(" ({n})"))
+            .unwrap_or_default();
         out += &format!(
-            "optimizer {i}: {}, {} param group{}\n",
+            "optimizer {i}{name}: {}, {} param group{}\n",
             opt["type"].as_str().unwrap_or("?"),
             groups.len(),
             if groups.len() == 1 { "" } else { "s" }

@@ -72,11 +72,9 @@ def _label(found: list) -> None:
     if len(found) < 2:
         _LABELS = {}
         return
-    main = getattr(sys.modules.get("__main__"), "__dict__", {})
-    by_id = {id(value): name for name, value in list(main.items()) if not name.startswith("_") and id(value) in {id(m) for m in found}}
     labels, used = {}, set()
     for model in found:
-        label = by_id.get(id(model)) or root_name(model)
+        label = label_in_main(model) or root_name(model)
         n = 1
         while (label if n == 1 else f"{label}#{n}") in used:
             n += 1
@@ -132,9 +130,19 @@ def _hyperparameters(group: dict) -> dict:
     return out
 
 
+def label_in_main(obj) -> str | None:
+    """The name of a variable of ``__main__`` that holds `obj`."""
+    main = sys.modules.get("__main__")
+    for name, value in list(getattr(main, "__dict__", {}).items()):
+        if value is obj and not name.startswith("__"):
+            return name
+    return None
+
+
 def describe_optimizer(optimizer) -> dict:
     return {
         "type": type(optimizer).__name__,
+        "name": label_in_main(optimizer),
         "param_groups": [
             {"params": len(group["params"]), "hyperparameters": _hyperparameters(group)} for group in optimizer.param_groups
         ],

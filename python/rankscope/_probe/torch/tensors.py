@@ -52,14 +52,6 @@ SAVED = "saved for backward"
 MAIN_THREAD_WAIT_S = 0.1
 
 
-def _label_in_main(obj) -> str | None:
-    main = sys.modules.get("__main__")
-    for name, value in list(getattr(main, "__dict__", {}).items()):
-        if value is obj and not name.startswith("__"):
-            return name
-    return None
-
-
 def _names(containers: list) -> dict:
     """id(tensor) -> (holder path, kind), best names first. The lists,
     tuples and dicts among the locals and globals go into ``containers`` as
@@ -69,7 +61,7 @@ def _names(containers: list) -> dict:
     found, optimizers, _ = models.discover()
     param_names = {}
     for model in found:
-        root = _label_in_main(model) or models.root_name(model)
+        root = models.label_in_main(model) or models.root_name(model)
         for name, param in model.named_parameters():
             path = f"{root}.{name}"
             names.setdefault(id(param), (path, "parameter"))
@@ -79,7 +71,7 @@ def _names(containers: list) -> dict:
         for name, buffer in model.named_buffers():
             names.setdefault(id(buffer), (f"{root}.{name}", "buffer"))
     for index, opt in enumerate(optimizers):
-        label = _label_in_main(opt) or f"optimizer{index}"
+        label = models.label_in_main(opt) or f"optimizer{index}"
         for param, state in list(opt.state.items()):
             pname = param_names.get(id(param), f"param@{id(param):x}")
             for key, value in list(state.items()) if isinstance(state, dict) else ():
