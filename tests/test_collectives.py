@@ -269,6 +269,11 @@ work = dist.all_reduce(x, async_op=True)  # @async
 work.wait()
 parts = [torch.zeros(6), torch.zeros(6)]
 dist.all_gather(parts[:1], x.double().float())  # @gather
+try:
+    # By keyword, in another order: the row is the list's, as by position.
+    dist.all_gather(tensor=x, tensor_list=[torch.zeros(3)])  # @gather-keywords
+except RuntimeError:
+    pass  # gloo: the list's size is not the tensor's
 objects = [{"a": 1}]
 dist.broadcast_object_list(objects, src=0)  # @objects
 try:
@@ -301,7 +306,7 @@ def test_every_form_of_call_is_recorded_as_called_and_changes_nothing(python, sp
         assert result.returncode == 0, result.stderr
         rows = json.loads(result.stdout)
         # The async call's row closes when its future's callback runs.
-        if len(rows) == 6 and all(row["state"] != "in flight" for row in rows):
+        if len(rows) == 7 and all(row["state"] != "in flight" for row in rows):
             break
         assert time.monotonic() < deadline, rows
         time.sleep(0.2)
@@ -315,6 +320,7 @@ def test_every_form_of_call_is_recorded_as_called_and_changes_nothing(python, sp
         {"op": "all_reduce", "state": "done", **vector, "async_op": False, "caller": at("keywords")},
         {"op": "all_reduce", "state": "done", **vector, "async_op": True, "caller": at("async")},
         {"op": "all_gather", "state": "done", **vector, "async_op": False, "caller": at("gather")},
+        {"op": "all_gather", "state": "failed", "shapes": "3", "dtype": "float32", "bytes": 12, "async_op": False, "caller": at("gather-keywords")},
         {"op": "broadcast_object_list", "state": "done", "shapes": None, "dtype": None, "bytes": None, "async_op": False, "caller": at("objects")},
         {"op": "all_reduce", "state": "failed", **vector, "async_op": False, "caller": at("fails")},
     ], rows

@@ -26,8 +26,9 @@ micro = 1
 if MODE == "accumulate":
     optimizers = [torch.optim.Adam(model.parameters(), lr=1e-2)]
     micro = 4
-elif MODE == "aux":
-    # A second optimizer stepped every fourth loop, after the first.
+elif MODE in ("aux", "aux-first"):
+    # A second optimizer stepped every fourth loop, after the first (or
+    # before it, so that it is the first seen stepping).
     head_bias = model[2].bias
     optimizers = [torch.optim.Adam([p for p in model.parameters() if p is not head_bias], lr=1e-2), torch.optim.SGD([head_bias], lr=0.1)]
 elif MODE == "nested":
@@ -72,6 +73,10 @@ for it in range(12):
         optimizers[0].step()
         if it % 4 == 3:
             optimizers[1].step()
+    elif MODE == "aux-first":
+        if it % 4 == 0:
+            optimizers[1].step()
+        optimizers[0].step()
     else:
         optimizers[0].step()
 print("RESULT " + json.dumps({"norms": norms, "losses": losses}), flush=True)
@@ -125,6 +130,27 @@ def test_an_optimizer_stepped_every_few_loops_does_not_mark_steps(python, spawn,
     assert [(r["step"], r["param"]) for r in rows] == [(step, name) for step in range(1, 12) for name in PARAMS if name != "2.bias"], rows
     for r in rows:
         assert r["norm"] == pytest.approx(program["norms"][r["step"]][r["param"]], rel=1e-5), r
+
+
+def test_an_optimizer_stepped_every_few_loops_and_seen_first_gives_way(python, spawn, cli):
+    """The first optimizer seen stepping marks steps until one is seen
+    that steps more often: where the clock starts in the loop (ranks start
+    theirs at different points) does not decide what a step is."""
+    require_torch(python)
+    target = spawn(python, LOOP, args=["aux-first"], env={"RANKSCOPE_TORCH": "trace,grads,every=1"}, wait=False)
+    program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    steps = [r["step"] for r in query(cli, target.pid, "SELECT step FROM python.torch_steps ORDER BY step")]
+    # The loop's first step ended at the auxiliary one; the second showed
+    # the other stepping twice to its once; from the third, one step a
+    # loop, numbered by the Adam's own count as the loop numbers them.
+    assert steps[-9:] == list(range(3, 12)), steps
+    rows = query(cli, target.pid, "SELECT step, param, norm FROM python.grad_stats WHERE step >= 3 AND param <> '2.bias' ORDER BY step, param")
+    assert [(r["step"], r["param"]) for r in rows] == [(step, name) for step in range(3, 12) for name in PARAMS if name != "2.bias"], rows
+    for r in rows:
+        assert r["norm"] == pytest.approx(program["norms"][r["step"]][r["param"]], rel=1e-5), r
+    described = json.loads(cli(target.pid, "torch", "--format", "json").stdout)
+    assert described["step"] == 12 and described["trace"]["numbered"] == "optimizer", described
 
 
 def test_under_gradient_accumulation_a_steps_loss_is_its_micro_batches_mean(python, spawn, cli):

@@ -545,22 +545,25 @@ pub struct CollectiveCall {
     original: Py<PyAny>,
     group_at: Option<usize>,
     async_at: Option<usize>,
+    /// The name of the op's first parameter (`tensor_list` for
+    /// `all_gather`, `output` for `reduce_scatter_tensor`): given by
+    /// keyword, the same argument is read as given by position, so that a
+    /// call's `bytes` does not depend on how it was written.
+    first_name: Option<Py<PyString>>,
 }
-
-/// The names a collective's first argument goes by, where it is given by
-/// keyword.
-const FIRST: [&str; 5] = ["tensor", "output", "input", "tensor_list", "object_list"];
 
 #[pymethods]
 impl CollectiveCall {
     #[new]
-    #[pyo3(signature = (log, op, original, group_at=None, async_at=None))]
+    #[pyo3(signature = (log, op, original, group_at=None, async_at=None, first_name=None))]
     fn new(
+        py: Python<'_>,
         log: Py<CollectiveLog>,
         op: String,
         original: Py<PyAny>,
         group_at: Option<usize>,
         async_at: Option<usize>,
+        first_name: Option<&str>,
     ) -> Self {
         CollectiveCall {
             log,
@@ -568,6 +571,8 @@ impl CollectiveCall {
             original,
             group_at,
             async_at,
+            // Interned: a keyword call's lookup hashes no new string.
+            first_name: first_name.map(|name| PyString::intern(py, name).unbind()),
         }
     }
 
@@ -650,16 +655,10 @@ impl CollectiveCall {
             Some(first) => Some(first),
             // No argument at all: nothing to look for by name.
             None if kwargs.is_empty() => None,
-            None => {
-                let mut found = None;
-                for name in FIRST {
-                    if let Some(value) = by_name(&PyString::new(py, name))? {
-                        found = Some(value);
-                        break;
-                    }
-                }
-                found
-            }
+            None => match &self.first_name {
+                Some(name) => by_name(name.bind(py))?,
+                None => None,
+            },
         };
         Ok((group, asynchronous, first))
     }

@@ -543,14 +543,22 @@ fn comes_later(path: &[(Py<PyAny>, i64)], than: &[(Py<PyAny>, i64)]) -> Option<b
 /// An entry of `weighed` that was weighed.
 const WEIGHED: i64 = i64::MIN;
 
-/// A step of an optimizer other than the primary. At its next step, where
-/// the primary's step came once in between (they step at the same rate, as
-/// Muon's partner and a GAN's two do), it becomes the primary if the
-/// program calls it later in its loop (the step's end is after the last
-/// optimizer's). One that steps at another rate never does: an auxiliary
-/// optimizer stepped every hundredth loop would make steps a hundred loops
-/// long, and a critic's five steps to a generator's one would have the two
-/// take turns. Each is weighed once.
+/// A step of an optimizer other than the primary, weighed once, at its
+/// next step:
+/// - the primary's step came once in between (they step at the same rate,
+///   as Muon's partner and a GAN's two do): it becomes the primary if the
+///   program calls it later in its loop (the step's end is after the last
+///   optimizer's);
+/// - the primary's step did not come in between: it steps more often (the
+///   primary is an auxiliary optimizer stepped every few loops, or a
+///   WGAN's generator to its critic's five), and becomes the primary.
+///   Which optimizer marks steps then does not depend on where in the loop
+///   the clock started, so ranks that started at different points count
+///   the same steps; and the steps are numbered again from its own count
+///   (`Tracer._renumber`);
+/// - more than one primary step came in between: it steps less often, and
+///   never marks steps (steps a hundred loops long for an optimizer
+///   stepped every hundredth loop).
 fn weigh(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
     let py = slf.py();
     let (weighed, step) = {
@@ -576,17 +584,19 @@ fn weigh(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>) -> PyResult<(
             live.push((weak, seen));
         }
     }
-    let later = match found {
+    let (later, faster) = match found {
         None => {
             let weak = PyWeakrefReference::new(optimizer)?.into_any().unbind();
             live.push((weak, step));
-            None
+            (None, false)
         }
+        Some(seen) if step == seen => (Some(call_path(py)?), true),
         Some(seen) if step == seen + 1 => {
             let path = call_path(py)?;
-            (comes_later(&path, &slf.borrow().primary_path) == Some(true)).then_some(path)
+            let later = comes_later(&path, &slf.borrow().primary_path) == Some(true);
+            (later.then_some(path), false)
         }
-        Some(_) => None,
+        Some(_) => (None, false),
     };
     let later = match later {
         Some(path) => Some((
@@ -608,6 +618,9 @@ fn weigh(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>) -> PyResult<(
         }
     };
     drop(dropped);
+    if faster {
+        slf.call_method0(intern!(py, "_renumber"))?;
+    }
     Ok(())
 }
 

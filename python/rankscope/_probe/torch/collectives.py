@@ -155,7 +155,8 @@ class Recorder:
     def _wrapper(self, op, original, parameters):
         group_at = parameters.index("group") if "group" in parameters else None
         async_at = parameters.index("async_op") if "async_op" in parameters else None
-        recorded = _native.CollectiveCall(self.log, op, original, group_at, async_at)
+        first = parameters[0] if parameters else None
+        recorded = _native.CollectiveCall(self.log, op, original, group_at, async_at, first)
         # torch may still be importing (the wrapping happens as it imports
         # distributed_c10d): its `compiler` is looked up at call time.
         torch = sys.modules["torch"]

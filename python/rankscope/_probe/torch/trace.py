@@ -417,6 +417,17 @@ class Tracer(_native.StepClock):
         if idle:
             self._stop_clock(wait_s)
 
+    def _renumber(self) -> None:
+        """An optimizer that steps more often than the one that marked
+        steps marks them now (``weigh`` in step_clock.rs): the next
+        boundary numbers them from its count, as a clock started at it
+        would have, and the step in progress, not seen whole by that
+        marker, gets no row."""
+        with self.lock:
+            self.quiet = False
+            self.partial = True
+            self.numbered = None
+
     def current_step(self, optimizer=None) -> int:
         """The step in progress: the clock's, or before its first boundary
         the optimizer's own count (steps are numbered from 0)."""
