@@ -196,7 +196,7 @@ def test_a_forward_nan_on_a_gpu_is_named_with_its_module_and_step(cuda_python, s
     target = spawn(cuda_python, health.TRAIN, args=["--nan-forward", "4", "--cuda"])
     assert "nan watch: armed" in health.on(cli, target.pid, "nan", "on")
     run_steps(cli, target, 4, 4)
-    assert "no non-finite value seen" in health.on(cli, target.pid, "nan")
+    assert "no non-finite loss or gradient seen" in health.on(cli, target.pid, "nan")
     text = _named_at_its_step(cli, target, 4, "step 4: first non-finite in forward, module boom (Boom): its output (256 non-finite)")
     assert "of its checks waited for the GPU" in text, text
     rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")

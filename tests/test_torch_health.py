@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,9 @@ def flag(name):
 
 NAN_FORWARD, NAN_BACKWARD = flag("--nan-forward"), flag("--nan-backward")
 NAN_LOSS_GRAD = flag("--nan-loss-grad")
+NAN_INPUT = flag("--nan-input")
+NAN_LOSS_FN = flag("--nan-loss-fn")
+METRIC = "--metric" in sys.argv  # the model called again without grad, on clean data
 LOSS = sys.argv[sys.argv.index("--loss") + 1] if "--loss" in sys.argv else "module"
 DROPOUT = "--dropout" in sys.argv
 KEYWORD = "--keyword" in sys.argv  # the model called as model(x=...)
@@ -76,6 +80,13 @@ class NoisyLoss(nn.modules.loss._Loss):
         return nn.functional.mse_loss(out, target) + 0.0 * torch.rand(())
 
 
+def log_target(out, target):
+    # A loss function whose own code makes the NaN (a log of a negative
+    # number), in the value and in the gradient it sends back.
+    shift = -10.0 if done == NAN_LOSS_FN else 0.0
+    return ((torch.log(target.abs() + 0.5 + shift) - out) ** 2).mean()
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -93,7 +104,7 @@ class MLP(nn.Module):
 
 
 model = MLP().to(DEVICE)
-criterion = {"module": nn.MSELoss(), "functional": nn.functional.mse_loss, "bad": BadLoss(), "noisy": NoisyLoss()}[LOSS]
+criterion = {"module": nn.MSELoss(), "functional": nn.functional.mse_loss, "bad": BadLoss(), "noisy": NoisyLoss(), "log": log_target}[LOSS]
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 data = torch.Generator().manual_seed(1)
 losses = []
@@ -103,7 +114,13 @@ def train_step():
     global done
     x = torch.randn(8, 16, generator=data).to(DEVICE)
     target = torch.randn(8, 1, generator=data).to(DEVICE)
-    loss = criterion(model(x=x) if KEYWORD else model(x), target)
+    if done == NAN_INPUT:
+        x[2, 5] = float("nan")
+    out = model(x=x) if KEYWORD else model(x)
+    if METRIC:
+        with torch.no_grad():
+            model(torch.ones(8, 16, device=DEVICE))
+    loss = criterion(out, target)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -150,9 +167,9 @@ def on(cli, pid, *args) -> str:
 def test_a_forward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli, call):
     target = spawn(torch_python, TRAIN, args=["--nan-forward", "4", *call])
     armed = on(cli, target.pid, "nan", "on")
-    assert "nan watch: armed" in armed and "no non-finite value seen" in armed, armed
+    assert "nan watch: armed" in armed and "no non-finite loss or gradient seen" in armed, armed
     run_steps(cli, target, 3, 3)
-    assert "no non-finite value seen" in on(cli, target.pid, "nan")
+    assert "no non-finite loss or gradient seen" in on(cli, target.pid, "nan")
     run_steps(cli, target, 3, 6)
     text = on(cli, target.pid, "nan")
     # Steps are numbered from 0: the fifth step is step 4.
@@ -195,6 +212,30 @@ def test_a_backward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cl
     assert cli(target.pid, "eval", hooks).stdout.strip() == "0"
     stand_ins = "sum('forward' in vars(m) for m in [*model.modules(), criterion] if isinstance(m, nn.Module))"
     assert cli(target.pid, "eval", stand_ins).stdout.strip() == "0"
+
+
+@pytest.mark.parametrize("loss", ["module", "functional"])
+def test_a_nan_input_is_named_though_the_model_is_called_again_without_grad(torch_python, spawn, cli, loss):
+    # The search replays the input the loss came from, not the metric's:
+    # a call without grad keeps nothing (natively with a loss function,
+    # through the watch's Python with a loss module).
+    target = spawn(torch_python, TRAIN, args=["--nan-input", "2", "--metric", "--loss", loss])
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 4, 4)
+    rows = query_json(cli, target.pid, "SELECT step, stage, nonfinite, input_nonfinite FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["nonfinite"], r["input_nonfinite"]) for r in rows] == [(2, "input", 1, 1)], rows
+
+
+def test_a_nan_made_in_a_loss_function_is_named_as_the_loss(torch_python, spawn, cli):
+    # The function is not a module: neither its value nor a way to call it
+    # again is known. The model's forward, and its backward from ones at
+    # its output, are finite: the stage is the loss, not the last layer.
+    target = spawn(torch_python, TRAIN, args=["--nan-loss-fn", "2", "--loss", "log"])
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 4, 4)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "loss", "the loss")], rows
+    assert "step 2: first non-finite in loss" in on(cli, target.pid, "nan")
 
 
 def test_a_loss_that_sends_nan_back_is_named(torch_python, spawn, cli):
@@ -291,7 +332,7 @@ def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python
     assert "grads: on, 6 parameters, every 2 steps" in summary, summary
     total = sum(r["norm"] ** 2 for r in last) ** 0.5
     largest = max(last, key=lambda r: r["norm"])
-    assert f"step 4: total gradient norm {sci(total)}; largest: {largest['param']} {sci(largest['norm'])}," in summary, summary
+    assert f"step 4: total gradient norm {sci(total)} (as the optimizer was given them, after any clipping); largest: {largest['param']} {sci(largest['norm'])}," in summary, summary
     assert "flagged: none" in summary, summary
 
     acts = query_json(cli, target.pid, "SELECT step, module, module_type, calls, shape, mean, std, max_abs, zero_frac, nonfinite FROM python.activation_stats ORDER BY step, module")
@@ -489,6 +530,12 @@ while True:
 def test_the_first_step_hooks_go_from_a_program_that_does_not_train(torch_python, spawn, cli):
     target = spawn(torch_python, INFER, env={"RANKSCOPE_TORCH": "nan"})
     assert cli(target.pid, "eval", NO_GLOBAL_HOOKS).stdout.strip() == "(False, 0)"
+    # What the watch does not look at, and what a loop without an
+    # optimizer needs for steps, are said rather than left silent.
+    nan = on(cli, target.pid, "nan")
+    assert "no non-finite loss or gradient seen" in nan and "an inference loop" in nan, nan
+    trace = on(cli, target.pid, "trace", "on")
+    assert "note: no optimizer found" in trace and "rankscope.step()" in trace, trace
 
 
 # A learning rate too large: at step 2 the loss overflows (a functional loss,
@@ -873,3 +920,192 @@ def test_the_first_step_watch_leaves_compiled_and_failing_forwards_as_they_were(
     assert bare[0] == 0, bare
     watched = run({**clean, "RANKSCOPE": "1", "RANKSCOPE_DIR": endpoint_dir, "RANKSCOPE_TORCH": "nan"})
     assert watched == bare
+
+
+# A module called three times a step on outputs of different sizes and
+# scales (a shared layer), and one whose calls each add non-finite values;
+# the same inputs every step, so every step's statistics are the same.
+SHARED_CALLS = """
+import json, time
+import torch
+from torch import nn
+import rankscope
+
+torch.manual_seed(0)
+
+
+class Mark(nn.Module):
+    def forward(self, x, k):
+        x = x.clone()
+        x.view(-1)[:k] = float("inf")
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.mark = Mark()
+
+    def forward(self, a, b, c):
+        outs = [self.act(self.proj(a)), self.act(b), self.act(c)]
+        return outs, [self.mark(o, k) for o, k in zip(outs, (1, 2, 3))]
+
+
+model = Net()
+a, b, c = torch.randn(4, 4), torch.randn(2, 10) * 5, torch.randn(3, 3) - 1
+with torch.no_grad():
+    outs, _ = model(a, b, c)
+every = torch.cat([o.flatten() for o in outs])
+std, mean = torch.std_mean(every)
+print("TRUTH " + json.dumps({"mean": mean.item(), "std": std.item(), "max_abs": every.abs().max().item(),
+                             "zero_frac": (every == 0).float().mean().item()}), flush=True)
+print("READY", flush=True)
+while True:
+    with torch.no_grad():
+        model(a, b, c)
+    rankscope.step()
+    time.sleep(0.01)
+"""
+
+
+def test_a_module_called_several_times_a_step_has_the_statistics_of_all_its_outputs(torch_python, spawn, cli):
+    target = spawn(torch_python, SHARED_CALLS, wait=False)
+    truth = json.loads(target.wait_for_line("TRUTH").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    on(cli, target.pid, "activations", "--modules", "*")
+    deadline = time.monotonic() + 60
+    while True:
+        rows = query_json(cli, target.pid, "SELECT module, calls, mean, std, max_abs, zero_frac, nonfinite FROM python.activation_stats ORDER BY step DESC LIMIT 4")
+        by = {r["module"]: r for r in rows}
+        if "act" in by and "mark" in by:
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.2)
+    act = by["act"]
+    assert act["calls"] == 3, act
+    for key in ("mean", "std", "max_abs", "zero_frac"):
+        assert act[key] == pytest.approx(truth[key], rel=1e-5), (key, act, truth)
+    # Summed over the calls (1 + 2 + 3), not their mean.
+    assert (by["mark"]["calls"], by["mark"]["nonfinite"]) == (3, 6), by["mark"]
+
+
+def run_without_and_with_the_watch(python, source, endpoint_dir, tmp_path):
+    """The program run to its end without rankscope, then with the NaN
+    watch armed at start: each run's (exit code, stdout, stderr), and the
+    second's run directory."""
+    import os
+
+    script = tmp_path / "program.py"
+    script.write_text(source)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+
+    def run(env):
+        done = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        return done.returncode, done.stdout, done.stderr
+
+    bare = run(clean)
+    run_dir = tmp_path / "run"
+    watched = run({**clean, "RANKSCOPE": "1", "RANKSCOPE_DIR": endpoint_dir, "RANKSCOPE_RUN_DIR": str(run_dir), "RANKSCOPE_TORCH": "nan"})
+    return bare, watched, run_dir
+
+
+def nan_events_on_disk(cli, run_dir) -> list:
+    rows = cli("query", "SELECT step, stage, module, detail FROM python.nan_events", "--run", str(run_dir), "--format", "json")
+    assert rows.returncode == 0, rows.stderr
+    return json.loads(rows.stdout)
+
+
+# A reentrant checkpoint (use_reentrant=True): autograd.grad cannot run
+# through it, and called without grad it warns. Block 1's backward makes a
+# NaN at step 3 (the gradient of sqrt at 0).
+REENTRANT = """
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+torch.manual_seed(0)
+STEP = 0
+
+
+class Block(nn.Module):
+    def __init__(self, i):
+        super().__init__()
+        self.i, self.fc = i, nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.i == 1 and STEP == 3:
+            h = h + torch.sqrt(h.abs() * 0.0)
+        return x + h
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList([Block(i) for i in range(3)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(x)
+
+
+model = Net()
+optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+x, y = torch.randn(8, 16), torch.randn(8, 1)
+for STEP in range(6):
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    print(STEP, loss.item().hex(), flush=True)
+"""
+
+
+def test_a_backward_nan_under_a_reentrant_checkpoint_is_named_and_nothing_is_printed(torch_python, endpoint_dir, tmp_path, cli):
+    bare, watched, run_dir = run_without_and_with_the_watch(torch_python, REENTRANT, endpoint_dir, tmp_path)
+    assert bare[0] == 0, bare
+    # The replay's forward warned into stderr ("None of the inputs have
+    # requires_grad=True") when it ran without grad.
+    assert watched == bare
+    events = nan_events_on_disk(cli, run_dir)
+    # The backward cannot be replayed: the module is named from the
+    # parameters' gradients (the last one, from the output, with
+    # non-finite ones), rather than the search failing.
+    assert [(e["step"], e["stage"], e["module"]) for e in events] == [(3, "backward", "blocks.1.fc")], events
+    assert "the backward could not be replayed" in events[0]["detail"], events
+
+
+# Under CPU autocast to float16, step 3's batch (scaled up) overflows the
+# first layer's float16 output; in float32 nothing would overflow.
+AUTOCAST = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+x, y = torch.randn(64, 32), torch.randn(64, 1)
+for step in range(6):
+    optimizer.zero_grad()
+    batch = x * 30000 if step == 3 else x
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(batch).float(), y)
+    loss.backward()
+    optimizer.step()
+    print(step, loss.item(), flush=True)
+"""
+
+
+def test_a_float16_overflow_under_autocast_is_found_by_a_replay_under_it(torch_python, endpoint_dir, tmp_path, cli):
+    bare, watched, run_dir = run_without_and_with_the_watch(torch_python, AUTOCAST, endpoint_dir, tmp_path)
+    assert bare[0] == 0 and ("3 inf" in bare[1] or "3 nan" in bare[1]), bare  # the premise
+    assert watched == bare
+    events = nan_events_on_disk(cli, run_dir)
+    # A replay in float32 found the outputs finite and named the loss.
+    assert [(e["step"], e["stage"], e["module"]) for e in events] == [(3, "forward", "0")], events

@@ -8,6 +8,7 @@ its loss is the mean of the losses seen in it."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -26,6 +27,8 @@ micro = 1
 if MODE == "accumulate":
     optimizers = [torch.optim.Adam(model.parameters(), lr=1e-2)]
     micro = 4
+elif MODE == "validate":
+    optimizers = [torch.optim.Adam(model.parameters(), lr=1e-2)]
 elif MODE in ("aux", "aux-first"):
     # A second optimizer stepped every fourth loop, after the first (or
     # before it, so that it is the first seen stepping).
@@ -79,6 +82,10 @@ for it in range(12):
         optimizers[0].step()
     else:
         optimizers[0].step()
+    if MODE == "validate":
+        # A validation pass between steps, on a larger batch, without grad.
+        with torch.no_grad():
+            criterion(model(torch.randn(32, 8)), torch.randn(32, 4))
 print("RESULT " + json.dumps({"norms": norms, "losses": losses}), flush=True)
 print("READY", flush=True)
 while True:
@@ -235,3 +242,71 @@ def test_a_gans_two_models_are_named_apart_and_its_step_ends_after_the_generator
     assert {line.split(":")[0].split(" ", 2)[2] for line in text.splitlines() if line.startswith("optimizer ")} == {"(optD)", "(optG)"}, text
     steps = query(cli, target.pid, "SELECT step, loss FROM python.torch_steps WHERE step >= 3 ORDER BY step")
     assert [r["loss"] for r in steps] == program["losses"][3:], (steps, program["losses"])
+
+
+def test_a_validation_pass_between_steps_is_not_the_steps_loss_or_batch(python, spawn, cli):
+    require_torch(python)
+    target = spawn(python, LOOP, args=["validate"], env={"RANKSCOPE_TORCH": "trace,every=1"}, wait=False)
+    program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    rows = query(cli, target.pid, "SELECT step, loss, samples FROM python.torch_steps WHERE step >= 1 ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(1, 12)), rows
+    for r in rows:
+        # The training batch's loss and size, not theirs mixed with the
+        # validation's (a batch of 32 without grad).
+        assert r["samples"] == 8, r
+        assert r["loss"] == pytest.approx(program["losses"][r["step"]], rel=1e-6), (r, program["losses"])
+
+
+# Models that come mid-run: an inference loop (steps marked by
+# rankscope.step()) that swaps its model for another, and a training loop
+# that adds a second model with its own optimizer.
+COMING = """
+import sys, time
+import torch
+import torch.nn as nn
+import rankscope
+
+torch.manual_seed(0)
+MODE = sys.argv[1]
+netA = nn.Sequential(nn.Linear(4, 4))
+optimizers = [torch.optim.Adam(netA.parameters(), lr=1e-3)] if MODE == "second" else []
+netB = None
+print("READY", flush=True)
+for it in range(100000):
+    if it == 20:
+        if MODE == "swap":
+            netA = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))  # the first is freed
+        else:
+            netB = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+            optimizers.append(torch.optim.Adam(netB.parameters(), lr=1e-3))
+    x = torch.randn(2, 4)
+    if MODE == "swap":
+        with torch.no_grad():
+            netA(x)
+        rankscope.step()
+    else:
+        for opt in optimizers:
+            opt.zero_grad()
+        loss = netA(x).pow(2).mean() + (netB(x).pow(2).mean() if netB is not None else 0)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+    time.sleep(0.005)
+"""
+
+
+@pytest.mark.parametrize("mode,module", [("swap", "2"), ("second", "netB.2")])
+def test_a_model_that_comes_mid_run_is_traced(python, spawn, cli, mode, module):
+    require_torch(python)
+    target = spawn(python, COMING, args=[mode], env={"RANKSCOPE_TORCH": "trace,every=1"}, wait=False)
+    target.wait_for_line("READY")
+    deadline = time.monotonic() + 60
+    while True:
+        rows = query(cli, target.pid, f"SELECT count(*) AS n FROM python.torch_trace WHERE module = '{module}'")
+        if rows[0]["n"] > 0:
+            break
+        assert time.monotonic() < deadline, query(cli, target.pid, "SELECT DISTINCT module FROM python.torch_trace")
+        time.sleep(0.3)
+    status = json.loads(cli(target.pid, "torch", "--format", "json").stdout)
+    assert status["trace"]["on"], status

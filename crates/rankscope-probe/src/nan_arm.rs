@@ -37,10 +37,10 @@ use crate::finite::FiniteCheck;
 #[pyclass(module = "rankscope._native")]
 #[derive(Default)]
 pub struct NanStep {
-    fields: [Option<Py<PyAny>>; 8],
+    fields: [Option<Py<PyAny>>; 9],
 }
 
-const FIELDS: [&str; 8] = [
+const FIELDS: [&str; 9] = [
     "model",
     "args",
     "kwargs",
@@ -49,14 +49,16 @@ const FIELDS: [&str; 8] = [
     "loss",
     "output",
     "loss_call",
+    "autocast",
 ];
 const MODEL: usize = 0;
 const ARGS: usize = 1;
 const KWARGS: usize = 2;
 const LOSS: usize = 5;
+const AUTOCAST: usize = 8;
 
 /// What a `NanStep` let go of, to be released once no borrow is held.
-type Released = [Option<Py<PyAny>>; 8];
+type Released = [Option<Py<PyAny>>; 9];
 
 impl NanStep {
     /// Everything but the model, taken out.
@@ -156,6 +158,15 @@ pub struct NanArm {
     models_seen: Option<Py<PyAny>>,
     finite: Py<FiniteCheck>,
     tensor: Py<PyType>,
+    /// `torch.is_grad_enabled`: a root call without grad (a metric on the
+    /// side, an eval pass) keeps nothing, since no gradient comes of it.
+    grad_enabled: Py<PyAny>,
+    /// `torch._C._is_any_autocast_enabled` (None on a torch without it),
+    /// and nan.py's `_autocast_now`: the autocast contexts the root call
+    /// ran under, for the replay to run under them too (float32 would not
+    /// overflow where float16 did).
+    any_autocast: Option<Py<PyAny>>,
+    autocast_now: Py<PyAny>,
 }
 
 #[pymethods]
@@ -166,6 +177,9 @@ impl NanArm {
         finite: Py<FiniteCheck>,
         tensor: Py<PyType>,
         full_every: i64,
+        grad_enabled: Py<PyAny>,
+        any_autocast: Option<Py<PyAny>>,
+        autocast_now: Py<PyAny>,
     ) -> PyResult<Self> {
         Ok(NanArm {
             step: Py::new(py, NanStep::default())?,
@@ -178,6 +192,9 @@ impl NanArm {
             models_seen: None,
             finite,
             tensor,
+            grad_enabled,
+            any_autocast,
+            autocast_now,
         })
     }
 
@@ -214,6 +231,9 @@ impl NanArm {
         visit.call(&self.models_seen)?;
         visit.call(&self.finite)?;
         visit.call(&self.tensor)?;
+        visit.call(&self.grad_enabled)?;
+        visit.call(&self.any_autocast)?;
+        visit.call(&self.autocast_now)?;
         Ok(())
     }
 
@@ -248,7 +268,33 @@ pub(crate) fn keep_input(
         if arm.searching {
             return false;
         }
-        arm.step.clone_ref(py)
+        (
+            arm.step.clone_ref(py),
+            arm.grad_enabled.clone_ref(py),
+            arm.any_autocast.as_ref().map(|f| f.clone_ref(py)),
+            arm.autocast_now.clone_ref(py),
+        )
+    };
+    let (step, grad_enabled, any_autocast, autocast_now) = step;
+    match grad_enabled.bind(py).call0().and_then(|on| on.is_truthy()) {
+        // The step's input stays the one its loss came from: a model
+        // called again without grad in the same step (a metric on clean
+        // data) would have the search replay the wrong input.
+        Ok(false) => return true,
+        Ok(true) => {}
+        Err(_) => return false,
+    }
+    let on = match &any_autocast {
+        Some(any) => any.bind(py).call0().and_then(|on| on.is_truthy()),
+        None => Ok(true),
+    };
+    let autocast = match on {
+        Ok(false) => None,
+        Ok(true) => match autocast_now.bind(py).call0() {
+            Ok(state) => (!state.is_none()).then(|| state.unbind()),
+            Err(_) => return false,
+        },
+        Err(_) => return false,
     };
     let released = {
         let Ok(mut step) = step.bind(py).try_borrow_mut() else {
@@ -261,6 +307,7 @@ pub(crate) fn keep_input(
         // None for no keywords (nan.py reads `kwargs or {}`): no new dict
         // made at every step.
         fields[KWARGS] = kwargs.map(|k| k.clone().into_any().unbind());
+        fields[AUTOCAST] = autocast;
         released
     };
     drop(released);
@@ -277,13 +324,21 @@ pub(crate) fn output_needs_python(
     output: &Bound<'_, PyAny>,
 ) -> PyResult<bool> {
     let py = arm.py();
-    let Ok((armed, loss_modules, tensor)) = arm
-        .try_borrow()
-        .map(|arm| (arm.armed, arm.loss_modules, arm.tensor.clone_ref(py)))
-    else {
+    let Ok((armed, loss_modules, tensor, grad_enabled)) = arm.try_borrow().map(|arm| {
+        (
+            arm.armed,
+            arm.loss_modules,
+            arm.tensor.clone_ref(py),
+            arm.grad_enabled.clone_ref(py),
+        )
+    }) else {
         return Ok(true);
     };
     if !armed {
+        return Ok(false);
+    }
+    // Without grad, `keep_input` kept nothing, and the output is no loss.
+    if !grad_enabled.bind(py).call0()?.is_truthy()? {
         return Ok(false);
     }
     if loss_modules || !output.get_type().is(tensor.bind(py)) {

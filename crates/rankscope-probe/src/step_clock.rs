@@ -159,6 +159,10 @@ pub struct StepClock {
     /// weakref and the step it was first seen in, or `WEIGHED` once it
     /// was weighed against the primary: each is weighed once.
     weighed: Vec<(Py<PyAny>, i64)>,
+    /// An optimizer the Tracer did not know of was seen stepping besides
+    /// the primary (a second model's, made mid-run): the next boundary
+    /// looks for models again.
+    rediscover: bool,
     /// Stand-ins are on for the step in progress (it is sampled).
     #[pyo3(get, set)]
     sampling: bool,
@@ -192,6 +196,7 @@ impl StepClock {
             primary: None,
             primary_path: Vec::new(),
             weighed: Vec::new(),
+            rediscover: false,
             sampling: false,
             told: [None, None, None],
             wired: OnceLock::new(),
@@ -586,6 +591,13 @@ fn weigh(slf: &Bound<'_, StepClock>, optimizer: &Bound<'_, PyAny>) -> PyResult<(
     }
     let (later, faster) = match found {
         None => {
+            // Its first step seen here: once per optimizer.
+            if !slf
+                .getattr(intern!(py, "known_optimizers"))?
+                .contains(optimizer)?
+            {
+                slf.borrow_mut().rediscover = true;
+            }
             let weak = PyWeakrefReference::new(optimizer)?.into_any().unbind();
             live.push((weak, step));
             (None, false)
@@ -647,6 +659,7 @@ fn boundary_at(
     unknown: bool,
 ) -> PyResult<()> {
     let py = slf.py();
+    let unknown = unknown || std::mem::take(&mut slf.borrow_mut().rediscover);
     // Whether the short way may take this boundary, and with which stand-ins.
     let checked = {
         let clock = slf.borrow();
@@ -861,6 +874,17 @@ fn lean_turn(
     if sampled_now {
         if !tracer.getattr(intern!(py, "loss_event"))?.is_none() {
             return Ok(None); // a loss on its way from a GPU
+        }
+        // Stand-ins that stay on (every step sampled) with a module gone (a
+        // model the program dropped, maybe for another): the long way's,
+        // which looks for models again.
+        if next_sampled
+            && lean
+                .entries
+                .iter()
+                .any(|(module, _)| module.bind(py).upgrade().is_none())
+        {
+            return Ok(None);
         }
         let (first_fwd, samples, loss) = take_root_figures(tracer)?;
         let acc = lean.acc.bind(py);

@@ -194,6 +194,15 @@ fn nan_text(reply: &Value) -> String {
     if let Some(reason) = reply["disabled"].as_str() {
         out += &format!("nan watch: turned itself off after an error: {reason}\n");
     }
+    if reply["armed"].as_bool() == Some(true) {
+        out += numbering_note(reply);
+    }
+    if reply["armed"].as_bool() == Some(true)
+        && checked == 0
+        && reply["events"].as_array().is_none_or(|e| e.is_empty())
+    {
+        out += "note: steps are checked at the optimizer's step: a forward without grad (an eval pass, an inference loop) is not checked\n";
+    }
     // Its cost on a GPU is of another kind: said, so that a slower step
     // is not a mystery.
     let waits = reply["gpu_waits"].as_i64().unwrap_or(0);
@@ -212,7 +221,7 @@ pub fn nan_events_text(reply: &Value) -> String {
     let mut out = String::new();
     let events = reply["events"].as_array().cloned().unwrap_or_default();
     if events.is_empty() {
-        out += "no non-finite value seen\n";
+        out += "no non-finite loss or gradient seen\n";
     }
     for e in &events {
         let module = e["module"].as_str().unwrap_or("?");
@@ -272,6 +281,9 @@ fn stats_text(feature: &str, table: &str, what: &str, reply: &Value) -> String {
         out += &format!("{rows} rows in {table}\n");
     }
     out += &last_step_text(&reply["last"]);
+    if reply["on"].as_bool() == Some(true) {
+        out += numbering_note(reply);
+    }
     if let Some(reason) = reply["disabled"].as_str() {
         out += &format!("{feature}: turned itself off after an error: {reason}\n");
     }
@@ -310,7 +322,7 @@ fn last_step_text(last: &Value) -> String {
             .unwrap_or_default()
     };
     let mut out = format!(
-        "step {}: total gradient norm {}; largest: {}\n",
+        "step {}: total gradient norm {} (as the optimizer was given them, after any clipping); largest: {}\n",
         last["step"],
         number(&last["total_norm"]),
         named(&last["largest"], false)
@@ -577,7 +589,7 @@ fn features_lines(features: &Value) -> String {
         };
         let found = match nan["tripped_at"].as_i64() {
             Some(step) => format!("first non-finite at step {step} (`torch nan` says where)"),
-            None => "no non-finite value seen".to_string(),
+            None => "no non-finite loss or gradient seen".to_string(),
         };
         out += &format!(
             "nan watch: {state}, {} steps checked, {found}\n",
@@ -648,6 +660,16 @@ fn trace_line(trace: &Value) -> String {
     out
 }
 
+/// Said where the steps' numbers are the clock's own count: a feature
+/// turned on mid-run numbers from there, not from the program's start.
+fn numbering_note(reply: &Value) -> &'static str {
+    if reply["numbered"].as_str() == Some("clock") {
+        "note: steps are counted from here, as the program keeps no count that the probe can read (SGD and rankscope.step() keep none), so their numbers may not be your loop's\n"
+    } else {
+        ""
+    }
+}
+
 fn trace_on_text(reply: &Value) -> String {
     let status = &reply["status"];
     let mut out = String::new();
@@ -670,8 +692,14 @@ fn trace_on_text(reply: &Value) -> String {
             .map(|f| format!(" (first sampled step: {f})"))
             .unwrap_or_default(),
     );
-    if status["trace"]["numbered"].as_str() == Some("clock") {
-        out += "note: steps are counted from here, as the program keeps no count that the probe can read (SGD keeps none), so their numbers may not be your loop's\n";
+    if status["optimizers"]
+        .as_array()
+        .is_some_and(|o| o.is_empty())
+        && status["step_source"].as_str() != Some("rankscope.step()")
+    {
+        out += "note: no optimizer found: steps end at an optimizer's step, or where the program calls rankscope.step() (an inference loop needs it, once a batch)\n";
+    } else {
+        out += numbering_note(&status["trace"]);
     }
     out += &trace_line(&status["trace"]);
     out

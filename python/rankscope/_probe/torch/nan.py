@@ -192,7 +192,8 @@ class NanWatch:
     loss_modules = _arm_field("loss_modules")  # a loss module has a stand-in
 
     def __init__(self):
-        self._arm = _native.NanArm(_finite_check(), torch.Tensor, FULL_EVERY)
+        self._arm = _native.NanArm(_finite_check(), torch.Tensor, FULL_EVERY, torch.is_grad_enabled,
+                                   getattr(torch._C, "_is_any_autocast_enabled", None), _autocast_now)
         self.events: list = []
         self.disabled = None
         self.gpu_waits = 0  # checks that waited for a GPU (`torch nan` says so)
@@ -372,8 +373,11 @@ class NanWatch:
                     # nothing would be checked, so the general path is not paid.
                     self._unwatch_first_forward()
                     return
+                if not torch.is_grad_enabled():
+                    return  # no gradient comes of it (see `_root_pre`)
                 # The model's call: what the root stand-in keeps.
                 step.model, step.args, step.kwargs = weakref.ref(module), args, kwargs
+                step.autocast = _autocast_if_on()
                 step.rng, self.first_rng = self.first_rng, None
                 step.cuda_rng = step.loss = step.loss_call = None
                 loss = _scalar_loss(output)
@@ -382,7 +386,7 @@ class NanWatch:
                     step.output = None
                 elif isinstance(output, torch.Tensor):
                     step.output = weakref.ref(output)
-            elif isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+            elif isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point() and torch.is_grad_enabled():
                 # A loss module's call: on the model's output itself, it can be
                 # made again from the replay's.
                 step.loss = output.detach()
@@ -416,12 +420,16 @@ class NanWatch:
 
     def _root_pre(self, model_ref, stochastic, args, kwargs):
         try:
-            if self.searching:
+            if self.searching or not torch.is_grad_enabled():
+                # Without grad (a metric on the side, an eval pass) no
+                # gradient comes of the call: the step keeps the input its
+                # loss came from (see nan_arm.rs, `keep_input`).
                 return
             # The RNG state (a 5 kB copy, about 3 us) only where the
             # forward draws from it.
             step = self.step
             step.model, step.args, step.kwargs = model_ref, args, kwargs
+            step.autocast = _autocast_if_on()
             step.rng = _rng_state() if stochastic else None
             step.cuda_rng = step.loss = step.output = step.loss_call = None
             # Not while a CUDA graph is captured: reading a generator's
@@ -433,7 +441,7 @@ class NanWatch:
 
     def _root_post(self, args, output):
         try:
-            if not self.searching:
+            if not self.searching and torch.is_grad_enabled():
                 loss = _scalar_loss(output)
                 if loss is not None:
                     self.step.loss = loss.detach()
@@ -451,14 +459,14 @@ class NanWatch:
             # Only a call on the model's output itself: a loss given
             # sigmoid(output), or another output of the model, cannot be
             # made again from the replayed output.
-            if not self.searching and step.output is not None and args and args[0] is step.output():
+            if not self.searching and step.output is not None and args and args[0] is step.output() and torch.is_grad_enabled():
                 step.loss_call = (ref, args[1:], kwargs)
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the loss hook failed: {type(exc).__name__}: {exc}")
 
     def _loss_post(self, args, output):
         try:
-            if not self.searching and isinstance(output, torch.Tensor) and output.dim() == 0:
+            if not self.searching and isinstance(output, torch.Tensor) and output.dim() == 0 and torch.is_grad_enabled():
                 self.step.loss = output.detach()
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the loss hook failed: {type(exc).__name__}: {exc}")
@@ -665,7 +673,14 @@ class NanWatch:
                 "loss": loss_value,
             }
         back = _Replay(model, step)
-        found = back.backward()
+        try:
+            found = back.backward()
+        except _CollectiveInReplay:
+            raise
+        except Exception as exc:  # noqa: BLE001 - named from the parameters' gradients instead
+            # A reentrant checkpoint refuses `autograd.grad` ("incompatible
+            # with .grad()").
+            return self._from_param_grads(params, loss_value, f"the backward could not be replayed: {type(exc).__name__}: {str(exc)[:200]}")
         if found is not None:
             found["loss"] = loss_value
             if back.start is not None:
@@ -688,13 +703,24 @@ class NanWatch:
                 "detail": detail,
             }
         if back.start == ONES:
-            why = (
-                "the replay's forward was finite, and so was its backward from ones at the model's output: the "
-                "non-finite values came with the gradient the loss sent back, or from that gradient's size"
-            )
-        else:
-            why = "the replay found no origin"
-        return self._from_param_grads(params, loss_value, why)
+            # A loss function (not a module): it cannot be made again, and
+            # its value was not seen. The model's part was finite both
+            # ways, so the step went non-finite between its output and the
+            # loss: the loss, or the gradient it sent back.
+            return {
+                "stage": "loss",
+                "module": _loss_name(),
+                "module_type": None,
+                "what": "the loss or the gradient it sent back (the model's forward, and its backward from ones at "
+                        "its output, were finite when replayed)",
+                "nonfinite": sum(_nonfinite(p.grad) for p in params),
+                "inputs": _stats(list(_tensors(replay.output))),
+                "weights": (None, None, None),
+                "loss": loss_value,
+                "detail": "a gradient from the loss large enough to overflow in the model's backward would look the "
+                          "same; `nonfinite` counts the parameters' non-finite gradients",
+            }
+        return self._from_param_grads(params, loss_value, "the replay found no origin")
 
     def _spoiled_weights(self, model, loss_value):
         """The step began with non-finite weights: a replay would name the
@@ -788,6 +814,7 @@ class NanWatch:
             "tripped_at": self.tripped_at,
             "events": self.events,
             "disabled": self.disabled,
+            "numbered": TRACER._numbering(),
         }
 
 
@@ -798,6 +825,28 @@ def _finite_check():
     if not _FINITE:
         _FINITE.append(_native.FiniteCheck(FLOATS))
     return _FINITE[0]
+
+
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast_now():
+    """((device, dtype), ...) of the autocast contexts on now, or None."""
+    on = []
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append((device, torch.get_autocast_dtype(device)))
+        except (TypeError, RuntimeError, AttributeError):  # a torch before 2.4: CUDA's, asked without a device
+            if device == "cuda" and torch.is_autocast_enabled():
+                on.append((device, torch.get_autocast_gpu_dtype()))
+    return tuple(on) or None
+
+
+def _autocast_if_on():
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+        return None
+    return _autocast_now()
 
 
 def _has_params(module) -> bool:
@@ -987,7 +1036,13 @@ class _Replay:
             args, kwargs = step.args, step.kwargs or {}
             if self.inner is not self.model:
                 args, kwargs = _to_ddp_device(self.model, args, kwargs)
-            with torch.set_grad_enabled(grad_enabled), _no_collectives():
+            with contextlib.ExitStack() as contexts:
+                contexts.enter_context(torch.set_grad_enabled(grad_enabled))
+                contexts.enter_context(_no_collectives())
+                # Under the autocast the step's forward ran under: float16
+                # overflows where a float32 replay would not.
+                for device, dtype in step.autocast or ():
+                    contexts.enter_context(torch.autocast(device, dtype=dtype))
                 output = self.inner(*args, **kwargs)
                 return then(output) if then is not None else output
         finally:
@@ -1002,7 +1057,11 @@ class _Replay:
                 torch.cuda.set_rng_state_all(cuda_now)
 
     def forward(self):
-        self.output = self._run(self._pre, self._post, grad_enabled=False)
+        # With grad on, as the program's own forward ran: a reentrant
+        # checkpoint warns into the program's stderr ("None of the inputs
+        # have requires_grad=True") when called without it. Its graph goes
+        # with the replay.
+        self.output = self._run(self._pre, self._post, grad_enabled=True)
         return self.found
 
     def _roots(self, output) -> tuple:

@@ -398,6 +398,7 @@ class GradStats:
             "count": self.params,
             "rows": tables.sizes().get("grad_stats", 0),
             "disabled": self.disabled,
+            "numbered": TRACER._numbering(),
             "last": _summary(self.last),
         }
         if self.on and not self.params:
@@ -431,20 +432,21 @@ ACTIVATION_COPY_MAX = 1 << 24
 
 
 def _activation(x):
-    """[mean, std, max |x|, zero fraction, non-finite count] of `x`, on its
-    device, without a sync."""
+    """[mean, std, max |x|, zero fraction, non-finite count, element count]
+    of `x`, on its device, without a sync."""
     n = x.numel()
     if n == 0:
         # Made on the device itself: a list copied from the host would be a
         # stream sync at every call.
-        out = x.new_full((5,), float("nan"), dtype=torch.float32)
-        out.narrow(0, 4, 1).zero_()  # a fill: `out[4] = 0` copies from the host on older torch
+        out = x.new_full((6,), float("nan"), dtype=torch.float32)
+        out.narrow(0, 4, 2).zero_()  # a fill: `out[4] = 0` copies from the host on older torch
         return out
     if n <= ACTIVATION_COPY_MAX:
         values = x.float()
         std, mean = torch.std_mean(values) if n > 1 else (torch.zeros((), device=x.device), values.mean())
         finite = torch.isfinite(x)
-        return torch.stack([mean, std, values.abs().max(), (x == 0).float().mean(), (finite.numel() - finite.sum()).float()])
+        return torch.stack([mean, std, values.abs().max(), (x == 0).float().mean(), (finite.numel() - finite.sum()).float(),
+                            mean.new_full((), n)])
     # Sums in (at least) float32 as the reduction reads; std from the sum
     # of squares (one pass, so less exact where the mean dwarfs the spread).
     wide = torch.promote_types(x.dtype, torch.float32)
@@ -458,7 +460,30 @@ def _activation(x):
         torch.linalg.vector_norm(x, float("inf"), dtype=wide),
         (n - torch.count_nonzero(x)).to(wide) / n,
         (n - torch.isfinite(x).sum()).to(wide),
+        mean.new_full((), n),
     ]).float()
+
+
+def _calls(values):
+    """A module's statistics over its calls in a step (a shared layer, an
+    RNN cell), as of all their outputs together: means and zero fractions
+    weighted by size, the spread pooled with the calls' own means, the
+    largest |x|, the non-finite values summed. On the device, no sync."""
+    v = torch.stack(values)
+    n, mean = v[:, 5], v[:, 0]
+    used = n > 0  # an empty output's row is NaN: it weighs nothing
+    zero = torch.zeros_like(n)
+    total = n.sum()
+    mean_all = torch.where(used, n * mean, zero).sum() / total
+    spread = torch.where(used, (n - 1).clamp_min(0) * v[:, 1].square() + n * (mean - mean_all).square(), zero).sum()
+    return torch.stack([
+        mean_all,
+        (spread / (total - 1)).sqrt(),
+        torch.where(used, v[:, 2], torch.full_like(n, float("-inf"))).max(),
+        torch.where(used, n * v[:, 3], zero).sum() / total,
+        v[:, 4].sum(),
+        total,
+    ])
 
 
 def _nothing(args, kwargs):
@@ -596,7 +621,7 @@ class ActivationStats:
         return post
 
     def _finish(self, step):
-        seen = [(w, torch.stack(w.values).mean(0) if len(w.values) > 1 else w.values[0]) for _, w in self.plan if w.values]
+        seen = [(w, _calls(w.values) if len(w.values) > 1 else w.values[0]) for _, w in self.plan if w.values]
         if not seen:
             return
         stacked = torch.stack([v.to(seen[0][1].device) for _, v in seen])
@@ -610,7 +635,7 @@ class ActivationStats:
     def _rows(self, values, meta):
         wall, step, described = meta
         rows = []
-        for (name, type_name, calls, shape, dtype), (mean, std, max_abs, zero_frac, nonfinite) in zip(described, values):
+        for (name, type_name, calls, shape, dtype), (mean, std, max_abs, zero_frac, nonfinite, _) in zip(described, values):
             rows.append([wall, step, name, type_name, calls, shape, dtype, mean, std, max_abs, zero_frac, int(nonfinite)])
         tables.extend("activation_stats", rows)
 
@@ -622,6 +647,7 @@ class ActivationStats:
             "count": len(self.plan) if self.on else 0,
             "rows": tables.sizes().get("activation_stats", 0),
             "disabled": self.disabled,
+            "numbered": TRACER._numbering(),
         }
         if self.on and not self.plan:
             described["note"] = NO_MODEL_YET

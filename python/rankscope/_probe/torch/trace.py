@@ -343,6 +343,8 @@ class Tracer(_native.StepClock):
         self.fwd_ns = self.bwd_ns = self.opt_ns = self.opt_calls = self.samples = 0
         self.loss = self.loss_event = None
         self.loss_n = None  # (how many, their sum) where `loss` is their mean, a float
+        self.loss_trained = False  # `loss` is of losses that need grad
+        self.samples_trained = False  # `samples` counts calls made with grad
 
     # ---- turning on and off (probe thread, or the env at torch's import)
 
@@ -616,10 +618,11 @@ class Tracer(_native.StepClock):
         loss, event = self.loss, self.loss_event
         return (list(self.acc), self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples,
                 list(loss) if type(loss) is list else loss, list(event) if type(event) is list else event,
-                self.loss_n, slots)
+                self.loss_n, self.loss_trained, self.samples_trained, slots)
 
     def restore(self, held: tuple) -> None:
-        acc, self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples, self.loss, self.loss_event, self.loss_n, slots = held
+        (acc, self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples, self.loss, self.loss_event, self.loss_n,
+         self.loss_trained, self.samples_trained, slots) = held
         if len(acc) == len(self.acc):
             self.acc[:] = acc
         for slot, open_events, events, mem_starts, *rest in slots:
@@ -655,6 +658,11 @@ class Tracer(_native.StepClock):
                 self._rediscover()
             elif not self.models and self.step is not None and self.step >= self.next_rediscovery:
                 self.next_rediscovery = self.step + min(max(1, self.step), MAX_REDISCOVERY_INTERVAL)
+                self._rediscover()
+            elif any(ref() is None for ref in self.models):
+                # A model the program dropped, maybe for another (an
+                # inference loop that swaps its model, with no optimizer to
+                # show the new one).
                 self._rediscover()
             completed = None
             if self.partial:
@@ -909,16 +917,34 @@ class Tracer(_native.StepClock):
 
     def _root_input(self, now, args, kwargs):
         if self.first_fwd is None:
+            # The step's first call (the step's figures were taken and reset).
             self.first_fwd = now
+            self.samples_trained = False
         first = args[0] if args else next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
         if isinstance(first, torch.Tensor) and first.dim() > 0:
-            self.samples += first.shape[0]
+            # The batches the step trained on: a call without grad (a
+            # validation pass between steps) counts only in a step that
+            # trains on none (an inference loop marked by rankscope.step()).
+            if torch.is_grad_enabled():
+                if not self.samples_trained:
+                    self.samples, self.samples_trained = 0, True
+                self.samples += first.shape[0]
+            elif not self.samples_trained:
+                self.samples += first.shape[0]
 
     def _take_loss(self, loss):
         """Keeps a loss of the sampled step: its row has the mean of them
         all, which under gradient accumulation is the micro-batches' mean
         (the batch's loss), not the last micro-batch's."""
         loss = _local(loss)
+        trained = loss.requires_grad
+        if trained != self.loss_trained:
+            if not trained and self.loss is not None:
+                return  # a validation loss, in a step that has trained ones
+            # The step's first loss that trains: those without grad before
+            # it (a validation pass) are not the step's.
+            self.loss = self.loss_event = self.loss_n = None
+            self.loss_trained = trained
         held = self.loss
         if loss.is_cuda:
             if torch.cuda.is_current_stream_capturing():
