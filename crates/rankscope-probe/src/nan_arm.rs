@@ -256,7 +256,7 @@ pub(crate) fn keep_input(
     let py = arm.py();
     // A borrow held elsewhere (nothing of this module's holds one across
     // Python code, but a finalizer may run anywhere): the Python's turn.
-    let step = {
+    let (step, grad_enabled, any_autocast, autocast_now) = {
         let Ok(arm) = arm.try_borrow() else {
             return false;
         };
@@ -275,7 +275,6 @@ pub(crate) fn keep_input(
             arm.autocast_now.clone_ref(py),
         )
     };
-    let (step, grad_enabled, any_autocast, autocast_now) = step;
     match grad_enabled.bind(py).call0().and_then(|on| on.is_truthy()) {
         // The step's input stays the one its loss came from: a model
         // called again without grad in the same step (a metric on clean
