@@ -579,7 +579,10 @@ class NanWatch:
 
     # ---- the search, on a trip only
 
-    def _trip(self, step_number, step, params):
+    def _trip(self, step_number, step, params, unapplied=False):
+        """`unapplied`: found at exit, in gradients no optimizer step took
+        (see `check_at_exit`): recorded only where the replay names an
+        origin."""
         self.tripped_at = step_number
         if callable(params):
             params = params()
@@ -594,6 +597,13 @@ class NanWatch:
         finally:
             self.searching = False
             TRACER.restore(held)
+        if unapplied:
+            if event.pop("unfound", False):
+                return
+            found = ("found at exit, in the gradients of a step whose update never ran (no optimizer step came "
+                     "after its backward)")
+            event["detail"] = f"{found}; {event['detail']}" if event.get("detail") else found
+        event.pop("unfound", None)
         # Weights spoiled before the step began: the step before spoiled them.
         self._record(max(step_number - 1, 0) if event.pop("previous_step", False) else step_number, event)
 
@@ -601,8 +611,9 @@ class NanWatch:
         """A program that stops at its first non-finite loss ends before a
         step it missed (a gradient the sentinels did not see) shows at the
         next: the gradients the last step left are checked once at exit.
-        The step cannot be replayed then (its update has run), so the module
-        is named from the parameters' gradients."""
+        Where the step's update has run, it cannot be replayed, so the
+        module is named from the parameters' gradients; where it never ran
+        (see below), the step is replayed."""
         try:
             if not self.armed or self.tripped_at is not None or TRACER.step is None:
                 return
@@ -614,6 +625,21 @@ class NanWatch:
             if finite is None:
                 finite = all(math.isfinite(v.item()) for v in _norms(grads))
             if finite:
+                return
+            step = self.step
+            if step.args is not None and step.model is not None and step.model() is not None:
+                # The step's input is still kept: no optimizer step (whose
+                # pre-hook lets it go) came after its forward, so its
+                # gradients were never applied. A GradScaler skips the
+                # optimizer where its scaled gradients overflowed, as it
+                # does now and then by design; a program may skip a step
+                # with a non-finite gradient norm, or end between backward
+                # and step. The weights are still the step's, so it is
+                # replayed at the real scale, and an event recorded only
+                # where that names an origin.
+                self._trip(TRACER.step, step, params, unapplied=True)
+                tables.flush()
+                _native.store_flush()
                 return
             step_number = max(TRACER.step - 1, 0)
             self.tripped_at = step_number
@@ -719,8 +745,10 @@ class NanWatch:
                 "loss": loss_value,
                 "detail": "a gradient from the loss large enough to overflow in the model's backward would look the "
                           "same; `nonfinite` counts the parameters' non-finite gradients",
+                # (A loss scaler's overflow, too: see `check_at_exit`.)
+                "unfound": loss_value is None or math.isfinite(loss_value),
             }
-        return self._from_param_grads(params, loss_value, "the replay found no origin")
+        return {**self._from_param_grads(params, loss_value, "the replay found no origin"), "unfound": True}
 
     def _spoiled_weights(self, model, loss_value):
         """The step began with non-finite weights: a replay would name the
