@@ -1171,3 +1171,65 @@ def test_a_step_a_grad_scaler_skipped_is_no_event_unless_its_replay_names_an_ori
         # still, and its weights had not changed.
         assert [(e["step"], e["stage"]) for e in events] == [(5, "input")], events
         assert "update never ran" in events[0]["detail"], events
+
+
+# Two blocks under activation checkpointing: their forward runs again
+# inside the backward (all of it where reentrant; where not, up to the
+# last tensor the backward needs, so only the block's Linear).
+CHECKPOINTED = """
+import sys, time
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+REENTRANT = sys.argv[1] == "reentrant"
+torch.manual_seed(0)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=REENTRANT)
+        return self.head(x)
+
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+print("READY", flush=True)
+while True:
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+def test_an_activation_checkpoints_recompute_is_not_counted_as_forward(torch_python, spawn, cli, how):
+    target = spawn(torch_python, CHECKPOINTED, args=[how], wait=False)
+    target.wait_for_line("READY")
+    on(cli, target.pid, "trace", "on", "--every", "1")
+    on(cli, target.pid, "activations", "--modules", "*")
+    deadline = time.monotonic() + 60
+    while True:
+        last = query_json(cli, target.pid, "SELECT max(step) AS s FROM python.activation_stats")[0]["s"]
+        if last is not None:
+            trace = query_json(cli, target.pid, f"SELECT module, calls FROM python.torch_trace WHERE step = {last - 1} AND stage = 'forward'")
+            stats = query_json(cli, target.pid, f"SELECT module, calls FROM python.activation_stats WHERE step = {last - 1}")
+            if len(trace) == 9 and len(stats) == 9:
+                break
+        assert time.monotonic() < deadline, last
+        time.sleep(0.2)
+    # One call each, as the program makes: the recompute in the backward
+    # counted as a second forward call (and its time as forward time).
+    assert {r["module"]: r["calls"] for r in trace} == {r["module"]: 1 for r in trace}, trace
+    assert {r["module"]: r["calls"] for r in stats} == {r["module"]: 1 for r in stats}, stats
+    assert "blocks.0.0" in {r["module"] for r in trace}, trace

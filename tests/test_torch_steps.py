@@ -310,3 +310,47 @@ def test_a_model_that_comes_mid_run_is_traced(python, spawn, cli, mode, module):
         time.sleep(0.3)
     status = json.loads(cli(target.pid, "torch", "--format", "json").stdout)
     assert status["trace"]["on"], status
+
+
+# A fine-tuning phase with an optimizer of its own, whose count starts
+# again at 0. The trace is turned on a second time during it.
+PHASES = """
+import os, sys, time
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+go = sys.argv[1]
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+for phase, steps in ((1, 6), (2, 8)):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for i in range(steps):
+        if phase == 2 and i == 3:
+            print("WAITING", flush=True)
+            while not os.path.exists(go):
+                time.sleep(0.01)
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+print("DONE", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_second_trace_on_keeps_the_running_clocks_step_numbers(python, spawn, cli, tmp_path):
+    require_torch(python)
+    go = tmp_path / "go"
+    target = spawn(python, PHASES, args=[str(go)], env={"RANKSCOPE_TORCH": "trace,every=1"}, wait=False)
+    target.wait_for_line("WAITING")
+    on = cli(target.pid, "torch", "trace", "on")
+    assert on.returncode == 0, on.stderr
+    go.touch()
+    target.wait_for_line("DONE")
+    steps = [r["step"] for r in query(cli, target.pid, "SELECT step FROM python.torch_steps ORDER BY ts")]
+    # Numbered from the program's start, 14 steps in all: not sent back to
+    # the fine-tuning optimizer's count (4 and on again) by the second
+    # `trace on`. The step it came in is not seen whole, so has no row.
+    assert steps == sorted(set(steps)) and steps[-1] == 13, steps
+    assert 9 not in steps and {10, 11, 12} <= set(steps), steps

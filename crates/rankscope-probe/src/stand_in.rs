@@ -36,6 +36,12 @@ use pyo3::{intern, PyTraverseError};
 /// later, under a borrow of one (an import may run the program's code).
 static METHOD_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
+/// `torch._C._current_graph_task_id` (None on a torch without it), got
+/// when the first timing stand-in is made, as `METHOD_TYPE` is: not -1
+/// while autograd's engine runs a backward on this thread, where a module
+/// called is an activation checkpoint's recompute (see `__call__`).
+static GRAPH_TASK_ID: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
+
 use crate::nan_arm::{self, NanArm};
 use crate::step_clock::perf_ns;
 
@@ -78,6 +84,14 @@ impl StandIn {
         timing: bool,
     ) -> PyResult<Self> {
         METHOD_TYPE.import(py, "types", "MethodType")?;
+        if timing {
+            GRAPH_TASK_ID.get_or_init(py, || {
+                py.import("torch._C")
+                    .and_then(|c| c.getattr("_current_graph_task_id"))
+                    .ok()
+                    .map(Bound::unbind)
+            });
+        }
         Ok(StandIn {
             wrapped: inner,
             owner: None,
@@ -118,6 +132,20 @@ impl StandIn {
                 me.owner.as_ref().map(|o| o.clone_ref(py).into_any()),
             )
         };
+        if timing {
+            if let Some(acc) = &acc {
+                // A module called again in the step while a backward runs:
+                // an activation checkpoint's recompute (torch.utils.checkpoint
+                // runs the forward again inside the backward). Its time is
+                // the backward's, and its output the first call's again, so
+                // it is not counted, nor shown to `before` and `after`.
+                // Asked only at a module's second call in a step, so that
+                // the usual module pays nothing for it.
+                if calls_so_far(acc.bind(py), at + 1)? > 0 && in_backward(py)? {
+                    return call_inner(py, &inner, owner, args, kwargs);
+                }
+            }
+        }
         let kept = arm
             .as_ref()
             .is_some_and(|arm| nan_arm::keep_input(arm.bind(py), model.as_ref(), args, kwargs));
@@ -133,17 +161,7 @@ impl StandIn {
         }
         // After `before`: the module's time is its own, not the probe's.
         let start = if timing { perf_ns() } else { 0 };
-        let out = match owner {
-            None => inner.bind(py).call(args, kwargs)?,
-            Some(owner) => {
-                let module = alive(owner.bind(py))?;
-                let mut all = Vec::with_capacity(args.len() + 1);
-                all.push(module);
-                all.extend(args.iter());
-                let with_self = PyTuple::new(py, all)?;
-                inner.bind(py).call(with_self, kwargs)?
-            }
-        };
+        let out = call_inner(py, &inner, owner, args, kwargs)?;
         if timing {
             let spent = perf_ns() - start;
             if let Some(acc) = acc {
@@ -311,6 +329,40 @@ fn alive<'py>(owner: &Bound<'py, PyWeakrefReference>) -> PyResult<Bound<'py, PyA
     owner.upgrade().ok_or_else(|| {
         PyReferenceError::new_err("the module this forward belongs to no longer exists")
     })
+}
+
+/// The inner forward, called with the module first where it is held as
+/// its function (see the module's comment).
+fn call_inner<'py>(
+    py: Python<'py>,
+    inner: &Py<PyAny>,
+    owner: Option<Py<PyWeakrefReference>>,
+    args: &Bound<'py, PyTuple>,
+    kwargs: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match owner {
+        None => inner.bind(py).call(args, kwargs),
+        Some(owner) => {
+            let module = alive(owner.bind(py))?;
+            let mut all = Vec::with_capacity(args.len() + 1);
+            all.push(module);
+            all.extend(args.iter());
+            let with_self = PyTuple::new(py, all)?;
+            inner.bind(py).call(with_self, kwargs)
+        }
+    }
+}
+
+fn calls_so_far(acc: &Bound<'_, PyList>, at: usize) -> PyResult<i64> {
+    acc.get_item(at)?.extract()
+}
+
+/// Whether autograd's engine is running a backward on this thread.
+fn in_backward(py: Python<'_>) -> PyResult<bool> {
+    match GRAPH_TASK_ID.get(py) {
+        Some(Some(task_id)) => Ok(task_id.bind(py).call0()?.extract::<i64>()? != -1),
+        _ => Ok(false),
+    }
 }
 
 fn add(acc: &Bound<'_, PyList>, at: usize, value: i64) -> PyResult<()> {

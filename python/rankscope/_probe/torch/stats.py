@@ -490,6 +490,12 @@ def _nothing(args, kwargs):
     return None
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 class _TakenOff:
     """A stand-in's entry (timed.put_on) with a hook handle's `remove()`."""
 
@@ -608,6 +614,10 @@ class ActivationStats:
 
         def post(module, args, output):
             try:
+                if watched.calls and _in_backward():
+                    # An activation checkpoint's recompute, inside the
+                    # backward: the same output again (see stand_in.rs).
+                    return
                 tensor = next((t for t in _tensors(output) if t.is_floating_point()), None)
                 if tensor is None or (tensor.is_cuda and capturing()):
                     return

@@ -666,11 +666,17 @@ class Tracer(_native.StepClock):
                 self._rediscover()
             completed = None
             if self.partial:
-                # The optimizer's own count where it keeps one, so that a
-                # trace turned on at different times on two ranks numbers
-                # their steps alike; counted from here on.
-                completed = models.completed_steps(optimizer) if optimizer is not None else None
+                # The step in progress was not seen whole: no row. Its
+                # number is the optimizer's own count where it keeps one,
+                # so that a trace turned on at different times on two
+                # ranks numbers their steps alike; counted from here on.
+                # Only where the clock starts, or a new marker takes over
+                # (`_renumber`): a `trace on` while the clock runs (for the
+                # NaN watch, or an earlier `trace on`) keeps its numbers,
+                # which an optimizer made mid-run (a fine-tuning phase's)
+                # would have sent back over steps already numbered.
                 if self.numbered is None:
+                    completed = models.completed_steps(optimizer) if optimizer is not None else None
                     self.numbered = "clock" if completed is None else "optimizer"
             elif self.step is not None and self.tracing:
                 self._finish_step(now)
