@@ -1228,3 +1228,64 @@ def test_an_activation_checkpoints_recompute_is_not_counted_as_forward(torch_pyt
     assert {r["module"]: r["calls"] for r in trace} == {r["module"]: 1 for r in trace}, trace
     assert {r["module"]: r["calls"] for r in stats} == {r["module"]: 1 for r in stats}, stats
     assert "1.block.0" in {r["module"] for r in trace}, trace
+
+
+# A GradScaler skips every step from step 5 on (a NaN in each batch), so
+# no optimizer step, where the watch checks, comes again; the program
+# goes on. The loss by a module (kept by the watch) or a function (not).
+SCALER_LIVE = """
+import os, sys, time
+import torch
+from torch import nn
+
+
+def main(how, go):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    criterion = nn.MSELoss(reduction="sum")
+    data = torch.Generator().manual_seed(1)
+    for step in range(12):
+        x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+        if step >= 5:
+            x[0, 0] = float("nan")
+        optimizer.zero_grad()
+        out = model(x)
+        loss = criterion(out, y) if how == "module" else nn.functional.mse_loss(out, y, reduction="sum")
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        print(step, loss.item(), scaler.get_scale(), flush=True)
+    print("READY", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.05)
+
+
+main(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("how", ["module", "function"])
+def test_a_nan_a_grad_scaler_skips_step_after_step_is_found_while_the_job_runs(torch_python, spawn, cli, tmp_path, how):
+    import os
+
+    if subprocess.run([torch_python, "-c", "import torch; torch.amp.GradScaler('cpu')"], capture_output=True).returncode != 0:
+        pytest.skip("this torch has no GradScaler for the CPU")
+    script = tmp_path / "scaler_live.py"
+    script.write_text(SCALER_LIVE)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    bare = subprocess.run([torch_python, str(script), how, str(script)], capture_output=True, text=True, timeout=120, env=clean)
+    assert bare.returncode == 0, bare.stderr
+    assert "nan" in bare.stdout.splitlines()[5], bare.stdout  # the premise
+    target = spawn(torch_python, SCALER_LIVE, args=[how, str(tmp_path / "go")], env={"RANKSCOPE_TORCH": "nan"}, wait=False)
+    printed = [target.wait_for_line(f"{i} ") for i in range(12)]
+    target.wait_for_line("READY")
+    assert printed == bare.stdout.splitlines()[:12]
+    shown = on(cli, target.pid, "nan")
+    # While the job runs, not at its exit: the step the skipping began at
+    # (the clock does not count skipped steps), and its batch's NaN.
+    assert "step 5: first non-finite in input" in shown, shown
+    assert "GradScaler skipped" in shown, shown
+    rows = query_json(cli, target.pid, "SELECT step, stage FROM python.nan_events")
+    assert [(r["step"], r["stage"]) for r in rows] == [(5, "input")], rows

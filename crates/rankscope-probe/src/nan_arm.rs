@@ -29,7 +29,8 @@ use crate::finite::FiniteCheck;
 /// What the watch keeps of the step in progress (nan.py's `_Step`): the
 /// model (a weakref), its input, the RNG states at its start, the loss,
 /// the model's output (a weakref, while a loss module is watched) and the
-/// loss module's call on it, as attributes of those names.
+/// loss module's call on it, and the GradScaler's per-optimizer states
+/// when the step began (see `keep_input`), as attributes of those names.
 ///
 /// Set from Python through `__setattr__`, which lets go of the old value
 /// after the borrow (a generated setter drops it inside, and a finalizer it
@@ -37,10 +38,10 @@ use crate::finite::FiniteCheck;
 #[pyclass(module = "rankscope._native")]
 #[derive(Default)]
 pub struct NanStep {
-    fields: [Option<Py<PyAny>>; 9],
+    fields: [Option<Py<PyAny>>; 10],
 }
 
-const FIELDS: [&str; 9] = [
+const FIELDS: [&str; 10] = [
     "model",
     "args",
     "kwargs",
@@ -50,15 +51,17 @@ const FIELDS: [&str; 9] = [
     "output",
     "loss_call",
     "autocast",
+    "scaler_states",
 ];
 const MODEL: usize = 0;
 const ARGS: usize = 1;
 const KWARGS: usize = 2;
 const LOSS: usize = 5;
 const AUTOCAST: usize = 8;
+const SCALER_STATES: usize = 9;
 
 /// What a `NanStep` let go of, to be released once no borrow is held.
-type Released = [Option<Py<PyAny>>; 9];
+type Released = [Option<Py<PyAny>>; 10];
 
 impl NanStep {
     /// Everything but the model, taken out.
@@ -167,6 +170,11 @@ pub struct NanArm {
     /// overflow where float16 did).
     any_autocast: Option<Py<PyAny>>,
     autocast_now: Py<PyAny>,
+    /// A weak reference to the program's GradScaler, once nan.py has found
+    /// one: each step keeps the dict of per-optimizer states its `update()`
+    /// replaces, so that a second forward with no optimizer step between
+    /// tells a step the scaler skipped from gradient accumulation.
+    scaler: Option<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -195,6 +203,7 @@ impl NanArm {
             grad_enabled,
             any_autocast,
             autocast_now,
+            scaler: None,
         })
     }
 
@@ -217,6 +226,14 @@ impl NanArm {
         replace_after_borrow(slf, |a| &mut a.sentinel_params, value)
     }
     #[getter]
+    fn get_scaler(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.scaler.as_ref().map(|v| v.clone_ref(py))
+    }
+    #[setter]
+    fn set_scaler(slf: &Bound<'_, Self>, value: Option<Py<PyAny>>) -> PyResult<()> {
+        replace_after_borrow(slf, |a| &mut a.scaler, value)
+    }
+    #[getter]
     fn get_models_seen(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         self.models_seen.as_ref().map(|v| v.clone_ref(py))
     }
@@ -234,12 +251,14 @@ impl NanArm {
         visit.call(&self.grad_enabled)?;
         visit.call(&self.any_autocast)?;
         visit.call(&self.autocast_now)?;
+        visit.call(&self.scaler)?;
         Ok(())
     }
 
     fn __clear__(&mut self) {
         self.sentinel_params = None;
         self.models_seen = None;
+        self.scaler = None;
     }
 }
 
@@ -256,7 +275,7 @@ pub(crate) fn keep_input(
     let py = arm.py();
     // A borrow held elsewhere (nothing of this module's holds one across
     // Python code, but a finalizer may run anywhere): the Python's turn.
-    let (step, grad_enabled, any_autocast, autocast_now) = {
+    let (step, grad_enabled, any_autocast, autocast_now, scaler) = {
         let Ok(arm) = arm.try_borrow() else {
             return false;
         };
@@ -273,6 +292,7 @@ pub(crate) fn keep_input(
             arm.grad_enabled.clone_ref(py),
             arm.any_autocast.as_ref().map(|f| f.clone_ref(py)),
             arm.autocast_now.clone_ref(py),
+            arm.scaler.as_ref().map(|s| s.clone_ref(py)),
         )
     };
     match grad_enabled.bind(py).call0().and_then(|on| on.is_truthy()) {
@@ -283,6 +303,25 @@ pub(crate) fn keep_input(
         Ok(true) => {}
         Err(_) => return false,
     }
+    // An input kept already, with no optimizer step since: a second
+    // forward in the step (gradient accumulation, a GAN's discriminator on
+    // real and fake), or a step a GradScaler skipped. The watch's Python
+    // tells them apart (nan.py, `_repeated`).
+    match step.bind(py).try_borrow() {
+        Ok(held) if held.fields[ARGS].is_none() => {}
+        _ => return false,
+    }
+    let scaler_states = match &scaler {
+        None => None,
+        Some(weak) => match weak.bind(py).call0() {
+            Ok(scaler) if scaler.is_none() => None,
+            Ok(scaler) => match scaler.getattr(pyo3::intern!(py, "_per_optimizer_states")) {
+                Ok(states) => Some(states.unbind()),
+                Err(_) => return false,
+            },
+            Err(_) => return false,
+        },
+    };
     let on = match &any_autocast {
         Some(any) => any.bind(py).call0().and_then(|on| on.is_truthy()),
         None => Ok(true),
@@ -307,6 +346,7 @@ pub(crate) fn keep_input(
         // made at every step.
         fields[KWARGS] = kwargs.map(|k| k.clone().into_any().unbind());
         fields[AUTOCAST] = autocast;
+        fields[SCALER_STATES] = scaler_states;
         released
     };
     drop(released);

@@ -103,6 +103,13 @@ MAX_SENTINEL = 1 << 16
 # Model calls watched through torch's global hooks before a step comes (see
 # `NanWatch._watch_first_forward`): more, and the program is not training.
 FIRST_CALLS = 1000
+# Steps a GradScaler skips in a row, with a loss that is finite or not seen,
+# before the last is replayed (see `NanWatch._repeated`): a few skips are
+# its overflows at a scale too high, which it lowers by half each time.
+SKIPS_BEFORE_REPLAY = 3
+# How far `_find_scaler` looks: frames up from the model's call, and
+# objects (a trainer, its accelerator) down from their locals.
+SCALER_FRAMES, SCALER_OBJECTS = 12, 2000
 _rng_state, _cuda_initialized = torch.get_rng_state, torch.cuda.is_initialized
 # Whether dynamo is tracing the code that asks (torch 2.3 on; an older
 # torch's hooks are traced as they are).
@@ -208,6 +215,11 @@ class NanWatch:
         self.first_calls = 0
         self.exit_check = False
         self.first_rng = None
+        # The program's GradScaler (a weak reference in the arm), looked
+        # for once; the steps it skipped in a row, since `checked_steps`
+        # was `skip_mark`.
+        self.scaler_searched = False
+        self.skips, self.skip_mark = 0, -1
 
     # ---- on and off (probe thread)
 
@@ -425,9 +437,13 @@ class NanWatch:
                 # gradient comes of the call: the step keeps the input its
                 # loss came from (see nan_arm.rs, `keep_input`).
                 return
+            step = self.step
+            if step.args is not None:
+                self._repeated(step)
+                step = self.step
             # The RNG state (a 5 kB copy, about 3 us) only where the
             # forward draws from it.
-            step = self.step
+            step.scaler_states = self._scaler_states()
             step.model, step.args, step.kwargs = model_ref, args, kwargs
             step.autocast = _autocast_if_on()
             step.rng = _rng_state() if stochastic else None
@@ -438,6 +454,102 @@ class NanWatch:
                 step.cuda_rng = torch.cuda.get_rng_state_all()
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root pre-hook failed: {type(exc).__name__}: {exc}")
+
+    def _repeated(self, step):
+        """A model's forward with grad while the step still keeps an input:
+        no optimizer step came between (its pre-hook lets the input go).
+        Either the step goes on (gradient accumulation, a GAN's
+        discriminator called on real and fake), or the step ended without
+        one: a GradScaler found its scaled gradients non-finite and skipped
+        the optimizer, which no hook shows. Its `update()` replaces the
+        dict of per-optimizer states, so a dict other than the one the
+        kept step began with says the scaler ended that step. The step's
+        weights are still its own, so it can be searched now: at once
+        where its loss was non-finite; where the loss was finite or not
+        seen, after SKIPS_BEFORE_REPLAY skips in a row, since a few are
+        the scaler's overflows by design (a replay at the real scale then
+        finds nothing, and nothing is recorded)."""
+        if self.tripped_at is not None:
+            return
+        scaler = self._find_scaler()
+        states = step.scaler_states
+        if scaler is None or states is None or getattr(scaler, "_per_optimizer_states", states) is states:
+            return
+        if self.skip_mark != self.checked_steps:
+            # An optimizer step was checked since the last skip.
+            self.skips, self.skip_mark = 0, self.checked_steps
+        self.skips += 1
+        loss = step.loss
+        # Read now: the scaler's own check of its gradients has waited for
+        # the device already.
+        finite_loss = loss is None or math.isfinite(float(_local(loss)))
+        if finite_loss and self.skips < SKIPS_BEFORE_REPLAY:
+            return
+        skipped, self.skips = self.skips, 0
+        found = "found at a step the GradScaler skipped (its update never ran)"
+        if skipped > 1:
+            found += f"; the batch replayed is the last of {skipped} it skipped in a row, all numbered this step"
+        self._trip(TRACER.step if TRACER.step is not None else 0, step,
+                   lambda: [p for opt in list(TRACER.known_optimizers) for p in models.params_with_grads(opt)],
+                   unapplied=found)
+
+    def _scaler_states(self):
+        weak = self._arm.scaler
+        scaler = weak() if weak is not None else None
+        return getattr(scaler, "_per_optimizer_states", None) if scaler is not None else None
+
+    def _find_scaler(self):
+        """The program's GradScaler, looked for once, at the first second
+        forward of a step: in the locals of the frames that called the
+        model (the training loop), and in the attributes of the objects
+        they hold, two deep (a trainer's `scaler`, its accelerator's)."""
+        weak = self._arm.scaler
+        if weak is not None:
+            return weak()
+        if self.scaler_searched:
+            return None
+        self.scaler_searched = True
+        # torch.cuda.amp's (older torch's, or a subclass of torch.amp's)
+        # only where the program imported it: asked for, it warns.
+        cuda_amp = sys.modules.get("torch.cuda.amp")
+        kinds = tuple(k for k in (getattr(torch.amp, "GradScaler", None), getattr(cuda_amp, "GradScaler", None))
+                      if isinstance(k, type))
+        if not kinds:
+            return None
+        seen, budget = set(), [SCALER_OBJECTS]
+
+        def look(value, depth):
+            if budget[0] <= 0 or id(value) in seen:
+                return None
+            seen.add(id(value))
+            budget[0] -= 1
+            if isinstance(value, kinds):
+                return value
+            if depth == 0 or isinstance(value, (type, type(sys))):
+                return None
+            try:
+                attrs = object.__getattribute__(value, "__dict__")
+            except AttributeError:
+                return None
+            if not isinstance(attrs, dict):
+                return None
+            for inner in list(attrs.values()):
+                found = look(inner, depth - 1)
+                if found is not None:
+                    return found
+            return None
+
+        frame = sys._getframe(1)
+        for _ in range(SCALER_FRAMES):
+            if frame is None:
+                break
+            for value in list(frame.f_locals.values()):
+                found = look(value, 2)
+                if found is not None:
+                    self._arm.scaler = weakref.ref(found)
+                    return found
+            frame = frame.f_back
+        return None
 
     def _root_post(self, args, output):
         try:
@@ -580,8 +692,9 @@ class NanWatch:
     # ---- the search, on a trip only
 
     def _trip(self, step_number, step, params, unapplied=False):
-        """`unapplied`: found at exit, in gradients no optimizer step took
-        (see `check_at_exit`): recorded only where the replay names an
+        """`unapplied`: a step whose update never ran, found at exit (see
+        `check_at_exit`; or the detail to give, for a step a GradScaler
+        skipped, see `_repeated`): recorded only where the replay names an
         origin."""
         self.tripped_at = step_number
         if callable(params):
@@ -599,9 +712,11 @@ class NanWatch:
             TRACER.restore(held)
         if unapplied:
             if event.pop("unfound", False):
+                self.tripped_at = None
                 return
-            found = ("found at exit, in the gradients of a step whose update never ran (no optimizer step came "
-                     "after its backward)")
+            found = unapplied if isinstance(unapplied, str) else (
+                "found at exit, in the gradients of a step whose update never ran (no optimizer step came after its "
+                "backward)")
             event["detail"] = f"{found}; {event['detail']}" if event.get("detail") else found
         event.pop("unfound", None)
         # Weights spoiled before the step began: the step before spoiled them.
