@@ -523,9 +523,12 @@ class NanWatch:
                 return None
             seen.add(id(value))
             budget[0] -= 1
-            if isinstance(value, kinds):
+            # By its type, not isinstance: that asks a proxy's `__class__`,
+            # which may be the program's code.
+            kind = type(value)
+            if issubclass(kind, kinds):
                 return value
-            if depth == 0 or isinstance(value, (type, type(sys))):
+            if depth == 0 or issubclass(kind, (type, type(sys))):
                 return None
             try:
                 attrs = object.__getattribute__(value, "__dict__")
