@@ -12,7 +12,9 @@
 //! Python hears of a step only where it has something to do: every
 //! `full_every`-th step (all the gradients), a trip, a GPU's check, a
 //! random forward (the RNG state is Python's to
-//! copy), a loss to find in the output, new models, `rankscope.step()`.
+//! copy), a loss to find in the output, new models, `rankscope.step()`,
+//! a second forward with grad in a step (accumulation, or a step a
+//! GradScaler skipped: nan.py's `_repeated`).
 //!
 //! No borrow of either class is held across a call into Python, and what
 //! a step lets go of (the last input) is released after the borrow: its

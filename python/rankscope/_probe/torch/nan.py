@@ -25,7 +25,9 @@ stand-in keeps the input, the step clock's pre-hook checks the
 sentinels and the boundary lets the input go natively
 (``_native.NanArm``, crates/rankscope-probe/src/nan_arm.rs). The hooks
 below run where that cannot: a full check, a trip, a GPU's check, a
-random forward, an output that may hold the loss, new models.
+random forward, an output that may hold the loss, new models, a second
+forward in a step (where a step a GradScaler skipped is told from
+gradient accumulation: ``_repeated``).
 
 On a trip, the step is searched while its weights are still the ones it
 ran with (the optimizer's pre-hook, before the update):
