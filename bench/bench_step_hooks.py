@@ -176,26 +176,19 @@ def main() -> int:
     # A module's first call in a step (its count is 0: the usual module),
     # and a further one (a shared layer, an RNN cell), which asks whether a
     # backward runs (an activation checkpoint's recompute; stand_in.rs).
-    def first_calls(n=200_000):
+    def calls(count_before, n=200_000):
         started = clock()
         for _ in range(n):
-            acc[1] = 0
+            acc[1] = count_before
             relu(value)
         return (clock() - started) / n
 
-    def further_calls(n=200_000):
-        started = clock()
-        for _ in range(n):
-            acc[1] = 1
-            relu(value)
-        return (clock() - started) / n
-
-    for name, calls in (("a module's first call in a step", first_calls), ("a further call", further_calls)):
+    for name, count_before in (("a module's first call in a step", 0), ("a further call", 1)):
         plain, stood = [], []
         for _ in range(7):
-            plain.append(calls())
+            plain.append(calls(count_before))
             handle = timed.put_on(relu, lambda inner: timed.timed(inner, acc, 0))
-            stood.append(calls())
+            stood.append(calls(count_before))
             timed.take_off(handle)
         print(f"warm: a timed stand-in {statistics.median(stood) - statistics.median(plain):+.0f} ns, {name}")
     return 0
