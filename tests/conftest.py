@@ -236,6 +236,26 @@ def require_torch(python: str) -> None:
         pytest.skip("torch is not installed in the test environment (RANKSCOPE_TEST_TORCH=0?)")
 
 
+def assert_slices_nest(events) -> None:
+    """The trace event format's rule for complete ("X") events on one
+    thread: two slices are apart or one holds the other, and of slices that
+    start together the one that holds the other comes first in the file."""
+    lanes: dict = {}
+    for e in events:
+        if e["ph"] == "X":
+            lanes.setdefault((e["pid"], e["tid"]), []).append(e)
+    for lane, slices in lanes.items():
+        assert [e["ts"] for e in slices] == sorted(e["ts"] for e in slices), f"{lane}: not in start order"
+        open_ = []
+        for e in slices:
+            while open_ and open_[-1]["ts"] + open_[-1]["dur"] <= e["ts"]:
+                open_.pop()
+            if open_:
+                outer = open_[-1]
+                assert e["ts"] + e["dur"] <= outer["ts"] + outer["dur"], f"{lane}: {e} overlaps {outer} without nesting"
+            open_.append(e)
+
+
 def launch_torchrun(python, script, nproc, endpoint_dir, run_dir, prefix=(), probe=True, env=None, torchrun_args=(), **popen):
     """torchrun (gloo, CPU) on `script`, with the probe on in every worker
     unless `prefix` (e.g. `rankscope run --`) turns it on itself."""

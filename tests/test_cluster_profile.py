@@ -13,6 +13,7 @@ import uuid
 import xml.etree.ElementTree as ET
 
 import pytest
+from conftest import assert_slices_nest
 
 # Ranks 0, 1 and 3 run the job's loop; rank 2 runs another one.
 RANK = """
@@ -100,6 +101,7 @@ def test_the_merged_views_name_the_ranks_of_each_frame(job, cli, tmp_path, brows
         slices = {e["name"].split(" (")[0] for e in events if e["ph"] == "X" and e["pid"] == target.pid}
         assert ("odd_loop" if rank == 2 else "train_step") in slices, (rank, slices)
         assert all(e["dur"] >= 0 and e["ts"] > 0 for e in events if e["ph"] == "X")
+    assert_slices_nest(events)
 
     # speedscope: a profile per rank and thread, then every rank merged.
     scope = tmp_path / "job.speedscope.json"
@@ -156,13 +158,17 @@ def test_diff_names_what_one_rank_does_that_the_others_do_not(job, cli, tmp_path
     rows = json.loads(result.stdout)
     assert [r["rank"] for r in rows] == [0, 1, 2, 3], rows
     assert all((r["odd"] > 0) == (r["rank"] == 2) and r["n"] > 0 for r in rows), rows
+    # The live ranks answer the same from their run stores.
+    live = cli("cluster", "query", "--run", run, sql, "--format", "json")
+    assert live.returncode == 0 and "did not answer" not in live.stderr, live.stderr
+    assert json.loads(live.stdout) == rows, live.stdout
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--diff", "7"], "--diff 7: that rank is not among those profiled here"),
-        (["--diff", "2", "-o", "x.json"], "--diff: --diff writes .svg, .folded or .txt"),
+        (["--diff", "2", "-o", "x.json"], "error: --diff writes .svg, .folded or .txt"),
         (["-o", "missing/x.svg"], "there is no folder missing"),
     ],
 )
@@ -182,7 +188,7 @@ def test_bad_arguments_are_refused_before_sampling(job, cli, tmp_path, args, mes
     [
         (["--diff", "7"], "--diff 7: that rank is not among those profiled here"),
         (["--diff", "2", "--ranks", "2"], "--diff needs at least two ranks"),
-        (["--diff", "2", "-o", "x.json"], "--diff: --diff writes .svg, .folded or .txt"),
+        (["--diff", "2", "-o", "x.json"], "error: --diff writes .svg, .folded or .txt"),
         (["--ranks", "9"], "rank 9 is not in job"),
         (["-o", "x.png"], "cannot tell the format of x.png"),
     ],

@@ -7,13 +7,16 @@ GIL, and a process with no probe at all."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import signal
+import subprocess
 import time
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import require_torch
+from conftest import assert_slices_nest, require_torch
 
 WORKLOAD = """
 import re, sys, threading, time
@@ -115,6 +118,7 @@ def test_the_hot_function_dominates_in_every_format(python, spawn, cli, tmp_path
     assert meta[("thread_name", target.pid)] == f"MainThread ({target.pid})", meta
     slices = [e for e in events if e["ph"] == "X"]
     assert slices and all(e["dur"] >= 0 and e["pid"] == target.pid and isinstance(e["ts"], (int, float)) for e in slices)
+    assert_slices_nest(events)
     burns = [e for e in slices if e["name"].startswith("burn (") and e["tid"] == target.pid]
     outer = [e for e in slices if e["name"].startswith("<module> (") and e["tid"] == target.pid]
     # Frames nest: the module's slices hold the calls made from it.
@@ -170,6 +174,31 @@ def test_the_probe_samples_its_own_process_when_asked(python, spawn, cli, tmp_pa
     kept = cli("query", "--run", run, "SELECT pid, func, sum(samples) AS n FROM python.profile WHERE NOT idle GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 1", "--format", "json")
     assert kept.returncode == 0, kept.stderr
     assert [(r["pid"], r["func"]) for r in json.loads(kept.stdout)] == [(target.pid, "burn")], kept.stdout
+    assert target.alive()
+
+
+def test_ctrl_c_ends_a_profile_inside_early_and_still_writes(python, spawn, rankscope_bin, endpoint_dir, tmp_path):
+    """GIVEN a probe sampling its own process for a minute (--inside), WHEN
+    the user presses Ctrl-C, THEN the probe stops at once and the CLI
+    writes what it has, as an outside profile does."""
+    target = spawn(python, WORKLOAD)
+    out = tmp_path / "early.svg"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env["RANKSCOPE_DIR"] = endpoint_dir
+    command = subprocess.Popen([rankscope_bin, str(target.pid), "profile", "--inside", "--duration", "60", "-o", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "Ctrl-C ends early" in command.stderr.readline()
+        time.sleep(1.5)  # what is sampled before the Ctrl-C: the profile's content, not a wait for readiness
+        started = time.monotonic()
+        command.send_signal(signal.SIGINT)
+        stdout, stderr = command.communicate(timeout=30)
+    finally:
+        command.kill()
+    assert time.monotonic() - started < 10 and command.returncode == 0, stderr
+    wrote = re.match(rf"wrote {re.escape(str(out))} \(flame graph\): (\d+) samples over (\d+\.\d) s", stdout)
+    assert wrote and int(wrote.group(1)) > 0 and float(wrote.group(2)) < 10, stdout
+    assert "burn (" in out.read_text()
     assert target.alive()
 
 
@@ -231,6 +260,8 @@ def test_a_process_without_a_probe_is_profiled(python, spawn, cli, tmp_path):
     [
         (["--duration", "0"], "--duration must be a positive number of seconds"),
         (["--rate", "0"], "--rate must be between 1 and 10000"),
+        (["--duration", "-1"], "--duration must be a positive number of seconds, not -1"),
+        (["--rate", "-5"], "--rate must be between 1 and 10000 samples a second, not -5"),
         (["-o", "p.png"], "cannot tell the format of p.png"),
         (["--idle", "--no-idle"], "--idle and --no-idle contradict each other"),
         (["--native", "--inside"], "--native and --inside do not go together"),
@@ -276,11 +307,16 @@ def test_an_output_folder_that_is_missing_is_said_before_sampling(python, spawn,
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), missing.stderr
     assert f"no folder {tmp_path / 'missing'}" in lines[0] and "mkdir -p" in lines[1], missing.stderr
 
-    # A folder named like the output: only the write itself can tell.
+    # A folder named like the output, or a folder that takes no new files:
+    # also said before sampling, once.
     (tmp_path / "dir.svg").mkdir()
-    failed = cli(target.pid, "profile", "--duration", "0.3", "-o", tmp_path / "dir.svg")
-    assert failed.returncode != 0
-    assert "cannot write" in failed.stderr and failed.stderr.count("(os error 21)") == 1, failed.stderr
+    for path in [tmp_path / "dir.svg", "/proc/x.svg"]:
+        started = time.monotonic()
+        failed = cli(target.pid, "profile", "--duration", "60", "-o", path, timeout=30)
+        assert time.monotonic() - started < 20
+        assert failed.returncode != 0
+        assert failed.stderr.count("cannot write") == 1 and "hint: " in failed.stderr, failed.stderr
+    assert not (tmp_path / "dir.svg" / "x").exists() and list((tmp_path).iterdir()) == [tmp_path / "dir.svg"]
 
 
 def test_a_pid_that_does_not_exist_is_named_plainly(python, spawn, cli):

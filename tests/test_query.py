@@ -34,6 +34,15 @@ def test_backtrace_query_filters_on_depth(python, spawn, cli):
     assert {r["frame_type"] for r in rows} == {"Python"}
 
 
+def test_the_sql_string_and_time_functions_people_reach_for_work(default_python, spawn, cli):
+    """substr, regexp_replace, split_part and date_trunc on a live table:
+    paths and times are what a query cuts up."""
+    target = spawn(default_python, TARGET)
+    rows = query_json(cli, target.pid, "SELECT substr(func, 1, 3) AS head, substring(func FROM 2 FOR 2) AS mid, regexp_replace(file, '^.*/', '') AS base, split_part(file, '/', 2) AS top, date_trunc('minute', ts) <= ts AS t FROM python.backtrace WHERE depth = 0 AND thread_name = 'MainThread'")
+    assert rows and rows[0]["head"] == "lea" and rows[0]["mid"] == "ea" and rows[0]["t"] is True, rows
+    assert rows[0]["base"].endswith(".py") and "/" not in rows[0]["base"], rows
+
+
 def test_every_table_carries_pid_rank_host_and_ts(python, spawn, cli):
     target = spawn(python, TARGET, env={"RANK": "3", "WORLD_SIZE": "8"})
     for table in ["python.backtrace", "python.threads", "process.info", "process.env"]:

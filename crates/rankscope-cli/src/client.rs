@@ -350,14 +350,53 @@ impl Probe {
     }
 
     /// `POST /v1/profile`: the probe samples its own process for
-    /// `duration_s` and answers with the fold (a rank on another machine).
-    pub fn profile(&self, duration_s: f64, rate_hz: f64) -> Result<serde_json::Value> {
-        self.helper(
-            "/v1/profile",
-            &serde_json::json!({"duration_s": duration_s, "rate_hz": rate_hz}),
-            Duration::from_secs_f64(duration_s + 30.0),
-            "`rankscope cluster profile` on the rank's own machine samples it from outside",
-        )
+    /// `duration_s` and answers with the fold (`--inside`, or a rank on
+    /// another machine). Once `stop` is set (Ctrl-C) the probe is told to
+    /// end early, and answers with the fold so far.
+    pub fn profile(
+        &self,
+        duration_s: f64,
+        rate_hz: f64,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<serde_json::Value> {
+        // Names this sampling to the stop request: another client's may run
+        // in the same probe at the same time.
+        let id = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ (u64::from(std::process::id()) << 40);
+        let request = serde_json::json!({"duration_s": duration_s, "rate_hz": rate_hz, "id": id});
+        std::thread::scope(|scope| {
+            let asked = scope.spawn(|| {
+                self.helper(
+                    "/v1/profile",
+                    &request,
+                    Duration::from_secs_f64(duration_s + 30.0),
+                    "`rankscope cluster profile` on the rank's own machine samples it from outside",
+                )
+            });
+            let mut told: Option<std::time::Instant> = None;
+            while !asked.is_finished() {
+                std::thread::sleep(Duration::from_millis(50));
+                // Told again until the answer comes: a stop that arrives
+                // before the sampling has begun finds nothing to stop.
+                if stop.load(std::sync::atomic::Ordering::SeqCst)
+                    && told.is_none_or(|t| t.elapsed() > Duration::from_millis(250))
+                {
+                    let body = serde_json::json!({"id": id}).to_string();
+                    let _ = self.request::<serde_json::Value>(
+                        "POST",
+                        "/v1/profile/stop",
+                        body.as_bytes(),
+                        Duration::from_secs(2),
+                    );
+                    told = Some(std::time::Instant::now());
+                }
+            }
+            asked
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("the profile request panicked")))
+        })
     }
 
     /// `POST /v1/debug`: one op of a debug session (`rankscope dap`).

@@ -381,6 +381,8 @@ pub const PROFILE: TableDef = TableDef {
         col("func", Utf8),
         col("file", Utf8),
         col("line", Int64),
+        // The stack's number of frames (python.backtrace's depth is a
+        // frame's place, 0 innermost).
         col("depth", Int64),
         // Outermost first, `;` between frames, as folded text has it.
         col("stack", Utf8),

@@ -127,6 +127,7 @@ impl Handler for ProbeHandler {
                 Err(_) => Response::error(400, "a memory request is JSON text"),
             },
             ("POST", "/v1/profile") => crate::profile_self::handle(&request.body, self.meta()),
+            ("POST", "/v1/profile/stop") => crate::profile_self::stop(&request.body),
             ("GET", "/v1/table") => match request.query_param("name").map(percent_decode) {
                 Some(name) => {
                     let columns = request.query_param("columns").map(percent_decode);
@@ -151,7 +152,7 @@ impl Handler for ProbeHandler {
                 _,
                 "/v1/meta" | "/v1/env" | "/v1/stacks" | "/v1/eval" | "/v1/eval/interrupt"
                 | "/v1/breakpoints" | "/v1/debug" | "/v1/job" | "/v1/torch" | "/v1/memory"
-                | "/v1/table" | "/v1/profile",
+                | "/v1/table" | "/v1/profile" | "/v1/profile/stop",
             ) => Response::error(
                 405,
                 &format!("{} is not allowed on {}", request.method, request.path),

@@ -6,7 +6,8 @@
 //! stops, and the GIL is never taken). It runs on the connection's own
 //! thread, which the sampler leaves out as one of rankscope's.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rankscope_core::http::Response;
@@ -23,6 +24,55 @@ fn answer(value: Value) -> Response {
 
 fn refuse(message: String, hint: &str) -> Response {
     answer(json!({"error": message, "hint": hint}))
+}
+
+/// Samplings in progress that a requester named (its `id`), with the flag
+/// that ends each early.
+static RUNNING: Mutex<Vec<(u64, Arc<AtomicBool>)>> = Mutex::new(Vec::new());
+
+/// One sampling's place in `RUNNING`, taken out when it ends.
+struct Running {
+    id: Option<u64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Running {
+    fn new(id: Option<u64>) -> Running {
+        let stop = Arc::new(AtomicBool::new(false));
+        if let Some(id) = id {
+            lock_running().push((id, stop.clone()));
+        }
+        Running { id, stop }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            lock_running().retain(|(i, stop)| !(*i == id && Arc::ptr_eq(stop, &self.stop)));
+        }
+    }
+}
+
+fn lock_running() -> std::sync::MutexGuard<'static, Vec<(u64, Arc<AtomicBool>)>> {
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `POST /v1/profile/stop` `{"id": N}`: the sampling of that id ends at its
+/// next tick and answers with what it has; `stopped` says whether one ran.
+pub fn stop(body: &[u8]) -> Response {
+    let Some(id) = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v["id"].as_u64())
+    else {
+        return Response::error(400, "a stop request is JSON: {\"id\": N}");
+    };
+    let mut stopped = false;
+    for (_, stop) in lock_running().iter().filter(|(i, _)| *i == id) {
+        stop.store(true, Ordering::SeqCst);
+        stopped = true;
+    }
+    answer(json!({"ok": {"stopped": stopped}}))
 }
 
 pub fn handle(body: &[u8], meta: Option<String>) -> Response {
@@ -61,9 +111,10 @@ pub fn handle(body: &[u8], meta: Option<String>) -> Response {
         all_frames: false,
         step_address,
     };
-    // Ends with its duration: a CLI that gives up only stops waiting.
-    static NEVER: AtomicBool = AtomicBool::new(false);
-    match sample(std::process::id(), &options, &NEVER, |_, _| {}) {
+    // Ends with its duration, or when its requester says stop (Ctrl-C); a
+    // CLI that goes away only stops waiting.
+    let running = Running::new(request["id"].as_u64());
+    match sample(std::process::id(), &options, &running.stop, |_, _| {}) {
         Ok(mut profile) => {
             profile.rank = rank;
             // Kept where this process's own tables go, as the CLI keeps

@@ -108,20 +108,26 @@ pub(crate) fn labels(p: &Profile, key: &StackKey, lines: bool) -> Vec<String> {
 }
 
 pub fn folded(p: &Profile, options: &WriteOptions) -> String {
-    let mut out = String::new();
-    for (key, count) in p.sorted_counts() {
+    // Stacks apart in the profile (lines, threads, the GIL) may print the
+    // same without lines or the prefix: one line each, their counts summed.
+    let mut summed: HashMap<String, u64> = HashMap::new();
+    for (key, count) in &p.counts {
         let mut parts = Vec::new();
         if options.prefix {
             parts.push(process_label(p));
             parts.push(thread_label(p, key.thread).replace(';', ":"));
         }
-        parts.extend(labels(p, &key, options.lines));
-        if parts.is_empty() {
-            continue;
+        parts.extend(labels(p, key, options.lines));
+        if !parts.is_empty() {
+            *summed.entry(parts.join(";")).or_default() += count;
         }
-        out += &format!("{} {count}\n", parts.join(";"));
     }
-    out
+    let mut lines: Vec<(String, u64)> = summed.into_iter().collect();
+    lines.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    lines
+        .into_iter()
+        .map(|(stack, count)| format!("{stack} {count}\n"))
+        .collect()
 }
 
 pub fn svg(p: &Profile, options: &WriteOptions) -> Result<Vec<u8>, ProfileError> {
@@ -263,7 +269,12 @@ fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
     for (i, t) in p.threads.iter().enumerate() {
         events.push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": t.id, "args": {"name": thread_label(p, i)}}));
     }
+    // Every time as whole microseconds since the epoch, each end rounded
+    // the same way wherever it falls: at 1.8e15 us an f64 steps by 0.25 us,
+    // so a slice's `ts + dur` in floats could pass the `ts` of the slice
+    // after it, an overlap without nesting that the format forbids.
     let origin_us = p.started_at * 1e6;
+    let us = |at_s: f64| (origin_us + at_s * 1e6).round() as i64;
     if !p.step_spans.is_empty() {
         // The torch steps as a lane of their own above the threads, so a
         // slow step lines up with what the threads did in it.
@@ -271,7 +282,7 @@ fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
         events.push(json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": STEPS_LANE, "args": {"sort_index": -1}}));
         for &(step, start, end) in &p.step_spans {
             events.push(json!({"ph": "X", "name": format!("step {step}"), "cat": "torch", "pid": pid, "tid": STEPS_LANE,
-                "ts": origin_us + start * 1e6, "dur": (end - start).max(0.0) * 1e6, "args": {"step": step}}));
+                "ts": us(start), "dur": (us(end) - us(start)).max(0), "args": {"step": step}}));
         }
     }
     let gap = 1.5 / p.rate_hz.max(0.001);
@@ -284,20 +295,21 @@ fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
         let tid = p.threads[thread].id;
         // (label, start in seconds) of the frames open now, outermost first.
         let mut open: Vec<(String, f64)> = Vec::new();
+        // (start, duration, depth, label) of the frames closed.
+        let mut done: Vec<(i64, i64, usize, String)> = Vec::new();
         let mut last_end = 0.0;
-        let close =
-            |open: &mut Vec<(String, f64)>, keep: usize, at: f64, events: &mut Vec<Value>| {
-                while open.len() > keep {
-                    let (name, start) = open.pop().expect("non-empty");
-                    events.push(
-                        json!({"ph": "X", "name": name, "cat": "python", "pid": pid, "tid": tid,
-                    "ts": origin_us + start * 1e6, "dur": (at - start).max(0.0) * 1e6}),
-                    );
-                }
-            };
+        let close = |open: &mut Vec<(String, f64)>,
+                     keep: usize,
+                     at: f64,
+                     done: &mut Vec<(i64, i64, usize, String)>| {
+            while open.len() > keep {
+                let (name, start) = open.pop().expect("non-empty");
+                done.push((us(start), (us(at) - us(start)).max(0), open.len(), name));
+            }
+        };
         for s in slices {
             if s.start_s - last_end > gap {
-                close(&mut open, 0, last_end, events);
+                close(&mut open, 0, last_end, &mut done);
             }
             let key = s.key();
             let names = labels(p, &key, options.lines);
@@ -306,13 +318,23 @@ fn chrome_events(p: &Profile, options: &WriteOptions, events: &mut Vec<Value>) {
                 .zip(&names)
                 .take_while(|((a, _), b)| a == *b)
                 .count();
-            close(&mut open, common, s.start_s, events);
+            close(&mut open, common, s.start_s, &mut done);
             for name in names.into_iter().skip(common) {
                 open.push((name, s.start_s));
             }
             last_end = s.end_s;
         }
-        close(&mut open, 0, last_end, events);
+        close(&mut open, 0, last_end, &mut done);
+        // Viewers nest slices that start together by their order in the
+        // file: the longer first, and of equal ones the outer, or a frame
+        // that spans the profile is drawn under its own callees.
+        done.sort_by_key(|&(ts, dur, depth, _)| (ts, std::cmp::Reverse(dur), depth));
+        for (ts, dur, _, name) in done {
+            events.push(
+                json!({"ph": "X", "name": name, "cat": "python", "pid": pid, "tid": tid,
+                "ts": ts, "dur": dur}),
+            );
+        }
     }
 }
 
@@ -426,17 +448,19 @@ mod tests {
     use super::*;
     use crate::profile::FrameKey;
 
+    /// A frame of /job/train.py.
+    fn f(p: &mut Profile, func: &str, line: i64) -> usize {
+        p.frame(FrameKey {
+            func: func.into(),
+            file: "/job/train.py".into(),
+            line,
+        })
+    }
+
     fn sample_profile() -> Profile {
         let mut p = Profile::new(42, 100.0, 1000.0);
         let t = p.thread(42, "MainThread");
         let w = p.thread(43, "worker");
-        let f = |p: &mut Profile, n: &str, l| {
-            p.frame(FrameKey {
-                func: n.into(),
-                file: "/job/train.py".into(),
-                line: l,
-            })
-        };
         let (main, hot, nap) = (
             f(&mut p, "main", 10),
             f(&mut p, "hot", 3),
@@ -474,6 +498,24 @@ mod tests {
             bare.starts_with("main (train.py:10);hot (train.py:3) 8\n"),
             "{bare}"
         );
+        // Without lines, two lines of one function are one stack.
+        let mut p = sample_profile();
+        let t = p.thread(42, "MainThread");
+        let other = f(&mut p, "hot", 4);
+        let main = p.stacks[0][0];
+        p.add(t, vec![main, other], false, true, 0.09);
+        let no_lines = folded(
+            &p,
+            &WriteOptions {
+                lines: false,
+                ..WriteOptions::default()
+            },
+        );
+        assert!(
+            no_lines.starts_with("pid 42;MainThread (42);main (train.py);hot (train.py) 9\n"),
+            "{no_lines}"
+        );
+        assert_eq!(no_lines.matches("hot (train.py)").count(), 1, "{no_lines}");
     }
 
     #[test]
@@ -485,6 +527,55 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("   5.9%   52.9%  main (train.py)"), "{text}");
+    }
+
+    /// At epoch microseconds an f64 steps by 0.25 us: every slice must
+    /// still end at or before the next one on its thread starts, and hold
+    /// or stay apart from the others, the outer first.
+    #[test]
+    fn chrome_slices_nest_at_epoch_times() {
+        let mut p = Profile::new(7, 1000.0, 1_795_791_486.072_149);
+        let t = p.thread(7, "MainThread");
+        let (main, a, b) = (
+            f(&mut p, "main", 1),
+            f(&mut p, "hot", 11),
+            f(&mut p, "hot", 12),
+        );
+        for i in 0..3000 {
+            let leaf = if (i / 3) % 2 == 0 { a } else { b };
+            p.add(
+                t,
+                vec![main, leaf],
+                false,
+                true,
+                i as f64 * 0.001 + (i % 7) as f64 * 1.3e-7,
+            );
+        }
+        p.finish(3.0);
+        let trace = chrome(&p, &WriteOptions::default());
+        let slices: Vec<(i64, i64)> = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .map(|e| (e["ts"].as_i64().unwrap(), e["dur"].as_i64().unwrap()))
+            .collect();
+        assert!(slices.len() > 1000, "{}", slices.len());
+        let mut open: Vec<(i64, i64)> = Vec::new();
+        for &(ts, dur) in &slices {
+            while open.last().is_some_and(|&(t, d)| t + d <= ts) {
+                open.pop();
+            }
+            if let Some(&(t, d)) = open.last() {
+                assert!(
+                    t <= ts && ts + dur <= t + d,
+                    "({ts}, {dur}) overlaps ({t}, {d})"
+                );
+            }
+            open.push((ts, dur));
+        }
+        // `main` spans them all and comes first.
+        assert_eq!(slices[0].1, slices.iter().map(|s| s.1).max().unwrap());
     }
 
     #[test]

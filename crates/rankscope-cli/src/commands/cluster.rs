@@ -1249,7 +1249,7 @@ impl RowSource for AllRanks {
         match self.scan(table, &Scan::default())? {
             Fetched::Rows(rows) => Ok(rows),
             Fetched::Counts(_) => Err("a full scan came back as counts".into()),
-            Fetched::Batches(_) => Err("a live rank answered with files".into()),
+            Fetched::Batches(_) => Err("a full scan came back as files".into()),
         }
     }
 
@@ -1269,22 +1269,30 @@ impl RowSource for AllRanks {
         });
         let mut rows = Vec::new();
         let mut counts = Vec::new();
+        let mut batches = Vec::new();
         for result in per_rank {
             match result {
                 Ok(Fetched::Rows(r)) => rows.extend(r),
                 Ok(Fetched::Counts(c)) => counts.extend(c),
-                // Live ranks answer with rows; only run directories give batches.
-                Ok(Fetched::Batches(_)) => self
-                    .warnings
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push("a live rank answered with files".into()),
+                // A table the CLI writes into each rank's run store (the
+                // last profile): that rank's files, in the scan's columns.
+                Ok(Fetched::Batches(b)) => batches.extend(b),
                 Err(e) => self
                     .warnings
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .push(e),
             }
+        }
+        if !batches.is_empty() {
+            if !rows.is_empty() || !counts.is_empty() {
+                // Every rank gets the same scan of the same kind of table.
+                self.warnings
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push("ranks answered the same scan in different ways; rows left out".into());
+            }
+            return Ok(Fetched::Batches(batches));
         }
         if rows.is_empty() {
             return Ok(Fetched::Counts(counts));

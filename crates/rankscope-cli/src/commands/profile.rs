@@ -23,10 +23,10 @@ use crate::outside;
 #[derive(clap::Args)]
 pub struct ProfileArgs {
     /// Seconds to sample (Ctrl-C ends early and still writes)
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, allow_negative_numbers = true)]
     pub duration: f64,
     /// Samples a second
-    #[arg(long, default_value_t = 100.0)]
+    #[arg(long, default_value_t = 100.0, allow_negative_numbers = true)]
     pub rate: f64,
     /// Native (C, C++, Rust) frames too; pauses each thread briefly at every sample
     #[arg(long)]
@@ -174,7 +174,6 @@ impl ProfileArgs {
 
 /// `-o`'s folder exists and may be written into.
 fn writable_folder(output: &std::path::Path) -> Result<()> {
-    use std::os::unix::ffi::OsStrExt;
     let folder = output
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -193,20 +192,28 @@ fn writable_folder(output: &std::path::Path) -> Result<()> {
         )
         .into());
     }
-    let c_path = std::ffi::CString::new(folder.as_os_str().as_bytes())?;
-    // SAFETY: a NUL-terminated path that outlives the call.
-    if unsafe { libc::access(c_path.as_ptr(), libc::W_OK) } != 0 {
-        return Err(Hinted::new(
-            format!(
-                "cannot write into {}: {}",
-                folder.display(),
-                std::io::Error::last_os_error()
-            ),
-            "name an -o in a folder you may write to",
+    // Opened now as it will be then, and taken away again if it was not
+    // there: a folder that refuses new files (/proc), a directory of that
+    // name or a file that may not be written all fail here.
+    let existed = output.symlink_metadata().is_ok();
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(output)
+    {
+        Ok(_) => {
+            if !existed {
+                let _ = std::fs::remove_file(output);
+            }
+            Ok(())
+        }
+        Err(e) => Err(Hinted::new(
+            format!("cannot write {}: {e}", output.display()),
+            "name an -o you may write to",
         )
-        .into());
+        .into()),
     }
-    Ok(())
 }
 
 /// A sampling error in words a user can act on.
@@ -356,10 +363,14 @@ fn refused(e: &rankscope_profile::ProfileError) -> bool {
 fn inside(pid: u32, rank: Option<i64>, args: &ProfileArgs, path: Option<String>) -> Result<u8> {
     let probe = Probe::locate(pid)?;
     eprintln!(
-        "sampling PID {pid} through its probe for {:.1} s (Ctrl-C does not end it early)",
+        "sampling PID {pid} through its probe for {:.1} s (Ctrl-C ends early)",
         args.duration
     );
-    let answer = probe.profile(args.duration, args.rate)?;
+    SIGINT_SEEN.store(false, Ordering::SeqCst);
+    let catcher = SigintCatcher::install();
+    let answer = probe.profile(args.duration, args.rate, &SIGINT_SEEN);
+    drop(catcher);
+    let answer = answer?;
     let mut profile = rankscope_profile::wire::from_json(&answer)?;
     profile.rank = rank;
     let before = profile.total();
@@ -452,9 +463,11 @@ pub fn cluster(
         if let Some(Format::Speedscope | Format::Chrome) =
             path.as_deref().and_then(|p| Format::of(p).ok())
         {
-            return Err(failed(rankscope_profile::ProfileError::Diff(
-                "--diff writes .svg, .folded or .txt".into(),
-            )));
+            return Err(Hinted::new(
+                "--diff writes .svg, .folded or .txt",
+                "a rank against the others is a flame graph (.svg), its stacks (.folded) or a table (.txt)",
+            )
+            .into());
         }
     }
     if args.native {
@@ -466,7 +479,7 @@ pub fn cluster(
         let hosts: std::collections::BTreeSet<&str> =
             found.remote.iter().map(|(_, h, _)| h.as_str()).collect();
         eprintln!(
-            "note: ranks {} (on {}) are sampled by their own probes, for the whole duration{}",
+            "note: ranks {} (on {}) are sampled by their own probes{}",
             rankscope_core::ranks::compress(found.remote.iter().map(|(r, _, _)| *r)),
             hosts.into_iter().collect::<Vec<_>>().join(", "),
             if args.native {
@@ -489,7 +502,7 @@ pub fn cluster(
             .map(|(rank, _, probe)| {
                 let duration = options.duration.as_secs_f64();
                 scope.spawn(move || -> Result<Profile> {
-                    let answer = probe.profile(duration, options.rate_hz)?;
+                    let answer = probe.profile(duration, options.rate_hz, &SIGINT_SEEN)?;
                     let mut profile = rankscope_profile::wire::from_json(&answer)?;
                     profile.rank = Some(*rank);
                     Ok(profile)
