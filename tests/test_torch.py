@@ -448,6 +448,10 @@ def test_module_glob_and_a_bad_glob(torch_python, spawn, cli):
     run_steps(cli, target, 3, 3)
     rows = query_json(cli, target.pid, "SELECT DISTINCT module FROM python.torch_trace ORDER BY module")
     assert [r["module"] for r in rows] == ["fc1", "fc2"]
+    # A request refused leaves the running trace as it was.
+    assert cli(target.pid, "torch", "trace", "on", "--every", "3", "--modules", "encoder.*").returncode != 0
+    status = cli(target.pid, "torch").stdout
+    assert "trace: on, every 1 step, modules 'fc*', forward" in status, status
     # The model itself is still hooked for the step's figures.
     steps = query_json(cli, target.pid, "SELECT forward_ms FROM python.torch_steps WHERE sampled")
     assert steps and all(r["forward_ms"] > 0 for r in steps)
@@ -541,6 +545,14 @@ def test_the_nan_watch_armed_and_disarmed_while_the_short_way_has_stand_ins_on(t
     assert cli(target.pid, "torch", "trace", "off").returncode == 0
     run_steps(cli, target, 2, 19)
     assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    # The trace off while the watch keeps the step clock: its hooks stay,
+    # and nothing says they come off.
+    assert cli(target.pid, "torch", "nan", "on").returncode == 0
+    assert cli(target.pid, "torch", "trace", "on").returncode == 0
+    run_steps(cli, target, 1, 20)
+    off = cli(target.pid, "torch", "trace", "off")
+    status = cli(target.pid, "torch").stdout
+    assert "come off" not in off.stdout + status and "nan watch: armed" in status, (off.stdout, status)
 
 
 def test_rankscope_step_marks_steps_without_an_optimizer(torch_python, spawn, cli):
@@ -646,7 +658,7 @@ def test_trace_on_names_its_first_sampled_step_and_counts_its_modules_alike(torc
     run_steps(cli, sgd, 7, 7)
     on = cli(sgd.pid, "torch", "trace", "on", "--every", "5")
     assert "trace on: 6 modules, every 5 steps (first sampled step: 5);" in on.stdout, on.stdout
-    assert "note: steps are counted from here, as the program keeps no count" in on.stdout, on.stdout
+    assert "note: steps are counted from here, as the probe found no count" in on.stdout, on.stdout
     run_steps(cli, sgd, 2, 9)
     assert torch_json(cli, sgd.pid)["trace"]["numbered"] == "clock"
 

@@ -222,13 +222,7 @@ def test_a_trip_and_its_replays_on_a_gpu_change_nothing(cuda_python, spawn, cli,
     run_steps(cli, target, 6, 6)
     rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "backward", "back")], rows
-    probed = tmp_path / "probed.pt"
-    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
-    result = subprocess.run(
-        [cuda_python, "-c", health.SAME_BITS, str(probed), str(health.reference_run(cuda_python, tmp_path, 6, *flags)), "6"],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert result.stdout.strip() == "EQUAL", result.stderr
+    health.assert_same_bits(cuda_python, cli, target, tmp_path, 6, flags, timeout=180)
 
 
 def test_grads_on_a_gpu_fill_their_table_and_change_nothing(cuda_python, spawn, cli, tmp_path):

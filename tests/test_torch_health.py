@@ -42,6 +42,8 @@ LOSS = sys.argv[sys.argv.index("--loss") + 1] if "--loss" in sys.argv else "modu
 DROPOUT = "--dropout" in sys.argv
 KEYWORD = "--keyword" in sys.argv  # the model called as model(x=...)
 DEVICE = "cuda" if "--cuda" in sys.argv else "cpu"  # test_torch_cuda.py
+# optimizer.step(closure): SGD's one call, or LBFGS's several a step.
+CLOSURE = sys.argv[sys.argv.index("--closure") + 1] if "--closure" in sys.argv else None
 done = 0
 
 
@@ -105,7 +107,10 @@ class MLP(nn.Module):
 
 model = MLP().to(DEVICE)
 criterion = {"module": nn.MSELoss(), "functional": nn.functional.mse_loss, "bad": BadLoss(), "noisy": NoisyLoss(), "log": log_target}[LOSS]
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+if CLOSURE == "lbfgs":
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+else:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 data = torch.Generator().manual_seed(1)
 losses = []
 
@@ -116,6 +121,17 @@ def train_step():
     target = torch.randn(8, 1, generator=data).to(DEVICE)
     if done == NAN_INPUT:
         x[2, 5] = float("nan")
+    if CLOSURE:
+        def closure():
+            optimizer.zero_grad()
+            loss = criterion(model(x), target)
+            loss.backward()
+            return loss
+
+        loss = optimizer.step(closure)
+        losses.append(loss.detach().clone())
+        done += 1
+        return
     out = model(x=x) if KEYWORD else model(x)
     if METRIC:
         with torch.no_grad():
@@ -226,6 +242,121 @@ def test_a_nan_input_is_named_though_the_model_is_called_again_without_grad(torc
     assert [(r["step"], r["stage"], r["nonfinite"], r["input_nonfinite"]) for r in rows] == [(2, "input", 1, 1)], rows
 
 
+# Modules as real models have them: one returns a dataclass, one
+# `(out, (h, c))` as nn.LSTM does, and a recurrent cell runs five times a
+# step. From step 3 the one named by argv[1] makes a NaN: `block` and `enc`
+# in the output they nest, `cell` in its backward only (a square root's
+# gradient at 0, in each of its calls).
+NESTED = """
+import dataclasses, sys, time
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+WHICH = sys.argv[1]
+done = 0
+
+
+@dataclasses.dataclass
+class Hidden:
+    h: torch.Tensor
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        return Hidden(h * float("nan") if WHICH == "block" and done >= 3 else h)
+
+
+class Enc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        s = y.mean(0)
+        if WHICH == "enc" and done >= 3:
+            s = s * float("nan")
+        return y, (s, y.std(0))
+
+
+class Cell(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, h):
+        z = self.lin(x + h)
+        if WHICH == "cell" and done >= 3:
+            z = torch.sqrt(z * (z > 0).float())
+        return torch.tanh(z)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.enc = Enc()
+        self.cell = Cell()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, xs):
+        h = torch.zeros(xs.shape[0], 8)
+        for t in range(xs.shape[1]):
+            y, (s, _) = self.enc(self.block(xs[:, t]).h)
+            h = self.cell(y + s, h)
+        return self.head(h)
+
+
+model = Net()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+criterion = nn.MSELoss()
+budget = 0
+print("READY", flush=True)
+while True:
+    if budget > 0:
+        loss = criterion(model(torch.randn(6, 5, 4)), torch.randn(6, 1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        done += 1
+        budget -= 1
+        if budget == 0:
+            print(f"DONE {done}", flush=True)
+    else:
+        time.sleep(0.002)
+"""
+
+
+@pytest.mark.parametrize("which, stage, what", [
+    ("block", "forward", "its output"),
+    ("enc", "forward", "its output"),
+    ("cell", "backward", "the gradient it sent back (its output's gradient was finite); call 5 of its 5 in the step"),
+])
+def test_a_nan_in_a_nested_output_or_a_module_called_again_is_named(torch_python, spawn, cli, which, stage, what):
+    """A dataclass or `(out, (h, c))` output holds the NaN the search looks
+    for; a cell called five times a step sends each call's gradient into
+    the call before it, so only the call that turned a finite gradient
+    non-finite names it."""
+    target = spawn(torch_python, NESTED, args=[which])
+    on(cli, target.pid, "nan", "on")
+    # The trace's backward sees a gradient reach a dataclass's tensor too.
+    on(cli, target.pid, "trace", "on", "--backward")
+    run_steps(cli, target, 2, 2)
+    rows = query_json(cli, target.pid, "SELECT module, stage, calls FROM python.torch_trace WHERE module IN ('block', 'enc', 'cell') AND step = 1 ORDER BY module, stage")
+    assert [(r["module"], r["stage"]) for r in rows] == [(m, s) for m in ["block", "cell", "enc"] for s in ["backward", "forward"]], rows
+    assert all(r["calls"] == 5 for r in rows if r["stage"] == "forward"), rows
+    run_steps(cli, target, 3, 5)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, what FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(3, stage, which)], rows
+    assert rows[0]["what"].startswith(what), rows
+
+
 def test_a_nan_made_in_a_loss_function_is_named_as_the_loss(torch_python, spawn, cli):
     # The function is not a module: neither its value nor a way to call it
     # again is known. The model's forward, and its backward from ones at
@@ -275,6 +406,18 @@ SAME_BITS = (
 )
 
 
+def assert_same_bits(python, cli, target, tmp_path, steps: int, flags, timeout=120) -> None:
+    """The target's losses, parameters and RNG states after `steps` steps
+    are bit for bit those of the same training run without rankscope."""
+    probed = tmp_path / "probed.pt"
+    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
+    result = subprocess.run(
+        [python, "-c", SAME_BITS, str(probed), str(reference_run(python, tmp_path, steps, *flags)), str(steps)],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.stdout.strip() == "EQUAL", result.stderr
+
+
 def test_a_trip_and_its_replays_change_nothing_the_program_sees(torch_python, spawn, cli, tmp_path):
     # Dropout (the step's RNG state is kept and replayed) and a loss module
     # that draws random numbers (called again by the backward search): after
@@ -291,13 +434,23 @@ def test_a_trip_and_its_replays_change_nothing_the_program_sees(torch_python, sp
     # The trace sampled that step too: the replays added no call to it.
     calls = query_json(cli, target.pid, "SELECT step, calls FROM python.torch_trace WHERE module = 'fc1' AND stage = 'forward' ORDER BY step")
     assert calls and all(r["calls"] == 1 for r in calls), calls
-    probed = tmp_path / "probed.pt"
-    assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
-    result = subprocess.run(
-        [torch_python, "-c", SAME_BITS, str(probed), str(reference_run(torch_python, tmp_path, 5, *flags)), "5"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert result.stdout.strip() == "EQUAL", result.stderr
+    assert_same_bits(torch_python, cli, target, tmp_path, 5, flags)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lbfgs"])
+def test_a_nan_in_a_step_given_a_closure_is_named_at_its_step_and_changes_nothing(torch_python, spawn, cli, tmp_path, optimizer):
+    """`optimizer.step(closure)` runs the forward and backward inside the
+    step, after its pre-hook (LBFGS calls the closure several times): the
+    NaN is still named at its own step and module, before the optimizer
+    applies it, and the program's losses and weights are bit for bit those
+    of a run without rankscope."""
+    flags = ["--nan-forward", "3", "--closure", optimizer]
+    target = spawn(torch_python, TRAIN, args=flags)
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 5, 5)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(3, "forward", "boom")], rows
+    assert_same_bits(torch_python, cli, target, tmp_path, 5, flags)
 
 
 def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python, spawn, cli, tmp_path):
@@ -468,6 +621,11 @@ def test_bad_requests_say_what_to_do(torch_python, spawn, cli):
     bad = cli(target.pid, "torch", "activations", "--modules", "nope*")
     assert bad.returncode != 0
     assert "no module matches 'nope*'" in bad.stderr and "hint:" in bad.stderr, bad.stderr
+    # Refused while on: the running watch goes on as it was.
+    assert cli(target.pid, "torch", "activations", "--modules", "fc*").returncode == 0
+    assert cli(target.pid, "torch", "activations", "--modules", "nope*").returncode != 0
+    status = cli(target.pid, "torch").stdout
+    assert re.search(r"^activations: on, [1-9]\d* modules", status, re.M), status
     zero = cli(target.pid, "torch", "grads", "--every", "0")
     assert zero.returncode != 0 and "--every must be 1 or more" in zero.stderr
     # No process group here: recording waits for one, and says so.

@@ -301,13 +301,15 @@ impl StepClock {
         Ok(())
     }
 
-    /// torch's pre hook: the listeners told, and the optimizer's time starts.
+    /// torch's pre hook: the listeners told, and the optimizer's time
+    /// starts. Returns the step's arguments where the NaN watch wraps a
+    /// closure (`Tracer._closure_step`), None otherwise.
     fn pre(
         slf: &Bound<'_, Self>,
         optimizer: &Bound<'_, PyAny>,
-        _args: &Bound<'_, PyAny>,
-        _kwargs: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+        args: &Bound<'_, PyAny>,
+        kwargs: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let (on, calls, arm) = {
             let clock = slf.borrow();
@@ -318,8 +320,9 @@ impl StepClock {
             )
         };
         if !on {
-            return Ok(());
+            return Ok(py.None());
         }
+        let armed = arm.is_some();
         let result = (|| -> PyResult<()> {
             if let Some(calls) = calls {
                 // An `Exception` here leaves the step to the watch's
@@ -350,7 +353,20 @@ impl StepClock {
             slf.borrow_mut().opt_start = Some(perf_ns());
             Ok(())
         })();
-        guard(slf.as_any(), "the optimizer step pre-hook", result)
+        guard(slf.as_any(), "the optimizer step pre-hook", result)?;
+        // A step given arguments may be given a closure (LBFGS; any
+        // optimizer takes one), which runs the forward and backward inside
+        // the step, after this check: the watch checks after each of its
+        // calls instead. torch's `args` begin with the optimizer itself; a
+        // step without arguments of its own pays a length and a truth test.
+        if armed && (args.len()? > 1 || kwargs.is_truthy()?) {
+            match slf.call_method1(intern!(py, "_closure_step"), (optimizer, args, kwargs)) {
+                Ok(replaced) => return Ok(replaced.unbind()),
+                Err(err) if err.is_instance_of::<PyException>(py) => {}
+                Err(err) => return Err(err),
+            }
+        }
+        Ok(py.None())
     }
 
     /// torch's post hook: the optimizer's time, the listeners told, and

@@ -32,8 +32,13 @@ pub fn is_probe_thread(pid: u32, tid: Option<u64>) -> bool {
         .is_ok_and(|name| name.starts_with("rankscope-"))
 }
 
-fn is_own_frame(file: &str) -> bool {
-    file.contains("/rankscope/_probe/")
+/// The probe's Python, and (with `--native`) its native library's frames:
+/// a torch feature's stand-in runs the model's `forward` from there.
+fn is_own_frame(file: &str, module: Option<&str>) -> bool {
+    match module {
+        Some(library) => library.contains("/rankscope/_native."),
+        None => file.contains("/rankscope/_probe/"),
+    }
 }
 
 /// Samples `pid` until `options.duration` has passed, `stop` is set, or the
@@ -118,7 +123,7 @@ pub fn sample(
                         .iter()
                         .rev()
                         .filter(|f| {
-                            options.all_frames || f.module.is_some() || !is_own_frame(&f.filename)
+                            options.all_frames || !is_own_frame(&f.filename, f.module.as_deref())
                         })
                         .map(|f| FrameRef {
                             func: &f.name,
@@ -140,4 +145,24 @@ pub fn sample(
     profile.finish(start.elapsed().as_secs_f64());
     progress(profile.ticks, profile.duration_s);
     Ok(profile)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_own_frame;
+
+    #[test]
+    fn the_probes_python_and_native_frames_are_its_own() {
+        let lib = "/venv/lib/python3.13/site-packages/rankscope/_native.abi3.so";
+        assert!(is_own_frame(
+            "/venv/site-packages/rankscope/_probe/torch/timed.py",
+            None
+        ));
+        assert!(is_own_frame(lib, Some(lib)));
+        assert!(!is_own_frame("/job/train.py", None));
+        let torch = "/venv/site-packages/torch/lib/libtorch_cpu.so";
+        assert!(!is_own_frame(torch, Some(torch)));
+        // A native frame is judged by its library, not its source file.
+        assert!(!is_own_frame("/src/rankscope/_probe/x.c", Some(torch)));
+    }
 }

@@ -654,7 +654,11 @@ fn trace_line(trace: &Value) -> String {
             trace["errors"]
         );
     }
-    if trace["on"].as_bool() != Some(true) && trace["optimizer_hooks"].as_i64().unwrap_or(0) > 0 {
+    // Where another feature keeps the step clock, its hooks stay.
+    if trace["on"].as_bool() != Some(true)
+        && trace["clock"].as_bool() != Some(true)
+        && trace["optimizer_hooks"].as_i64().unwrap_or(0) > 0
+    {
         out += "note: the optimizer hooks come off at the end of the step in progress\n";
     }
     out
@@ -664,7 +668,7 @@ fn trace_line(trace: &Value) -> String {
 /// turned on mid-run numbers from there, not from the program's start.
 fn numbering_note(reply: &Value) -> &'static str {
     if reply["numbered"].as_str() == Some("clock") {
-        "note: steps are counted from here, as the program keeps no count that the probe can read (SGD and rankscope.step() keep none), so their numbers may not be your loop's\n"
+        "note: steps are counted from here, as the probe found no count of the program's to read (SGD and rankscope.step() keep none, and an optimizer that keeps one has none before its first step), so their numbers may not be your loop's\n"
     } else {
         ""
     }

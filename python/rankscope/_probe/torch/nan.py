@@ -625,6 +625,54 @@ class NanWatch:
 
     optimizer_post = None  # not heard (see trace.EVENTS)
 
+    def closure_step(self, optimizer, args, kwargs):
+        """The arguments of a step given a closure, the closure wrapped.
+
+        ``optimizer.step(closure)`` runs the forward and backward inside
+        the step, after the pre-hook's check: that check saw the gradients
+        of the step before, and a NaN was found a step late, after the
+        optimizer had applied it, and the replay named the wrong module.
+        Each call of the closure is checked as it returns instead, while
+        the weights are those it ran with (LBFGS moves them between its
+        calls). torch's ``args`` begin with the optimizer itself. None: no
+        closure."""
+        if not self.armed:
+            return None
+        if len(args) > 1 and callable(args[1]):
+            closure = args[1]
+        elif kwargs and callable(kwargs.get("closure")):
+            closure = kwargs["closure"]
+        else:
+            return None
+        ref = weakref.ref(optimizer)
+
+        def checked_closure():
+            loss = closure()
+            self._closure_returned(ref, loss)
+            return loss
+
+        if len(args) > 1 and args[1] is closure:
+            return (args[0], checked_closure, *args[2:]), kwargs
+        return args, {**kwargs, "closure": checked_closure}
+
+    def _closure_returned(self, ref, loss):
+        """A closure's forward and backward are done, and the optimizer has
+        not used its gradients yet: the step's check, as at a pre-hook."""
+        optimizer = ref()
+        if not self.armed or optimizer is None or self.searching:
+            return
+        try:
+            step = self.step
+            if step.loss is None and isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+                step.loss = loss.detach()
+            # As the pre-hook's check runs: inside the step's no_grad.
+            with torch.no_grad():
+                self._check_step(optimizer, TRACER.current_step(optimizer))
+            # The next call keeps its own input (LBFGS calls it again).
+            self.step.clear()
+        except Exception as exc:  # noqa: BLE001 - the watch goes off, the program goes on
+            self.failed(f"the check after the step's closure failed: {type(exc).__name__}: {exc}")
+
     def _forget_sentinels(self, gone):
         cached = self.sentinel_params
         if cached is not None and cached[0] is gone:
@@ -1241,36 +1289,45 @@ class _Replay:
         return outputs, [torch.ones_like(t) for t in outputs]
 
     def backward(self):
-        """Per module: was the gradient reaching its output finite, and
-        the ones leaving it (to its inputs and its own parameters)?"""
+        """Per call of each module: was the gradient reaching its output
+        finite, and the ones leaving it (to its inputs and its own
+        parameters)?"""
         order = list(self.model.named_modules())
-        record_in, record_out = {}, {}
+        # Per module, each call's [inputs, outputs]: a module called several
+        # times in a step (a recurrent cell, a shared block) sends each
+        # call's gradient into the one before it, so they are told apart.
+        calls, open_calls = {}, {}
 
         def pre(module, args):
-            record_in.setdefault(id(module), []).extend(t for t in _inputs_of(args, {}) if t.requires_grad)
+            call = [[t for t in _inputs_of(args, {}) if t.requires_grad], []]
+            calls.setdefault(id(module), []).append(call)
+            open_calls.setdefault(id(module), []).append(call)
 
         def post(module, args, out):
-            record_out.setdefault(id(module), []).extend(t for t in _tensors(out) if t.is_floating_point() and t.requires_grad)
+            started = open_calls.get(id(module))
+            if started:
+                started.pop()[1].extend(t for t in _tensors(out) if t.is_floating_point() and t.requires_grad)
 
-        return self._run(pre, post, grad_enabled=True, then=lambda output: self._backward(output, order, record_in, record_out))
+        return self._run(pre, post, grad_enabled=True, then=lambda output: self._backward(output, order, calls))
 
-    def _backward(self, output, order, record_in, record_out):
+    def _backward(self, output, order, calls):
         position = {id(m): i for i, (_, m) in enumerate(order)}
         roots, seeds = self._roots(output)
         if not roots:
             return None
         watched = []
-        for key, tensors in record_out.items():
-            for t in tensors:
-                watched.append((key, "out", t))
-        for key, tensors in record_in.items():
-            for t in tensors:
-                watched.append((key, "in", t))
+        for key, made in calls.items():
+            for n, (ins, outs) in enumerate(made):
+                watched.extend((key, n, "out", t) for t in outs)
+                watched.extend((key, n, "in", t) for t in ins)
         params = [(id(m), p) for _, m in order for p in m.parameters(recurse=False) if p.requires_grad]
-        reach, leave = {}, {}
+        # (module, call) -> non-finite elements of the gradients that reached
+        # its outputs, and that left it for its inputs; module -> those of its
+        # own parameters' gradients (summed by autograd over its calls).
+        reach, leave, own = {}, {}, {}
         # From a loss module: also the gradient it sent back to the output.
         outs = [output] if self.loss_module is not None else []
-        targets = [t for _, _, t in watched] + [p for _, p in params] + outs
+        targets = [t for _, _, _, t in watched] + [p for _, p in params] + outs
         grads = torch.autograd.grad(roots, targets, grad_outputs=seeds, allow_unused=True, retain_graph=False)
         if outs and grads[-1] is not None and _nonfinite(grads[-1]):
             return {
@@ -1282,16 +1339,32 @@ class _Replay:
                 "inputs": _stats([output]),
                 "weights": (None, None, None),
             }
-        for (key, side, _), grad in zip(watched, grads[: len(watched)]):
+        for (key, n, side, _), grad in zip(watched, grads[: len(watched)]):
             if grad is None:
                 continue
-            bad = _nonfinite(grad)
             table = reach if side == "out" else leave
-            table[key] = table.get(key, 0) + bad
+            table[key, n] = table.get((key, n), 0) + _nonfinite(grad)
         for (key, _), grad in zip(params, grads[len(watched):len(watched) + len(params)]):
             if grad is not None:
-                leave[key] = leave.get(key, 0) + _nonfinite(grad)
-        candidates = [(name, m) for name, m in order if reach.get(id(m), 0) == 0 and leave.get(id(m), 0) > 0]
+                own[key] = own.get(key, 0) + _nonfinite(grad)
+
+        def origin(module):
+            """(the call, or None, and its non-finite count) where `module`
+            turned a finite gradient into a non-finite one: a call whose
+            output's gradient was finite and whose inputs' was not, or its
+            own parameters' gradients where no call's output got a
+            non-finite one (they sum every call's)."""
+            key = id(module)
+            made = range(len(calls.get(key, ())))
+            for n in made:
+                if reach.get((key, n), 0) == 0 and leave.get((key, n), 0) > 0:
+                    return n, leave[key, n] + own.get(key, 0)
+            if own.get(key, 0) > 0 and all(reach.get((key, n), 0) == 0 for n in made):
+                return None, own[key]
+            return None
+
+        found = {id(m): origin(m) for _, m in order}
+        candidates = [(name, m) for name, m in order if found[id(m)] is not None]
         # The deepest: a container is a candidate whenever one of its children is.
         deepest = [
             (name, m)
@@ -1302,13 +1375,18 @@ class _Replay:
             return None
         name, module = max(deepest, key=lambda c: position[id(c[1])])
         label = self.names.get(id(module), name)
+        n, nonfinite = found[id(module)]
+        made = calls.get(id(module), [])
+        what = "the gradient it sent back (its output's gradient was finite)"
+        if len(made) > 1 and n is not None:
+            what += f"; call {n + 1} of its {len(made)} in the step"
         return {
             "stage": "backward",
             "module": label,
             "module_type": type(module).__name__,
-            "what": "the gradient it sent back (its output's gradient was finite)",
-            "nonfinite": leave.get(id(module), 0),
-            "inputs": _stats(record_in.get(id(module), [])),
+            "what": what,
+            "nonfinite": nonfinite,
+            "inputs": _stats(made[n][0] if n is not None else [t for ins, _ in made for t in ins]),
             "weights": _stats(list(module.parameters())),
         }
 

@@ -531,15 +531,19 @@ class ActivationStats:
     def turn_on(self, glob: str, every: int) -> dict:
         if every < 1:
             raise ValueError("--every must be 1 or more")
-        self.turn_off()
+        was_on = self.on
+        # The clock finds the models where it has none yet.
         TRACER.add_listener(self)
         found = TRACER.live_models()
         plan, names = self._plan(found, glob)
         if found and not plan:
-            TRACER.remove_listener(self)
+            # A request refused leaves the running watch as it was.
+            if not was_on:
+                TRACER.remove_listener(self)
             from rankscope._probe.torch.trace import UserError
 
             raise UserError(models.no_match(glob, names, found))
+        self._detach()
         # No model yet: as the trace does, it waits for the models the step
         # clock finds (`boundary`).
         self.plan, self.glob, self.every = plan, glob, every

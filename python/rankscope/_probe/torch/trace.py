@@ -233,17 +233,39 @@ def _local(tensor):
     return local if isinstance(local, torch.Tensor) else tensor
 
 
-def _tensors(value):
+# How deep `_tensors` looks into containers: an LSTM's `(out, (h, c))` is
+# two, a dataclass holding a dict of tuples three.
+TENSORS_DEPTH = 4
+
+
+def _tensors(value, depth=0):
+    """The tensors in a module's output or inputs: in tuples, lists, dicts
+    (a Hugging Face output is one) and dataclasses, nested. Read by type
+    and plain attribute access only, so no proxy's ``__getattr__`` runs."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
+        return
+    if depth >= TENSORS_DEPTH:
+        return
+    if isinstance(value, (tuple, list)):
+        items = value
     elif isinstance(value, dict):
-        for item in value.values():
-            if isinstance(item, torch.Tensor):
-                yield item
+        items = value.values()
+    else:
+        fields = getattr(type(value), "__dataclass_fields__", None)
+        if not isinstance(fields, dict):
+            return
+        items = []
+        for name in fields:
+            try:
+                items.append(object.__getattribute__(value, name))
+            except AttributeError:  # an InitVar, or a field not set
+                pass
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, (tuple, list, dict)) or hasattr(type(item), "__dataclass_fields__"):
+            yield from _tensors(item, depth + 1)
 
 
 # A sampled step on a GPU keeps this many losses' copies at most.
@@ -355,11 +377,15 @@ class Tracer(_native.StepClock):
             self.quiet = False
             found, optimizers, losses = models.discover()
             self._adopt(found, optimizers, losses)
+            # A request refused leaves the running trace as it was.
+            was = self.every, self.glob, self.backward
             self.every, self.glob, self.backward = every, glob, backward
             names: list = []
-            self.plan = self._plan(names)
-            if found and not any(rows for _, _, _, _, rows, _, _ in self.plan):
+            plan = self._plan(names)
+            if found and not any(rows for _, _, _, _, rows, _, _ in plan):
+                self.every, self.glob, self.backward = was
                 raise UserError(models.no_match(glob, names, found))
+            self.plan = plan
             # A new setting takes effect at the next step boundary; the step
             # in progress was not seen whole, so it gets no row (none is in
             # progress before the first: see `before_first_step`).
@@ -429,6 +455,13 @@ class Tracer(_native.StepClock):
             self.quiet = False
             self.partial = True
             self.numbered = None
+
+    def _closure_step(self, optimizer, args, kwargs):
+        """An optimizer step's arguments with its closure wrapped by the
+        NaN watch (see NanWatch.closure_step), or None to leave them."""
+        from rankscope._probe.torch.nan import WATCH
+
+        return WATCH.closure_step(optimizer, args, kwargs)
 
     def current_step(self, optimizer=None) -> int:
         """The step in progress: the clock's, or before its first boundary
@@ -1083,6 +1116,8 @@ class Tracer(_native.StepClock):
             "hooked_modules": self.hooked if self.handles else 0,
             "stand_ins": len(self.handles),
             "optimizer_hooks": 0 if self.opt_hooks is None else sum(1 for entry in self.opt_hooks if entry is not None),
+            # The step clock runs for another feature too (the NaN watch).
+            "clock": self.on,
             "sampling_now": self.sampling,
             "sampled_steps": self.sampled_steps,
             "step": self._step_in_progress(),
