@@ -555,6 +555,27 @@ def test_the_nan_watch_armed_and_disarmed_while_the_short_way_has_stand_ins_on(t
     assert "come off" not in off.stdout + status and "nan watch: armed" in status, (off.stdout, status)
 
 
+def test_the_probes_own_work_at_a_boundary_is_in_no_steps_time(torch_python, spawn, cli):
+    """GIVEN step boundaries where the probe's own work takes 80 ms (made
+    slow here on purpose, as finding a large model's modules at the first
+    one is), WHEN the steps' rows are read, THEN no step's time holds it:
+    the next step starts when the program has its thread back."""
+    # One thread of torch's: after a sleep its pool's workers are woken
+    # again, which on a busy machine took tens of ms of the steps after.
+    target = spawn(torch_python, TRAIN, env={"OMP_NUM_THREADS": "1"})
+    slow = ("import time, rankscope._probe.torch.trace as t\n"
+            "_long = t.Tracer._boundary\n"
+            "def _slow(self, *args):\n    _long(self, *args)\n    time.sleep(0.08)\n"
+            "t.Tracer._boundary = _slow")
+    assert cli(target.pid, "eval", slow).returncode == 0
+    assert cli(target.pid, "torch", "trace", "on", "--every", "2").returncode == 0
+    run_steps(cli, target, 8, 8)
+    rows = query_json(cli, target.pid, "SELECT step, step_ms, dataloader_wait_ms FROM python.torch_steps ORDER BY step")
+    assert len(rows) >= 6, rows
+    assert all(r["step_ms"] < 60 for r in rows), rows
+    assert all(r["dataloader_wait_ms"] is None or r["dataloader_wait_ms"] < 60 for r in rows), rows
+
+
 def test_rankscope_step_marks_steps_without_an_optimizer(torch_python, spawn, cli):
     target = spawn(torch_python, TRAIN, args=["--manual"])
     status = torch_json(cli, target.pid)

@@ -423,6 +423,8 @@ def test_a_trip_and_its_replays_change_nothing_the_program_sees(torch_python, sp
     # that draws random numbers (called again by the backward search): after
     # the trip at step 2 and both replays, the losses, the parameters and
     # the RNG state are bit for bit those of a run without rankscope.
+    # (BatchNorm's running statistics: the DDP test below, which reads them
+    # at each step, before the NaN reaches them.)
     flags = ["--nan-backward", "2", "--dropout", "--loss", "noisy"]
     target = spawn(torch_python, TRAIN, args=flags)
     on(cli, target.pid, "nan", "on")
@@ -865,6 +867,10 @@ for step in range(10):
     loss.backward()
     optimizer.step()
     losses.append(loss.item().hex())
+    # BatchNorm's running statistics too: a replay's forward updates them
+    # in place without a new version, and the program's eval mode reads them.
+    norm = model.module[1]
+    losses.append(float(norm.running_mean.sum() + norm.running_var.sum()).hex())
 with open(os.path.join(here, "out", f"rank{{rank}}.losses"), "w") as f:
     f.write(" ".join(losses))
 while os.environ.get("RANKSCOPE") and not os.path.exists(os.path.join(here, "stop")):

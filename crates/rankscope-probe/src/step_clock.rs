@@ -381,6 +381,14 @@ impl StepClock {
         if slf.borrow().on {
             let result = post_on(slf, optimizer, now);
             guard(slf.as_any(), "the optimizer step hook", result)?;
+            let mut clock = slf.borrow_mut();
+            if clock.last_end == Some(now) {
+                // A boundary here: the next step starts when the program has
+                // its thread back, so the probe's own work at the boundary
+                // (models found at the first, a sampled step's rows) is in
+                // no step's time, and not in the next one's data-loader wait.
+                clock.last_end = Some(perf_ns());
+            }
         }
         if !slf.borrow().on {
             // Turned off in the step: the hooks come off from here (see

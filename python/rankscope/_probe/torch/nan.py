@@ -1209,8 +1209,9 @@ class _Replay:
         (CPU, and CUDA where it is in use) are put back, and every buffer
         that changed (of the model, and of the loss module called again):
         after `then`, since putting back a buffer that autograd saved
-        would make `then`'s backward fail, and only the changed ones, so
-        that the others' versions stay as they were."""
+        would make `then`'s backward fail, and only the changed ones (a
+        new version, or other values), so that the others' versions stay
+        as they were."""
         step = self.step
         rng_now = torch.get_rng_state()
         cuda_now = None
@@ -1246,7 +1247,11 @@ class _Replay:
                 handle.remove()
             with torch.no_grad():
                 for buffer, version, saved in buffers:
-                    if buffer._version != version:
+                    # BatchNorm's kernel updates its running statistics in
+                    # place without a new version: their values say. (Each
+                    # rank's own shard: comparing a DTensor whole would be
+                    # a collective.)
+                    if buffer._version != version or not torch.equal(_local(buffer), _local(saved)):
                         buffer.copy_(saved)
             torch.set_rng_state(rng_now)
             if cuda_now is not None:

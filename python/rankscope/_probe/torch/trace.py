@@ -677,6 +677,10 @@ class Tracer(_native.StepClock):
             now = _perf()
             self.marker = "rankscope.step()"
             self.boundary(now, None, False)
+            if self.last_end == now:
+                # As at the optimizer's post hook: the probe's own work at
+                # the boundary is in no step's time.
+                self.last_end = _perf()
         except Exception as exc:  # noqa: BLE001
             self._fail("rankscope.step()", exc)
 
