@@ -638,11 +638,9 @@ class NanWatch:
         closure."""
         if not self.armed:
             return None
-        if len(args) > 1 and callable(args[1]):
-            closure = args[1]
-        elif kwargs and callable(kwargs.get("closure")):
-            closure = kwargs["closure"]
-        else:
+        positional = len(args) > 1 and callable(args[1])
+        closure = args[1] if positional else (kwargs or {}).get("closure")
+        if not callable(closure):
             return None
         ref = weakref.ref(optimizer)
 
@@ -651,7 +649,7 @@ class NanWatch:
             self._closure_returned(ref, loss)
             return loss
 
-        if len(args) > 1 and args[1] is closure:
+        if positional:
             return (args[0], checked_closure, *args[2:]), kwargs
         return args, {**kwargs, "closure": checked_closure}
 
