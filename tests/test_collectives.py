@@ -376,3 +376,79 @@ def test_the_wrappers_work_on_a_torch_without_compiler_is_compiling(python):
     result = subprocess.run([python, "-c", OLD_TORCH], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "OK"
+
+
+PIPELINE = """
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def fetch_batch(step):
+    if rank == 0 and step == 5:
+        open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+        while True:
+            time.sleep(0.05)  # @stuck
+    return torch.ones(4) * step
+
+
+for step in range(100):
+    # A pipeline's two stages: rank 0 hands its activations to rank 1;
+    # rank 2 takes no part in it. Every rank joins the all_reduce.
+    if rank == 0:
+        dist.isend(fetch_batch(step), 1).wait()
+    elif rank == 1:
+        x = torch.zeros(4)
+        if step == 5:
+            open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+        dist.recv(x, src=0)  # @recv
+    elif step == 5:
+        open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+    dist.all_reduce(torch.ones(2))
+"""
+
+
+def test_a_receive_whose_send_never_came_is_named_with_the_rank_that_never_sent(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    script = tmp_path / "pp.py"
+    script.write_text(PIPELINE)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run = tmp_path / "run"
+    proc = launch_torchrun(default_python, script, 3, endpoint_dir, run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(marks.iterdir())) < 3:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the ranks did not reach step 5"
+            time.sleep(0.05)
+        # Rank 1 waits for the sixth send, which rank 0 never makes.
+        line = stuck_line(cli, run, "recv #6 from rank 0 on group 0:")
+        assert re.match(r"recv #6 from rank 0 on group 0: rank 1 waiting since \d\d:\d\d:\d\d UTC \(\d+ s\)", line), line
+        assert f"rank 0 never sent it (its last send to rank 1 was #5) (it is in fetch_batch, pp.py:{line_of(PIPELINE, 'stuck')})" in line, line
+        # Gloo counts the point-to-point calls in the group's own number, on
+        # ranks 0 and 1 alone: the all_reduce's number is still the one all
+        # three agree on.
+        line = stuck_line(cli, run, "all_reduce #6 on group 0:")
+        assert re.match(r"all_reduce #6 on group 0: rank 2 waiting since", line), line
+        assert "rank 0 never joined (its last was #5) (it is in fetch_batch" in line, line
+        assert f"rank 1 never joined (its last was #5) (it is in <module>, pp.py:{line_of(PIPELINE, 'recv')})" in line, line
+
+        rows = cli("cluster", "query", "--run", run, "SELECT rank, op, seq, peer, tag, state FROM python.collectives WHERE op <> 'all_reduce' AND seq >= 5 ORDER BY rank, seq", "--format", "json")
+        assert rows.returncode == 0, rows.stderr
+        # gloo's isend gives no future: its row says it was issued.
+        assert [tuple(r.values()) for r in json.loads(rows.stdout)] == [
+            (0, "isend", 5, 1, 0, "issued"),
+            (1, "recv", 5, 0, 0, "done"),
+            (1, "recv", 6, 0, 0, "in flight"),
+        ], rows.stdout
+        status = cli("cluster", "torch", "--run", run, "collectives", "--ranks", "1")
+        assert status.returncode == 0, status.stderr
+        assert "in flight: recv #6 from rank 0 for" in status.stdout, status.stdout
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()

@@ -44,6 +44,7 @@ KEYWORD = "--keyword" in sys.argv  # the model called as model(x=...)
 DEVICE = "cuda" if "--cuda" in sys.argv else "cpu"  # test_torch_cuda.py
 # optimizer.step(closure): SGD's one call, or LBFGS's several a step.
 CLOSURE = sys.argv[sys.argv.index("--closure") + 1] if "--closure" in sys.argv else None
+SPLIT = "--split" in sys.argv  # two optimizers, the body's and the head's; fc1's bias frozen
 done = 0
 
 
@@ -109,6 +110,10 @@ model = MLP().to(DEVICE)
 criterion = {"module": nn.MSELoss(), "functional": nn.functional.mse_loss, "bad": BadLoss(), "noisy": NoisyLoss(), "log": log_target}[LOSS]
 if CLOSURE == "lbfgs":
     optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+elif SPLIT:
+    model.fc1.bias.requires_grad_(False)
+    optimizer = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("head.") and p.requires_grad], lr=1e-2, momentum=0.9)
+    head_optimizer = torch.optim.SGD(model.head.parameters(), lr=1e-2)
 else:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 data = torch.Generator().manual_seed(1)
@@ -138,8 +143,12 @@ def train_step():
             model(torch.ones(8, 16, device=DEVICE))
     loss = criterion(out, target)
     optimizer.zero_grad()
+    if SPLIT:
+        head_optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+    if SPLIT:
+        head_optimizer.step()
     losses.append(loss.detach().clone())
     done += 1
 
@@ -310,6 +319,8 @@ class Net(nn.Module):
         for t in range(xs.shape[1]):
             y, (s, _) = self.enc(self.block(xs[:, t]).h)
             h = self.cell(y + s, h)
+        if WHICH == "net" and done >= 3:
+            h = torch.sqrt(h - 2)  # tanh's output is above -1: every value is NaN
         return self.head(h)
 
 
@@ -333,16 +344,18 @@ while True:
 """
 
 
-@pytest.mark.parametrize("which, stage, what", [
-    ("block", "forward", "its output"),
-    ("enc", "forward", "its output"),
-    ("cell", "backward", "the gradient it sent back (its output's gradient was finite); call 5 of its 5 in the step"),
+@pytest.mark.parametrize("which, module, stage, what", [
+    ("block", "block", "forward", "its output"),
+    ("enc", "enc", "forward", "its output"),
+    ("cell", "cell", "backward", "the gradient it sent back (its output's gradient was finite); call 5 of its 5 in the step"),
+    ("net", "Net", "forward", "its own forward code, before it called head, which it handed 48 non-finite values"),
 ])
-def test_a_nan_in_a_nested_output_or_a_module_called_again_is_named(torch_python, spawn, cli, which, stage, what):
+def test_a_nan_in_a_nested_output_or_a_module_called_again_is_named(torch_python, spawn, cli, which, module, stage, what):
     """A dataclass or `(out, (h, c))` output holds the NaN the search looks
     for; a cell called five times a step sends each call's gradient into
     the call before it, so only the call that turned a finite gradient
-    non-finite names it."""
+    non-finite names it; a module's own code that makes it between two
+    children is named with its own inputs (finite), not the child's."""
     target = spawn(torch_python, NESTED, args=[which])
     on(cli, target.pid, "nan", "on")
     # The trace's backward sees a gradient reach a dataclass's tensor too.
@@ -352,9 +365,11 @@ def test_a_nan_in_a_nested_output_or_a_module_called_again_is_named(torch_python
     assert [(r["module"], r["stage"]) for r in rows] == [(m, s) for m in ["block", "cell", "enc"] for s in ["backward", "forward"]], rows
     assert all(r["calls"] == 5 for r in rows if r["stage"] == "forward"), rows
     run_steps(cli, target, 3, 5)
-    rows = query_json(cli, target.pid, "SELECT step, stage, module, what FROM python.nan_events")
-    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(3, stage, which)], rows
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, what, input_nonfinite FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(3, stage, module)], rows
     assert rows[0]["what"].startswith(what), rows
+    if stage == "forward":
+        assert rows[0]["input_nonfinite"] == 0, rows
 
 
 def test_a_nan_made_in_a_loss_function_is_named_as_the_loss(torch_python, spawn, cli):
@@ -635,6 +650,23 @@ def test_bad_requests_say_what_to_do(torch_python, spawn, cli):
     assert collectives.returncode == 0, collectives.stderr
     assert "collectives: on; torch.distributed is not initialised yet" in collectives.stdout
     assert "collectives: off" in cli(target.pid, "torch", "collectives", "off").stdout
+
+
+def test_grads_sums_up_every_optimizers_parameters_and_counts_only_trained_ones(torch_python, spawn, cli):
+    # A GAN's or a split model's two optimizers step in one step; a frozen
+    # parameter never has a gradient, and no row.
+    target = spawn(torch_python, TRAIN, args=["--split"])
+    grads = on(cli, target.pid, "grads", "--every", "1")
+    assert "grads: on, 5 parameters, every 1 step" in grads, grads
+    # (The head's optimizer, called later in the loop, marks steps from
+    # the third on: the step where it takes over is numbered again.)
+    run_steps(cli, target, 6, 6)
+    rows = query_json(cli, target.pid, "SELECT param, norm FROM python.grad_stats WHERE step = 5 ORDER BY param")
+    assert [r["param"] for r in rows] == ["fc1.weight", "fc2.bias", "fc2.weight", "head.bias", "head.weight"], rows
+    summary = on(cli, target.pid, "grads")
+    total = sum(r["norm"] ** 2 for r in rows) ** 0.5
+    largest = max(rows, key=lambda r: r["norm"])
+    assert f"step 5: total gradient norm {sci(total)} (as the optimizer was given them, after any clipping); largest: {largest['param']} {sci(largest['norm'])}," in summary, summary
 
 
 def test_rankscope_torch_env_arms_the_watch_and_grads_before_the_model_exists(torch_python, spawn, cli):

@@ -7,6 +7,11 @@
 //! main thread is instead). Where no rank records collectives, the same
 //! sentence is made from the stacks alone: the ranks whose main thread is
 //! inside a `torch.distributed` call, and the ones that are not.
+//!
+//! Point-to-point calls are paired by number: a rank's k-th receive from a
+//! peer waits for that peer's k-th send to it (collective.rs numbers them
+//! so). A receive, or a send, left waiting whose other half the peer never
+//! made gets a line that names the peer and where it is instead.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -18,7 +23,7 @@ use serde_json::Value;
 pub const STUCK_AFTER_S: f64 = 1.0;
 
 /// What `cluster bt` asks each rank for.
-pub const COLUMNS: [&str; 7] = [
+pub const COLUMNS: [&str; 9] = [
     "seq",
     "op",
     "process_group",
@@ -26,6 +31,8 @@ pub const COLUMNS: [&str; 7] = [
     "state",
     "caller",
     "ts",
+    "peer",
+    "tag",
 ];
 
 #[derive(Debug, Clone, PartialEq)]
@@ -35,19 +42,36 @@ pub struct Record {
     pub group: String,
     pub members: Vec<i64>,
     pub in_flight: bool,
+    /// An async call whose end the backend does not tell (gloo's `isend`).
+    pub issued: bool,
     pub started: f64,
+    /// A point-to-point call's peer (None: a receive from any rank).
+    pub peer: Option<i64>,
+    pub tag: i64,
+}
+
+impl Record {
+    fn is_p2p(&self) -> bool {
+        matches!(self.op.as_str(), "send" | "recv" | "isend" | "irecv")
+    }
+
+    fn sends(&self) -> bool {
+        self.op.ends_with("send")
+    }
 }
 
 /// A rank's `python.collectives` rows as `Record`s.
 pub fn records(reply: &ProbeTableReply) -> Vec<Record> {
     let at = |name: &str| reply.columns.iter().position(|c| c == name);
-    let (seq, op, group, members, state, ts) = (
+    let (seq, op, group, members, state, ts, peer, tag) = (
         at("seq"),
         at("op"),
         at("process_group"),
         at("group_ranks"),
         at("state"),
         at("ts"),
+        at("peer"),
+        at("tag"),
     );
     let cell = |row: &Vec<Value>, i: Option<usize>| {
         i.and_then(|i| row.get(i)).cloned().unwrap_or(Value::Null)
@@ -65,7 +89,10 @@ pub fn records(reply: &ProbeTableReply) -> Vec<Record> {
                     .map(|s| s.split(',').filter_map(|r| r.trim().parse().ok()).collect())
                     .unwrap_or_default(),
                 in_flight: cell(row, state).as_str() == Some("in flight"),
+                issued: cell(row, state).as_str() == Some("issued"),
                 started: cell(row, ts).as_f64().unwrap_or(0.0),
+                peer: cell(row, peer).as_i64(),
+                tag: cell(row, tag).as_i64().unwrap_or(0),
             })
         })
         .collect()
@@ -185,9 +212,16 @@ pub fn stuck_lines(views: &[RankView], now: f64) -> Vec<String> {
     if recorded.is_empty() {
         return from_stacks(views);
     }
+    // Collectives, group by group; point-to-point calls are numbered apart.
     let groups: BTreeSet<&str> = recorded
         .iter()
-        .flat_map(|v| v.records.iter().flatten().map(|r| r.group.as_str()))
+        .flat_map(|v| {
+            v.records
+                .iter()
+                .flatten()
+                .filter(|r| !r.is_p2p())
+                .map(|r| r.group.as_str())
+        })
         .collect();
     let mut lines = Vec::new();
     for group in groups {
@@ -195,7 +229,7 @@ pub fn stuck_lines(views: &[RankView], now: f64) -> Vec<String> {
             v.records
                 .iter()
                 .flatten()
-                .filter(|r| r.group == group)
+                .filter(|r| r.group == group && !r.is_p2p())
                 .cloned()
                 .collect()
         };
@@ -252,9 +286,12 @@ pub fn stuck_lines(views: &[RankView], now: f64) -> Vec<String> {
             .filter(|m| !inside.iter().any(|(r, _)| r == *m))
         {
             let view = by_rank.get(rank).copied();
-            let last = view
-                .and_then(|v| v.records.as_ref())
-                .map(|rs| rs.iter().filter(|r| r.group == group).map(|r| r.seq).max());
+            let last = view.and_then(|v| v.records.as_ref()).map(|rs| {
+                rs.iter()
+                    .filter(|r| r.group == group && !r.is_p2p())
+                    .map(|r| r.seq)
+                    .max()
+            });
             line += &match last {
                 Some(Some(seq)) => format!(
                     "; rank {rank} never joined (its last was #{seq}){}",
@@ -273,6 +310,99 @@ pub fn stuck_lines(views: &[RankView], now: f64) -> Vec<String> {
             };
         }
         lines.push(line);
+    }
+    lines.extend(p2p_lines(views, &by_rank, now));
+    lines
+}
+
+/// A point-to-point call left waiting (or issued without an end to wait
+/// on) for a second or more, and what its peer did of the other half.
+fn p2p_lines(views: &[RankView], by_rank: &BTreeMap<i64, &RankView>, now: f64) -> Vec<String> {
+    let mut lines = Vec::new();
+    for view in views {
+        let mut open: Vec<&Record> = view
+            .records
+            .iter()
+            .flatten()
+            .filter(|r| r.is_p2p() && (r.in_flight || r.issued) && now - r.started >= STUCK_AFTER_S)
+            .collect();
+        open.sort_by(|a, b| a.started.total_cmp(&b.started));
+        for record in open {
+            let (op, rank, group) = (&record.op, view.rank, &record.group);
+            let tag = match record.tag {
+                0 => String::new(),
+                tag => format!(" (tag {tag})"),
+            };
+            let since = if record.in_flight {
+                format!(
+                    "waiting since {} ({:.0} s)",
+                    clock(record.started),
+                    now - record.started
+                )
+            } else {
+                format!(
+                    "issued at {} ({:.0} s ago)",
+                    clock(record.started),
+                    now - record.started
+                )
+            };
+            let Some(peer) = record.peer else {
+                if record.in_flight {
+                    lines.push(format!(
+                        "{op}{tag} from any rank on group {group}: rank {rank} {since}"
+                    ));
+                }
+                continue;
+            };
+            let (to, other, done) = if record.sends() {
+                ("to", "recv", "received")
+            } else {
+                ("from", "send", "sent")
+            };
+            let back = if record.sends() { "from" } else { "to" };
+            let head = format!(
+                "{op} #{}{tag} {to} rank {peer} on group {group}: rank {rank} {since}",
+                record.seq
+            );
+            let partner = by_rank.get(&peer).copied();
+            let halves: Option<Vec<&Record>> = partner.and_then(|p| p.records.as_ref()).map(|rs| {
+                rs.iter()
+                    .filter(|r| {
+                        r.is_p2p()
+                            && r.group == *group
+                            && r.sends() != record.sends()
+                            && r.peer == Some(rank)
+                            && r.tag == record.tag
+                    })
+                    .collect()
+            });
+            let tail = match halves {
+                Some(halves) => match halves.iter().find(|r| r.seq == record.seq) {
+                    // Made by the peer: an issued call has nothing more to say.
+                    Some(_) if !record.in_flight => continue,
+                    Some(half) if half.in_flight => {
+                        format!("; rank {peer} is in {} #{} {back} rank {rank} too", half.op, half.seq)
+                    }
+                    Some(half) => format!("; rank {peer} {done} it ({} #{})", half.op, half.seq),
+                    None => match halves.iter().map(|r| r.seq).max() {
+                        Some(last) => format!(
+                            "; rank {peer} never {done} it (its last {other} {back} rank {rank} was #{last}){}",
+                            where_is(partner)
+                        ),
+                        None => format!(
+                            "; rank {peer} never {done} it (no {other} {back} rank {rank} yet){}",
+                            where_is(partner)
+                        ),
+                    },
+                },
+                None if partner.is_some_and(|p| p.stacks.is_some()) => format!(
+                    "; rank {peer} keeps no record of its calls{}",
+                    where_is(partner)
+                ),
+                None => format!("; rank {peer} did not answer"),
+            };
+            lines.push(head + &tail);
+        }
     }
     lines
 }
@@ -353,8 +483,104 @@ mod tests {
             group: "0".into(),
             members: vec![0, 1, 2, 3],
             in_flight,
+            issued: false,
             started,
+            peer: None,
+            tag: 0,
         }
+    }
+
+    fn p2p(op: &str, seq: i64, peer: Option<i64>, state: &str, started: f64) -> Record {
+        Record {
+            seq,
+            op: op.into(),
+            group: "0".into(),
+            members: vec![0, 1, 2, 3],
+            in_flight: state == "in flight",
+            issued: state == "issued",
+            started,
+            peer,
+            tag: 0,
+        }
+    }
+
+    #[test]
+    fn a_receive_whose_send_never_came_names_the_peer_and_where_it_is() {
+        let elsewhere = stacks(&[("fetch_batch", "/job/pp.py", 7)]);
+        let waiting = stacks(&[("main", "/job/pp.py", 20)]);
+        // Gloo counted the point-to-point calls in the group's number: the
+        // collectives' numbers are the ones every rank agrees on, and the
+        // receive and send pair by their own numbers.
+        let views = vec![
+            RankView {
+                rank: 0,
+                records: Some(vec![
+                    record(1, false, 50.0),
+                    p2p("send", 1, Some(1), "done", 60.0),
+                    p2p("send", 2, Some(1), "done", 70.0),
+                    // Sent, and received: nothing to say of it.
+                    p2p("isend", 1, Some(3), "issued", 70.0),
+                ]),
+                stacks: Some(&elsewhere),
+            },
+            RankView {
+                rank: 1,
+                records: Some(vec![
+                    record(1, false, 50.0),
+                    p2p("recv", 1, Some(0), "done", 60.0),
+                    p2p("recv", 2, Some(0), "done", 70.0),
+                    p2p("recv", 3, Some(0), "in flight", 100.0),
+                    // From any rank: none is named.
+                ]),
+                stacks: Some(&waiting),
+            },
+            RankView {
+                rank: 2,
+                records: Some(vec![
+                    record(1, false, 50.0),
+                    p2p("irecv", 1, None, "in flight", 101.0),
+                ]),
+                stacks: Some(&waiting),
+            },
+            RankView {
+                rank: 3,
+                records: Some(vec![
+                    record(1, false, 50.0),
+                    p2p("irecv", 1, Some(0), "issued", 70.0),
+                    // A send the peer never received, and one to a rank that did not answer.
+                    p2p("send", 1, Some(1), "in flight", 105.0),
+                    p2p("send", 1, Some(7), "in flight", 106.0),
+                ]),
+                stacks: Some(&waiting),
+            },
+        ];
+        let lines = stuck_lines(&views, 112.0);
+        assert_eq!(
+            lines,
+            vec![
+                "recv #3 from rank 0 on group 0: rank 1 waiting since 00:01:40 UTC (12 s); rank 0 never sent it (its last send to rank 1 was #2) (it is in fetch_batch, pp.py:7)",
+                "irecv from any rank on group 0: rank 2 waiting since 00:01:41 UTC (11 s)",
+                "send #1 to rank 1 on group 0: rank 3 waiting since 00:01:45 UTC (7 s); rank 1 never received it (no recv from rank 3 yet) (it is in main, pp.py:20)",
+                "send #1 to rank 7 on group 0: rank 3 waiting since 00:01:46 UTC (6 s); rank 7 did not answer",
+            ],
+        );
+        // The other half made: said so; half a second is not stuck.
+        let both = vec![
+            RankView {
+                rank: 0,
+                records: Some(vec![p2p("send", 1, Some(1), "in flight", 100.0)]),
+                stacks: None,
+            },
+            RankView {
+                rank: 1,
+                records: Some(vec![p2p("recv", 1, Some(0), "in flight", 111.8)]),
+                stacks: None,
+            },
+        ];
+        assert_eq!(
+            stuck_lines(&both, 112.0),
+            vec!["send #1 to rank 1 on group 0: rank 0 waiting since 00:01:40 UTC (12 s); rank 1 is in recv #1 from rank 0 too"]
+        );
     }
 
     #[test]

@@ -283,7 +283,7 @@ pub const ACTIVATION_STATS: TableDef = TableDef {
 pub const COLLECTIVES: TableDef = TableDef {
     schema: "python",
     name: "collectives",
-    description: "each torch.distributed collective called from Python: op, group, its number in the group, sizes, start and end, and the torch step it was called in; `in flight` until it returns (ts is its start)",
+    description: "each torch.distributed collective called from Python: op, group, its number in the group, sizes, start and end, and the torch step it was called in; `in flight` until it returns (ts is its start). Point-to-point calls (send, recv, isend, irecv) too, with their peer and tag, numbered by peer: a send's seq is its number among this rank's sends to that peer (with that tag, on that group), a receive's among its receives from it",
     columns: &[
         col("seq", Int64),
         col("op", Utf8),
@@ -301,6 +301,8 @@ pub const COLLECTIVES: TableDef = TableDef {
         col("caller", Utf8),
         col("thread", Utf8),
         col("step", Int64),
+        col("peer", Int64),
+        col("tag", Int64),
     ],
 };
 

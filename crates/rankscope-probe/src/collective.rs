@@ -18,7 +18,20 @@
 //! Groups are held weakly, so a group the program destroys is freed as
 //! without rankscope. No lock is held while Python runs: a future's
 //! callback may close a row on another thread at any time.
+//!
+//! Point-to-point calls (`send`, `recv`, `isend`, `irecv`) get rows too,
+//! numbered apart: a send's `seq` is its number among this rank's sends to
+//! that peer with that tag on that group, a receive's among its receives
+//! from it, so that the k-th send of one rank pairs with the k-th receive
+//! of the other (what `cluster bt` compares for a hung pipeline). torch's
+//! `send` is made of its `isend` and a wait: a call made inside a recorded
+//! point-to-point call on the same thread is not recorded again. Gloo
+//! counts point-to-point calls in the group's own number, on the two
+//! ranks alone: where a backend does (seen at the first such call), the
+//! collectives' numbers leave them out, so that they still agree across
+//! the group's ranks.
 
+use std::cell::Cell as Flag;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -38,10 +51,43 @@ const TABLE: &str = "collectives";
 const STATE: usize = 6;
 const END_TS: usize = 11;
 const DURATION: usize = 12;
+/// A point-to-point call's peer.
+const PEER: usize = 16;
 /// Caps on what is kept to make the next row cheaper: a program with more
 /// call sites or shapes than this still gets every row, made the long way.
 const MAX_SITES: usize = 4096;
 const MAX_SHAPES: usize = 1024;
+
+thread_local! {
+    /// Inside a recorded point-to-point call on this thread: torch's
+    /// `send` calls its `isend`, which is one call, not two.
+    static IN_P2P: Flag<bool> = const { Flag::new(false) };
+}
+
+/// Which way a point-to-point call goes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Way {
+    Send,
+    Recv,
+}
+
+/// What a point-to-point call is given, besides its tensor: where its
+/// peer, the peer's rank in the group and its tag are, by position and name.
+struct P2p {
+    way: Way,
+    peer: (Option<usize>, Py<PyString>),
+    group_peer: (Option<usize>, Py<PyString>),
+    tag: (Option<usize>, Py<PyString>),
+}
+
+/// A point-to-point call as given: which way, its peer (a global rank),
+/// the peer's rank in the group, and its tag.
+struct PeerCall {
+    way: Way,
+    peer: Option<i64>,
+    group_peer: Option<i64>,
+    tag: i64,
+}
 
 /// How a group is held: weakly, so that the program frees it as without
 /// rankscope; one that cannot be referenced weakly is held (as the Python
@@ -60,6 +106,12 @@ struct Group {
     seq: i64,
     count: i64,
     last_op: Option<String>,
+    /// (way, peer, tag) -> point-to-point calls made so far.
+    p2p: HashMap<(Way, Option<i64>, i64), i64>,
+    /// Point-to-point calls that returned (what the backend may have counted).
+    p2p_calls: i64,
+    /// Whether the backend counts them in the group's number (None: not seen yet).
+    p2p_in_seq: Option<bool>,
 }
 
 /// A row in flight: its cells as opened (the finished row is written
@@ -91,13 +143,15 @@ struct State {
 /// What `groups()` says of a group: (name, size, rank, members, count,
 /// last seq, last op).
 type GroupSeen = (String, i64, i64, String, i64, i64, Option<String>);
-/// What `in_flight()` says of a call: (group, op, seq, start ts, caller).
+/// What `in_flight()` says of a call: (group, op, seq, start ts, caller,
+/// peer).
 type Flying = (
     Option<String>,
     Option<String>,
     Option<i64>,
     f64,
     Option<String>,
+    Option<i64>,
 );
 
 #[pyclass(module = "rankscope._native", frozen)]
@@ -180,6 +234,9 @@ impl CollectiveLog {
                     seq: 0,
                     count: 0,
                     last_op: None,
+                    p2p: HashMap::new(),
+                    p2p_calls: 0,
+                    p2p_in_seq: None,
                 },
             );
             // The lock first: the group let go may be freed, and run code.
@@ -285,7 +342,9 @@ impl CollectiveLog {
         Ok(Some(site))
     }
 
-    /// Opens the call's row: (key, start) where it was recorded.
+    /// Opens the call's row: its key and start, the group, and torch's
+    /// number of the group before the call.
+    #[allow(clippy::type_complexity)]
     fn enter<'py>(
         &self,
         py: Python<'py>,
@@ -293,7 +352,8 @@ impl CollectiveLog {
         group: Option<Bound<'py, PyAny>>,
         asynchronous: bool,
         first: Option<Bound<'py, PyAny>>,
-    ) -> PyResult<(u64, Instant)> {
+        p2p: Option<PeerCall>,
+    ) -> PyResult<(u64, Instant, Bound<'py, PyAny>, Option<i64>)> {
         let Some((member, tensor)) = self.torch.get() else {
             return Err(PyException::new_err("collectives: not started"));
         };
@@ -319,14 +379,40 @@ impl CollectiveLog {
             let Some(info) = state.groups.get_mut(&at) else {
                 return Err(PyException::new_err("collectives: group forgotten"));
             };
-            // A backend without its own number: counted here.
-            info.seq = torch_seq.map(|s| s + 1).unwrap_or(info.seq + 1);
             info.count += 1;
-            if info.last_op.as_deref() != Some(op) {
-                info.last_op = Some(op.to_string());
-            }
+            let (seq, peer, tag) = match p2p {
+                Some(call) => {
+                    // The peer as a global rank, as `dst`/`src` are given.
+                    let peer = call.peer.or_else(|| {
+                        let at = usize::try_from(call.group_peer?).ok()?;
+                        info.members.split(',').nth(at)?.trim().parse().ok()
+                    });
+                    let count = info.p2p.entry((call.way, peer, call.tag)).or_insert(0);
+                    *count += 1;
+                    (
+                        *count,
+                        peer.map(Cell::Int).unwrap_or(Cell::Null),
+                        Cell::Int(call.tag),
+                    )
+                }
+                None => {
+                    // Point-to-point calls the backend counted, on this rank
+                    // alone, are left out (gloo's), and a backend without its
+                    // own number is counted here.
+                    let p2p = if info.p2p_in_seq == Some(true) {
+                        info.p2p_calls
+                    } else {
+                        0
+                    };
+                    info.seq = torch_seq.map(|s| s + 1 - p2p).unwrap_or(info.seq + 1);
+                    if info.last_op.as_deref() != Some(op) {
+                        info.last_op = Some(op.to_string());
+                    }
+                    (info.seq, Cell::Null, Cell::Null)
+                }
+            };
             let cells = vec![
-                Cell::Int(info.seq),
+                Cell::Int(seq),
                 Cell::Str(op.to_string()),
                 Cell::Str(info.name.clone()),
                 Cell::Int(info.size),
@@ -342,6 +428,8 @@ impl CollectiveLog {
                 text(caller),
                 text(thread),
                 step.map(Cell::Int).unwrap_or(Cell::Null),
+                peer,
+                tag,
             ];
             state.in_flight.insert(
                 key,
@@ -356,7 +444,33 @@ impl CollectiveLog {
             self.state().in_flight.remove(&key);
             return Err(PyException::new_err(e));
         }
-        Ok((key, Instant::now()))
+        Ok((key, Instant::now(), group, torch_seq))
+    }
+
+    /// After a point-to-point call returned: counted, and whether the
+    /// backend counts such calls in the group's number learnt at the first.
+    fn p2p_returned(&self, py: Python<'_>, group: &Bound<'_, PyAny>, before: Option<i64>) {
+        let at = group.as_ptr() as usize;
+        let unknown = self
+            .state()
+            .groups
+            .get(&at)
+            .is_some_and(|g| g.p2p_in_seq.is_none());
+        let counted = match (unknown, before) {
+            (true, Some(before)) => group
+                .call_method0(intern!(py, "_get_sequence_number_for_group"))
+                .and_then(|s| s.extract::<i64>())
+                .ok()
+                .map(|after| after > before),
+            _ => None,
+        };
+        let mut state = self.state();
+        if let Some(info) = state.groups.get_mut(&at) {
+            info.p2p_calls += 1;
+            if info.p2p_in_seq.is_none() {
+                info.p2p_in_seq = counted.or(Some(false));
+            }
+        }
     }
 
     fn close(&self, key: u64, began: Instant, state: &str) {
@@ -509,7 +623,7 @@ impl CollectiveLog {
             .collect()
     }
 
-    /// Each call in flight: (group, op, seq, start ts, caller).
+    /// Each call in flight: (group, op, seq, start ts, caller, peer).
     fn in_flight(&self) -> Vec<Flying> {
         let str_at = |cells: &[Cell], at: usize| match &cells[at] {
             Cell::Str(s) => Some(s.clone()),
@@ -529,6 +643,10 @@ impl CollectiveLog {
                     seq,
                     f.ts,
                     str_at(&f.cells, 13),
+                    match f.cells[PEER] {
+                        Cell::Int(i) => Some(i),
+                        _ => None,
+                    },
                 )
             })
             .collect()
@@ -550,12 +668,27 @@ pub struct CollectiveCall {
     /// keyword, the same argument is read as given by position, so that a
     /// call's `bytes` does not depend on how it was written.
     first_name: Option<Py<PyString>>,
+    /// A point-to-point call's way and where its peer and tag are given.
+    p2p: Option<P2p>,
+}
+
+/// Resets the thread's point-to-point flag when the call ends, however.
+struct InP2p;
+
+impl Drop for InP2p {
+    fn drop(&mut self) {
+        IN_P2P.with(|f| f.set(false));
+    }
 }
 
 #[pymethods]
 impl CollectiveCall {
+    /// `p2p`: for a point-to-point call, (way, (peer's position, name),
+    /// (the group peer's position, name), (tag's position, name)), way
+    /// being "send" or "recv".
     #[new]
-    #[pyo3(signature = (log, op, original, group_at=None, async_at=None, first_name=None))]
+    #[pyo3(signature = (log, op, original, group_at=None, async_at=None, first_name=None, p2p=None))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn new(
         py: Python<'_>,
         log: Py<CollectiveLog>,
@@ -564,16 +697,41 @@ impl CollectiveCall {
         group_at: Option<usize>,
         async_at: Option<usize>,
         first_name: Option<&str>,
-    ) -> Self {
-        CollectiveCall {
+        p2p: Option<(
+            String,
+            (Option<usize>, String),
+            (Option<usize>, String),
+            (Option<usize>, String),
+        )>,
+    ) -> PyResult<Self> {
+        let name = |n: &str| PyString::intern(py, n).unbind();
+        let p2p = match p2p {
+            None => None,
+            Some((way, peer, group_peer, tag)) => Some(P2p {
+                way: match way.as_str() {
+                    "send" => Way::Send,
+                    "recv" => Way::Recv,
+                    other => {
+                        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                            "a point-to-point call sends or receives, not {other:?}"
+                        )))
+                    }
+                },
+                peer: (peer.0, name(&peer.1)),
+                group_peer: (group_peer.0, name(&group_peer.1)),
+                tag: (tag.0, name(&tag.1)),
+            }),
+        };
+        Ok(CollectiveCall {
             log,
             op,
             original,
             group_at,
             async_at,
             // Interned: a keyword call's lookup hashes no new string.
-            first_name: first_name.map(|name| PyString::intern(py, name).unbind()),
-        }
+            first_name: first_name.map(name),
+            p2p,
+        })
     }
 
     fn __call__<'py>(
@@ -585,15 +743,33 @@ impl CollectiveCall {
         let original = self.original.bind(py);
         let kw = (!kwargs.is_empty()).then_some(kwargs);
         let log = self.log.bind(py);
-        if !log.get().on.load(Ordering::Acquire) {
+        if !log.get().on.load(Ordering::Acquire) || (self.p2p.is_some() && IN_P2P.with(|f| f.get()))
+        {
             return original.call(args, kw);
         }
         let entry = match self.arguments(py, args, kwargs) {
             Ok((group, asynchronous, first)) => {
-                match log.get().enter(py, &self.op, group, asynchronous, first) {
-                    Ok((key, began)) => Some((key, began, asynchronous)),
-                    Err(e) if e.is_instance_of::<PyException>(py) => None,
-                    Err(e) => return Err(e),
+                // isend and irecv are async without being asked.
+                let asynchronous = asynchronous || (self.p2p.is_some() && self.op.starts_with('i'));
+                let p2p = match &self.p2p {
+                    Some(p2p) => match self.peer_call(py, p2p, args, kwargs) {
+                        Ok(call) => Some(call),
+                        Err(e) if e.is_instance_of::<PyException>(py) => None,
+                        Err(e) => return Err(e),
+                    },
+                    None => None,
+                };
+                if self.p2p.is_some() && p2p.is_none() {
+                    None
+                } else {
+                    match log
+                        .get()
+                        .enter(py, &self.op, group, asynchronous, first, p2p)
+                    {
+                        Ok(opened) => Some((opened, asynchronous)),
+                        Err(e) if e.is_instance_of::<PyException>(py) => None,
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             Err(e) if e.is_instance_of::<PyException>(py) => None,
@@ -603,10 +779,21 @@ impl CollectiveCall {
             // The call goes on unrecorded.
             log.get().errors.fetch_add(1, Ordering::Relaxed);
         }
-        let result = original.call(args, kw);
-        if let Some((key, began, asynchronous)) = entry {
+        let result = {
+            let _inside = (self.p2p.is_some() && entry.is_some()).then(|| {
+                IN_P2P.with(|f| f.set(true));
+                InP2p
+            });
+            original.call(args, kw)
+        };
+        if let Some(((key, began, group, before), asynchronous)) = entry {
             match &result {
-                Ok(out) => CollectiveLog::leave(log, key, began, asynchronous, out)?,
+                Ok(out) => {
+                    if self.p2p.is_some() {
+                        log.get().p2p_returned(py, &group, before);
+                    }
+                    CollectiveLog::leave(log, key, began, asynchronous, out)?
+                }
                 Err(_) => log.get().close(key, began, "failed"),
             }
         }
@@ -620,6 +807,38 @@ impl CollectiveCall {
 }
 
 impl CollectiveCall {
+    /// A point-to-point call's peer, group peer and tag, as given.
+    fn peer_call<'py>(
+        &self,
+        py: Python<'py>,
+        p2p: &P2p,
+        args: &Bound<'py, PyTuple>,
+        kwargs: &Bound<'py, PyDict>,
+    ) -> PyResult<PeerCall> {
+        let given = |(at, name): &(Option<usize>, Py<PyString>)| -> PyResult<Option<i64>> {
+            let value = match (!kwargs.is_empty())
+                .then(|| kwargs.get_item(name.bind(py)))
+                .transpose()?
+                .flatten()
+            {
+                Some(value) => Some(value),
+                None => at
+                    .filter(|&i| i < args.len())
+                    .and_then(|i| args.get_item(i).ok()),
+            };
+            match value {
+                Some(value) if !value.is_none() => Ok(Some(value.extract()?)),
+                _ => Ok(None),
+            }
+        };
+        Ok(PeerCall {
+            way: p2p.way,
+            peer: given(&p2p.peer)?,
+            group_peer: given(&p2p.group_peer)?,
+            tag: given(&p2p.tag)?.unwrap_or(0),
+        })
+    }
+
     /// (group, async_op, first argument) as the call was given them.
     #[allow(clippy::type_complexity)]
     fn arguments<'py>(

@@ -363,9 +363,16 @@ fn collectives_text(reply: &Value) -> String {
             group["last_op"].as_str().unwrap_or("?"),
         );
         for f in group["in_flight"].as_array().into_iter().flatten() {
+            let op = f["op"].as_str().unwrap_or("?");
+            // A point-to-point call's number is among its calls to that peer.
+            let peer = match (f["peer"].as_i64(), op.ends_with("send")) {
+                (Some(peer), true) => format!(" to rank {peer}"),
+                (Some(peer), false) => format!(" from rank {peer}"),
+                (None, false) if op.ends_with("recv") => " from any rank".to_string(),
+                _ => String::new(),
+            };
             out += &format!(
-                "    in flight: {} #{} for {:.1} s ({})\n",
-                f["op"].as_str().unwrap_or("?"),
+                "    in flight: {op} #{}{peer} for {:.1} s ({})\n",
                 f["seq"],
                 f["waiting_s"].as_f64().unwrap_or(0.0),
                 f["caller"].as_str().unwrap_or("?"),

@@ -43,7 +43,6 @@ import time
 from rankscope import _native
 
 _C10D = "torch.distributed.distributed_c10d"
-# Collectives only: point-to-point calls have no group-wide number.
 OPS = (
     "all_reduce",
     "all_gather",
@@ -61,6 +60,14 @@ OPS = (
     "barrier",
     "monitored_barrier",
 )
+# Point-to-point: numbered by peer, not in the group's count (collective.rs).
+# op -> (way, the peer's parameter, the group peer's parameter)
+P2P_OPS = {
+    "send": ("send", "dst", "group_dst"),
+    "isend": ("send", "dst", "group_dst"),
+    "recv": ("recv", "src", "group_src"),
+    "irecv": ("recv", "src", "group_src"),
+}
 _WRAPPED = "__rankscope_collective__"
 
 
@@ -136,7 +143,7 @@ class Recorder:
         import inspect
 
         dist = sys.modules.get("torch.distributed")
-        for op in OPS:
+        for op in OPS + tuple(P2P_OPS):
             original = getattr(c10d, op, None)
             if original is None or getattr(original, _WRAPPED, None) is not None:
                 continue
@@ -156,7 +163,18 @@ class Recorder:
         group_at = parameters.index("group") if "group" in parameters else None
         async_at = parameters.index("async_op") if "async_op" in parameters else None
         first = parameters[0] if parameters else None
-        recorded = _native.CollectiveCall(self.log, op, original, group_at, async_at, first)
+        p2p = None
+        if op in P2P_OPS:
+            way, peer, group_peer = P2P_OPS[op]
+
+            def at(name):
+                return parameters.index(name) if name in parameters else None
+
+            p2p = (way, (at(peer), peer), (at(group_peer), group_peer), (at("tag"), "tag"))
+            # isend and irecv have no async_op: they are async.
+            if op.startswith("i"):
+                async_at = None
+        recorded = _native.CollectiveCall(self.log, op, original, group_at, async_at, first, p2p)
         # torch may still be importing (the wrapping happens as it imports
         # distributed_c10d): its `compiler` is looked up at call time.
         torch = sys.modules["torch"]
@@ -246,8 +264,8 @@ class Recorder:
                     "last_seq": seq,
                     "last_op": last_op,
                     "in_flight": [
-                        {"op": op, "seq": seq_of, "waiting_s": now - ts, "caller": caller}
-                        for group, op, seq_of, ts, caller in flying
+                        {"op": op, "seq": seq_of, "waiting_s": now - ts, "caller": caller, "peer": peer}
+                        for group, op, seq_of, ts, caller, peer in flying
                         if group == name
                     ],
                 }

@@ -1159,7 +1159,7 @@ class _Replay:
         for name, module in model.named_modules():
             self.names[id(module)] = models.qualified(model, name)
         self.found = None
-        self.running: list = []  # modules whose forward is in progress
+        self.running: list = []  # (module, its args) whose forward is in progress
         self.output = None
         self.start = None  # where the backward replay started (see `backward`)
         self.loss_module = None  # the loss module it started from
@@ -1177,20 +1177,27 @@ class _Replay:
         if self.found is None and self.running:
             bad = sum(_nonfinite(t) for t in _inputs_of(args, {}))
             if bad:
-                parent = self.running[-1]
+                parent, parent_args = self.running[-1]
                 name = self.names.get(id(parent), type(parent).__name__)
-                found = self._module_entry(parent, name, ())
+                # The inputs are the parent's own (finite: else the search
+                # would have stopped before it); what its code made is told
+                # in words, as the value it handed the child.
+                found = self._module_entry(parent, name, parent_args)
+                low, high, _ = _stats(_inputs_of(args, {}))
+                made = f", which it handed {bad} non-finite value{'s' if bad != 1 else ''}"
+                if low is not None:
+                    made += f" (the finite ones from {low:.6g} to {high:.6g})"
+                child = self.names.get(id(module), type(module).__name__)
                 found.update(
                     stage="forward",
-                    what=f"its own forward code, before it called {self.names.get(id(module), type(module).__name__)}",
+                    what=f"its own forward code, before it called {child}{made}",
                     nonfinite=bad,
-                    inputs=_stats(_inputs_of(args, {})),
                 )
                 self.found = found
-        self.running.append(module)
+        self.running.append((module, args))
 
     def _post(self, module, args, output):
-        if self.running and self.running[-1] is module:
+        if self.running and self.running[-1][0] is module:
             self.running.pop()
         if self.found is None:
             bad = _nonfinite(output)

@@ -176,11 +176,13 @@ class GradStats:
 
     def _name_params(self, found=None):
         names = {}
+        trained = 0
         for model in TRACER.live_models() if found is None else found:
             for name, param in model.named_parameters():
                 names[id(param)] = (models.qualified(model, name), models.qualified(model, name.rpartition(".")[0]))
+                trained += param.requires_grad  # a frozen one never has a gradient to read
         self.names = names
-        self.params = len(names)
+        self.params = trained
 
     def _name_unknown(self, params) -> None:
         """Names for parameters the models known so far do not hold: the
@@ -372,7 +374,13 @@ class GradStats:
             ratio = update / weights[i] if update is not None and weights[i] > 0 else None
             rows.append([wall, step, name, module, sizes[i], norm, maxes[i], nonfinite, weights[i], ratio, self._flag(name, norm)])
         tables.extend("grad_stats", rows)
-        self.last = rows  # summed up only when asked (`describe`)
+        # Summed up only when asked (`describe`). A step of several
+        # optimizers (a GAN's) is summed up over all of theirs.
+        last = self.last
+        if rows and last and last[0][1] == step:
+            self.last = last + rows
+        else:
+            self.last = rows
 
     def _flag(self, name, norm) -> str | None:
         if not math.isfinite(norm):
