@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from conftest import assert_slices_nest, require_torch
@@ -202,6 +203,49 @@ def test_ctrl_c_ends_a_profile_inside_early_and_still_writes(python, spawn, rank
     assert target.alive()
 
 
+def connection_threads(pid) -> int:
+    """The probe's connection threads in `pid`: one per request in progress."""
+    count = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == "rankscope-conn"
+        except OSError:
+            pass  # the thread ended
+    return count
+
+
+def test_a_profile_inside_ends_when_the_cli_that_asked_is_killed(python, spawn, rankscope_bin, endpoint_dir, tmp_path):
+    """GIVEN a probe sampling its own process for a minute, WHEN the CLI
+    that asked is killed (no Ctrl-C reaches the probe), THEN the sampling
+    ends within a second or so, rather than going on for nobody."""
+    target = spawn(python, WORKLOAD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env["RANKSCOPE_DIR"] = endpoint_dir
+    command = subprocess.Popen([rankscope_bin, str(target.pid), "profile", "--inside", "--duration", "60", "-o", str(tmp_path / "gone.svg")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "Ctrl-C ends early" in command.stderr.readline()
+        deadline = time.monotonic() + 10
+        while connection_threads(target.pid) == 0:
+            assert time.monotonic() < deadline, "the probe never began sampling"
+            time.sleep(0.05)
+    finally:
+        command.kill()
+        command.wait()
+    deadline = time.monotonic() + 10
+    while connection_threads(target.pid) > 0:
+        assert time.monotonic() < deadline, "the probe samples on for a CLI that is gone"
+        time.sleep(0.1)
+    assert target.alive()
+    # The probe still answers, and can sample again.
+    assert cli_profile_inside_works(rankscope_bin, target.pid, env)
+
+
+def cli_profile_inside_works(rankscope_bin, pid, env) -> bool:
+    done = subprocess.run([rankscope_bin, str(pid), "profile", "--inside", "--duration", "0.5", "--top", "3"], capture_output=True, text=True, env=env, timeout=60)
+    return done.returncode == 0 and "burn (" in done.stdout
+
+
 TORCH_LOOP = """
 import time
 import torch
@@ -240,6 +284,8 @@ def test_each_sample_carries_the_torch_step_while_the_probe_knows_it(python, spa
     assert len(marked) >= 10 and all(e["name"] == f"step {e['args']['step']}" and e["dur"] > 0 for e in marked), marked[:3]
     numbers = [e["args"]["step"] for e in marked]
     assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers), numbers
+    # A step's slice ends where the next begins, at the latest.
+    assert_slices_nest(events)
 
     # Off: the probe knows no step, and the next profile's samples carry none.
     assert cli(target.pid, "torch", "trace", "off").returncode == 0
@@ -262,6 +308,8 @@ def test_a_process_without_a_probe_is_profiled(python, spawn, cli, tmp_path):
         (["--rate", "0"], "--rate must be between 1 and 10000"),
         (["--duration", "-1"], "--duration must be a positive number of seconds, not -1"),
         (["--rate", "-5"], "--rate must be between 1 and 10000 samples a second, not -5"),
+        (["--rate", "0.05"], "--rate must be between 1 and 10000 samples a second, not 0.05"),
+        (["--duration", "1e20"], "--duration must be at most 2592000 seconds (30 days), not 100000000000000000000"),
         (["-o", "p.png"], "cannot tell the format of p.png"),
         (["--idle", "--no-idle"], "--idle and --no-idle contradict each other"),
         (["--native", "--inside"], "--native and --inside do not go together"),
@@ -359,3 +407,44 @@ def test_gil_and_idle_together_find_a_thread_that_waits_holding_the_gil(python, 
     busy = spawn(python, 'print("READY", flush=True)\nwhile True:\n    sum(i * i for i in range(1000))\n', probe=False)
     done = profile(cli, busy.pid, "--gil", "--idle", "--top", "3")
     assert re.search(r"note: --gil --idle left none of the \d+ samples", done.stderr), done.stderr
+
+
+THREADS_ONE_AFTER_ANOTHER = """
+import sys, threading, time
+
+
+def work(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(1000))
+
+
+print("READY", flush=True)
+n = 0
+while True:
+    # One thread at a time: the system hands each the last one's id, and
+    # each is started while the main thread's stack is in `join`.
+    t = threading.Thread(target=work, args=(0.05,), name=f"worker-{n}")
+    t.start()
+    t.join()
+    n += 1
+"""
+
+
+def test_each_thread_keeps_its_own_name_where_its_id_was_another_threads(python, spawn, cli, tmp_path):
+    target = spawn(python, THREADS_ONE_AFTER_ANOTHER)
+    out = tmp_path / "threads.folded"
+    profile(cli, target.pid, "-o", out)
+    counts = folded_counts(out)
+    # pid N;worker-7 (OS id);work (...)...: each OS thread has one name, and the names differ.
+    named: dict[str, set] = {}
+    for stack in counts:
+        thread = stack.split(";")[1]
+        name, _, os_id = thread.rpartition(" (")
+        named.setdefault(os_id, set()).add(name)
+    workers = {os_id: names for os_id, names in named.items() if any(n.startswith("worker-") for n in names)}
+    assert len(workers) >= 5, named
+    assert all(len(names) == 1 for names in workers.values()), workers
+    assert len({next(iter(names)) for names in workers.values()}) == len(workers), workers
+    # A thread being started is not a sample of the main thread with no frame.
+    assert not [s for s in counts if s.count(";") == 1], [s for s in counts if s.count(";") == 1]

@@ -52,6 +52,23 @@ impl Handler for ProbeHandler {
         }
     }
 
+    fn respond_watching(
+        &self,
+        request: &Request,
+        out: &mut (dyn Write + Send),
+        gone: &dyn Fn() -> bool,
+    ) -> io::Result<()> {
+        match (request.method.as_str(), request.path.as_str()) {
+            // A sampling ends when its client hangs up (a CLI killed): it
+            // would sample for nobody, on a thread of the program's process.
+            ("POST", "/v1/profile") if self.meta().is_some() => http::write_response(
+                out,
+                &crate::profile_self::handle(&request.body, self.meta(), gone),
+            ),
+            _ => self.respond(request, out),
+        }
+    }
+
     fn handle(&self, request: &Request) -> Response {
         let route = (request.method.as_str(), request.path.as_str());
         match route {
@@ -126,7 +143,9 @@ impl Handler for ProbeHandler {
                 Ok(body) => call_helper("rankscope._probe.memory", "handle", (body.to_string(),)),
                 Err(_) => Response::error(400, "a memory request is JSON text"),
             },
-            ("POST", "/v1/profile") => crate::profile_self::handle(&request.body, self.meta()),
+            ("POST", "/v1/profile") => {
+                crate::profile_self::handle(&request.body, self.meta(), &|| false)
+            }
             ("POST", "/v1/profile/stop") => crate::profile_self::stop(&request.body),
             ("GET", "/v1/table") => match request.query_param("name").map(percent_decode) {
                 Some(name) => {

@@ -75,7 +75,7 @@ pub fn stop(body: &[u8]) -> Response {
     answer(json!({"ok": {"stopped": stopped}}))
 }
 
-pub fn handle(body: &[u8], meta: Option<String>) -> Response {
+pub fn handle(body: &[u8], meta: Option<String>, gone: &dyn Fn() -> bool) -> Response {
     let Ok(request) = serde_json::from_slice::<Value>(body) else {
         return Response::error(
             400,
@@ -111,10 +111,17 @@ pub fn handle(body: &[u8], meta: Option<String>) -> Response {
         all_frames: false,
         step_address,
     };
-    // Ends with its duration, or when its requester says stop (Ctrl-C); a
-    // CLI that goes away only stops waiting.
+    // Ends with its duration, when its requester says stop (Ctrl-C), or
+    // when it hangs up (a CLI killed), seen at the sampler's progress
+    // calls, five a second.
     let running = Running::new(request["id"].as_u64());
-    match sample(std::process::id(), &options, &running.stop, |_, _| {}) {
+    let stop = running.stop.clone();
+    let watch = |_, _| {
+        if gone() {
+            stop.store(true, Ordering::SeqCst);
+        }
+    };
+    match sample(std::process::id(), &options, &running.stop, watch) {
         Ok(mut profile) => {
             profile.rank = rank;
             // Kept where this process's own tables go, as the CLI keeps

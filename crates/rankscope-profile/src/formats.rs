@@ -15,6 +15,21 @@ use crate::ProfileError;
 /// waiting on a lock, I/O or a collective): idle time is kept by default,
 /// since a hang or a collective wait is what users look for.
 pub const IDLE: &str = " [idle]";
+/// The same mark as the flame graph gets it: inferno merges a frame over
+/// lines that sort next to each other, and a plain space sorts before the
+/// `;` of the frame's callees (`work [idle]` between `work` and
+/// `work;compute` split `work` in two); a no-break space sorts after it.
+const IDLE_SVG: &str = "\u{a0}[idle]";
+
+/// A name as a folded line can carry it: `;` parts frames and a line
+/// break ends the line, so neither may be in a thread's or a frame's name.
+pub(crate) fn clean(name: &str) -> String {
+    if name.contains([';', '\n', '\r']) {
+        name.replace(';', ":").replace(['\n', '\r'], " ")
+    } else {
+        name.to_string()
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -96,7 +111,7 @@ pub(crate) fn thread_label(p: &Profile, thread: usize) -> String {
 pub(crate) fn labels(p: &Profile, key: &StackKey, lines: bool) -> Vec<String> {
     let mut out: Vec<String> = p.stacks[key.stack]
         .iter()
-        .map(|&f| p.frames[f].label(lines).replace(';', ":"))
+        .map(|&f| clean(&p.frames[f].label(lines)))
         .collect();
     if key.idle {
         match out.last_mut() {
@@ -115,7 +130,7 @@ pub fn folded(p: &Profile, options: &WriteOptions) -> String {
         let mut parts = Vec::new();
         if options.prefix {
             parts.push(process_label(p));
-            parts.push(thread_label(p, key.thread).replace(';', ":"));
+            parts.push(clean(&thread_label(p, key.thread)));
         }
         parts.extend(labels(p, key, options.lines));
         if !parts.is_empty() {
@@ -153,6 +168,7 @@ pub(crate) fn flame_graph(
     flame.subtitle = subtitle;
     flame.count_name = "samples".into();
     let mut out = Vec::new();
+    let folded = folded.replace(IDLE, IDLE_SVG);
     inferno::flamegraph::from_lines(&mut flame, folded.lines(), &mut out)
         .map_err(|e| ProfileError::FlameGraph(e.to_string()))?;
     Ok(out)
@@ -516,6 +532,55 @@ mod tests {
             "{no_lines}"
         );
         assert_eq!(no_lines.matches("hot (train.py)").count(), 1, "{no_lines}");
+    }
+
+    #[test]
+    fn an_idle_mark_does_not_split_its_frame_in_the_flame_graph() {
+        let mut p = Profile::new(42, 100.0, 1000.0);
+        let t = p.thread(42, "Main\nThread;x");
+        let (main, work, compute) = (
+            f(&mut p, "main", 1),
+            f(&mut p, "work", 2),
+            f(&mut p, "compute", 3),
+        );
+        for i in 0..30 {
+            let (stack, idle) = match i % 3 {
+                0 => (vec![main, work], false),
+                1 => (vec![main, work], true),
+                _ => (vec![main, work, compute], false),
+            };
+            p.add(t, stack, idle, true, i as f64 * 0.01);
+        }
+        p.finish(0.3);
+        let svg = String::from_utf8(svg(&p, &WriteOptions::default()).unwrap()).unwrap();
+        // One box for `work`, its own busy samples and its callee's, beside
+        // its idle ones (a frame of its own, as in the folded lines).
+        let boxes: Vec<&str> = svg
+            .match_indices("<title>work (train.py:2) (")
+            .map(|(at, _)| &svg[at..at + 60])
+            .collect();
+        assert_eq!(boxes.len(), 1, "{boxes:?}");
+        assert!(boxes[0].contains("(20 samples"), "{boxes:?}");
+        assert!(svg.contains("work (train.py:2)\u{a0}[idle] (10 samples"));
+        // A line break or `;` in a thread's name stays inside its frame.
+        let text = folded(&p, &WriteOptions::default());
+        assert!(
+            text.lines()
+                .all(|l| l.starts_with("pid 42;Main Thread:x (42);main")),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_steps_span_ends_where_the_next_begins_though_a_tick_came_early() {
+        let mut p = Profile::new(42, 100.0, 1000.0);
+        for (step, at) in [(1, 0.0), (1, 0.01), (2, 0.015), (2, 0.03), (3, 0.031)] {
+            p.set_step(Some(step), at);
+        }
+        let spans = &p.step_spans;
+        assert_eq!(spans.len(), 3, "{spans:?}");
+        assert!(spans.windows(2).all(|w| w[0].2 <= w[1].1), "{spans:?}");
+        assert_eq!(spans[2], (3, 0.031, 0.041));
     }
 
     #[test]

@@ -27,7 +27,7 @@ fn merged_path(p: &Profile, key: &crate::StackKey, options: &WriteOptions) -> Ve
         path.push(if name.is_empty() {
             "(unnamed thread)".to_string()
         } else {
-            name.replace(';', ":")
+            formats::clean(name)
         });
     }
     path.extend(formats::labels(p, key, options.lines));

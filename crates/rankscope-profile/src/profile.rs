@@ -526,7 +526,15 @@ impl Profile {
         };
         match self.step_spans.last_mut() {
             Some(last) if last.0 == step => last.2 = at_s + tick,
-            _ => self.step_spans.push((step, at_s, at_s + tick)),
+            last => {
+                // A step's span is taken to last a tick past its last
+                // sample; a tick read early (catching up) must not make it
+                // overlap the next step's on the steps' lane.
+                if let Some(last) = last {
+                    last.2 = last.2.min(at_s);
+                }
+                self.step_spans.push((step, at_s, at_s + tick));
+            }
         }
     }
 

@@ -83,6 +83,10 @@ pub fn sample(
     // not at every tick (at 1 kHz over 9 threads that was 9,000 file reads
     // a second, and a fifth of the ticks missed).
     let mut probe_threads: std::collections::HashMap<u64, bool> = Default::default();
+    // Each Python thread id's OS thread, to see an id the system gave again
+    // to a new thread: py-spy keeps names by the Python id, and would give
+    // the new thread the old one's name.
+    let mut os_threads: std::collections::HashMap<u64, u64> = Default::default();
     while start.elapsed() < options.duration && !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         if next > now {
@@ -106,6 +110,15 @@ pub fn sample(
             Ok(traces) => {
                 profile.ticks += 1;
                 for trace in traces {
+                    // A thread with no frame at this tick runs no Python
+                    // code: one being started (which has its creator's
+                    // Python id until it runs, so it read as a second,
+                    // empty sample of its creator), one ending, or a
+                    // native thread that once called into Python (gloo's
+                    // loop). It has no stack to show.
+                    if trace.frames.is_empty() {
+                        continue;
+                    }
                     if !options.all_frames {
                         let tid = trace.os_thread_id;
                         let ours = *probe_threads
@@ -115,7 +128,17 @@ pub fn sample(
                             continue;
                         }
                     }
-                    let name = trace.thread_name.clone().unwrap_or_default();
+                    let mut name = trace.thread_name.clone().unwrap_or_default();
+                    if let Some(os) = trace.os_thread_id {
+                        if os_threads
+                            .insert(trace.thread_id, os)
+                            .is_some_and(|was| was != os)
+                        {
+                            // Its name is read again at the next tick.
+                            spy.python_thread_names.remove(&trace.thread_id);
+                            name.clear();
+                        }
+                    }
                     let thread =
                         profile.thread(trace.os_thread_id.unwrap_or(trace.thread_id), &name);
                     let frames: Vec<FrameRef<'_>> = trace

@@ -40,6 +40,19 @@ pub trait Handler: Send + Sync + 'static {
     fn respond(&self, request: &Request, out: &mut (dyn Write + Send)) -> io::Result<()> {
         http::write_response(out, &self.handle(request))
     }
+
+    /// The same, for a handler whose work takes long: `gone()` says
+    /// whether the client has hung up meanwhile, so that the work can end
+    /// rather than run on for nobody.
+    fn respond_watching(
+        &self,
+        request: &Request,
+        out: &mut (dyn Write + Send),
+        gone: &dyn Fn() -> bool,
+    ) -> io::Result<()> {
+        let _ = gone;
+        self.respond(request, out)
+    }
 }
 
 #[derive(Debug, Error)]
@@ -302,6 +315,23 @@ enum Connection {
 }
 
 impl Connection {
+    /// Whether the client hung up (or the connection broke): asked without
+    /// waiting, while an answer is still being made.
+    fn peer_gone(&self) -> bool {
+        let fd = match self {
+            Connection::Unix(s) => s.as_raw_fd(),
+            Connection::Tcp(s) => s.as_raw_fd(),
+        };
+        let mut poll = libc::pollfd {
+            fd,
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        ready > 0 && poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
+
     /// Ends our side and discards what the client still sends, so that it
     /// reads our (error) answer instead of a connection reset. Bounded in time
     /// and bytes: a client that keeps sending is cut off.
@@ -417,7 +447,16 @@ fn serve(mut conn: Connection, shared: &Shared) {
                     "missing or wrong token (send Authorization: Bearer <token>)",
                 )
             } else {
-                let _ = shared.handler.respond(&request, &mut conn);
+                let watched = match &conn {
+                    Connection::Unix(s) => s.try_clone().map(Connection::Unix),
+                    Connection::Tcp(s) => s.try_clone().map(Connection::Tcp),
+                };
+                let _ = match watched {
+                    Ok(watched) => shared
+                        .handler
+                        .respond_watching(&request, &mut conn, &|| watched.peer_gone()),
+                    Err(_) => shared.handler.respond(&request, &mut conn),
+                };
                 return;
             }
         }

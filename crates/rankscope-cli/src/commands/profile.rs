@@ -58,6 +58,10 @@ pub struct ProfileArgs {
     pub inside: bool,
 }
 
+/// The longest profile asked for (30 days): past it a deadline no longer
+/// fits the clock's arithmetic.
+const MAX_DURATION_S: f64 = 30.0 * 86_400.0;
+
 impl ProfileArgs {
     /// Checks the options; the output's format, where one is named.
     fn check(&self) -> Result<Option<String>> {
@@ -71,7 +75,19 @@ impl ProfileArgs {
             )
             .into());
         }
-        if !(self.rate.is_finite() && self.rate > 0.0 && self.rate <= 10_000.0) {
+        if self.duration > MAX_DURATION_S {
+            return Err(Hinted::new(
+                format!(
+                    "--duration must be at most {MAX_DURATION_S:.0} seconds (30 days), not {}",
+                    self.duration
+                ),
+                "to sample until you stop it, give a long one and press Ctrl-C: the profile so far is written",
+            )
+            .into());
+        }
+        // Below one a second, a tick would be further apart than a Ctrl-C
+        // is waited for, and a short --duration would get no sample.
+        if !(self.rate.is_finite() && self.rate >= 1.0 && self.rate <= 10_000.0) {
             return Err(Hinted::new(
                 format!(
                     "--rate must be between 1 and 10000 samples a second, not {}",
@@ -233,12 +249,17 @@ fn explain(pid: u32, e: rankscope_profile::ProfileError) -> anyhow::Error {
     }
 }
 
-fn missed_note(missed: u64) -> String {
+/// What the samples leave out: ticks missed, and reads that failed (a
+/// stack read mid-change, a process that went on through `exec`).
+fn missed_note(missed: u64, errors: u64) -> String {
+    let mut note = String::new();
     if missed > 0 {
-        format!(", {missed} ticks missed (reads slower than the rate)")
-    } else {
-        String::new()
+        note += &format!(", {missed} ticks missed (reads slower than the rate)");
     }
+    if errors > 0 {
+        note += &format!(", {errors} failed reads");
+    }
+    note
 }
 
 /// Keeps the profile in the sampled process's run store (`python.profile`),
@@ -389,7 +410,7 @@ fn output(profile: Profile, args: &ProfileArgs, path: Option<String>) -> Result<
                 "wrote {path} ({format}): {} samples over {:.1} s{}",
                 profile.total(),
                 profile.duration_s,
-                missed_note(profile.missed)
+                missed_note(profile.missed, profile.errors)
             );
         }
         None => print!("{}", formats::top(&profile, &write)),
@@ -593,6 +614,7 @@ pub fn cluster(
         Some(path) => {
             let format = job.write(&path, &write, diff).map_err(failed)?;
             let missed: u64 = job.profiles.iter().map(|p| p.missed).sum();
+            let errors: u64 = job.profiles.iter().map(|p| p.errors).sum();
             let what = match diff {
                 Some(rank) => format!("rank {rank} against the median of the others, "),
                 None => String::new(),
@@ -601,7 +623,7 @@ pub fn cluster(
                 "wrote {path} ({what}{format}): {} samples of {} ranks{}",
                 job.total(),
                 job.profiles.len(),
-                missed_note(missed)
+                missed_note(missed, errors)
             );
         }
         None => match diff {
