@@ -45,12 +45,23 @@ DEVICE = "cuda" if "--cuda" in sys.argv else "cpu"  # test_torch_cuda.py
 # optimizer.step(closure): SGD's one call, or LBFGS's several a step.
 CLOSURE = sys.argv[sys.argv.index("--closure") + 1] if "--closure" in sys.argv else None
 SPLIT = "--split" in sys.argv  # two optimizers, the body's and the head's; fc1's bias frozen
+ACCUMULATE = flag("--accumulate")  # micro-batches a step, each with its backward (-1: one forward a step)
+NAN_MICRO = flag("--nan-micro")  # the micro-batch the NaN is made in (-1: each)
 done = 0
+micro = 0
+
+
+def hit(at, x=None):
+    if NAN_MICRO < 0 or x is None:
+        return done == at and (NAN_MICRO < 0 or micro == NAN_MICRO)
+    # Under accumulation a module tells the micro-batch by its input (a
+    # replay runs after the loop): a finite mark that the layers carry on.
+    return done == at and bool(x.detach().abs().max() > 1e3)
 
 
 class Boom(nn.Module):
     def forward(self, x):
-        if done == NAN_FORWARD:
+        if hit(NAN_FORWARD, x):
             return x * float("nan")
         return x
 
@@ -67,7 +78,7 @@ class BadGrad(torch.autograd.Function):
 
 class Back(nn.Module):
     def forward(self, x):
-        return BadGrad.apply(x) if done == NAN_BACKWARD else x
+        return BadGrad.apply(x) if hit(NAN_BACKWARD, x) else x
 
 
 class BadLoss(nn.modules.loss._Loss):
@@ -121,7 +132,25 @@ losses = []
 
 
 def train_step():
-    global done
+    global done, micro
+    if ACCUMULATE > 0:
+        optimizer.zero_grad()
+        total = 0.0
+        for micro in range(ACCUMULATE):
+            x = torch.randn(8, 16, generator=data).to(DEVICE)
+            target = torch.randn(8, 1, generator=data).to(DEVICE)
+            if hit(NAN_INPUT):
+                x[2, 5] = float("nan")
+            if micro == NAN_MICRO and done in (NAN_FORWARD, NAN_BACKWARD):
+                x[0, 0] = 1e6
+            loss = criterion(model(x), target) / ACCUMULATE
+            loss.backward()
+            total = total + loss.detach()
+        micro = 0
+        optimizer.step()
+        losses.append(total)
+        done += 1
+        return
     x = torch.randn(8, 16, generator=data).to(DEVICE)
     target = torch.randn(8, 1, generator=data).to(DEVICE)
     if done == NAN_INPUT:
@@ -372,6 +401,69 @@ def test_a_nan_in_a_nested_output_or_a_module_called_again_is_named(torch_python
         assert rows[0]["input_nonfinite"] == 0, rows
 
 
+CHECKPOINTED_ONCE = """
+import time
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+torch.manual_seed(0)
+done = 0
+
+
+class Bad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if done >= 3:
+            y = torch.sqrt(y * 0.0) + y  # finite forward, a NaN gradient at 0
+        return torch.relu(y)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.bad = Bad()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(checkpoint(self.bad, self.inp(x), use_reentrant=False))
+
+
+model = Net()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+budget = 0
+print("READY", flush=True)
+while True:
+    if budget > 0:
+        loss = model(torch.randn(6, 4)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        done += 1
+        budget -= 1
+        if budget == 0:
+            print(f"DONE {done}", flush=True)
+    else:
+        time.sleep(0.002)
+"""
+
+
+def test_a_backward_nan_under_a_checkpoint_names_the_module_called_once(torch_python, spawn, cli):
+    # The replay's backward recomputes the checkpointed block's forward:
+    # that is not a second call of the step's.
+    target = spawn(torch_python, CHECKPOINTED_ONCE)
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 5, 5)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, what FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(3, "backward", "bad")], rows
+    assert rows[0]["what"] == "the gradient it sent back (its output's gradient was finite)", rows
+
+
 def test_a_nan_made_in_a_loss_function_is_named_as_the_loss(torch_python, spawn, cli):
     # The function is not a module: neither its value nor a way to call it
     # again is known. The model's forward, and its backward from ones at
@@ -467,6 +559,26 @@ def test_a_nan_in_a_step_given_a_closure_is_named_at_its_step_and_changes_nothin
     run_steps(cli, target, 5, 5)
     rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(3, "forward", "boom")], rows
+    assert_same_bits(torch_python, cli, target, tmp_path, 5, flags)
+
+
+@pytest.mark.parametrize("flag, micro, stage, module", [
+    ("--nan-input", 0, "input", "MLP"),
+    ("--nan-forward", 1, "forward", "boom"),
+    ("--nan-backward", 0, "backward", "back"),
+])
+def test_a_nan_in_an_earlier_micro_batch_is_named_with_its_own_input(torch_python, spawn, cli, tmp_path, flag, micro, stage, module):
+    """Gradient accumulation: three forwards and backwards a step, one
+    optimizer step. A NaN made by an earlier micro-batch is found at the
+    step and replayed with that micro-batch's input, not the last one's;
+    the program runs bit for bit as without rankscope."""
+    flags = [flag, "3", "--nan-micro", str(micro), "--accumulate", "3"]
+    target = spawn(torch_python, TRAIN, args=flags)
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 5, 5)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, detail FROM python.nan_events")
+    assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(3, stage, module)], rows
+    assert rows[0]["detail"].startswith(f"in micro-batch {micro + 1} of 3 of the step (gradient accumulation)"), rows
     assert_same_bits(torch_python, cli, target, tmp_path, 5, flags)
 
 

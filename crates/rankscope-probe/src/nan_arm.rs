@@ -40,10 +40,10 @@ use crate::finite::FiniteCheck;
 #[pyclass(module = "rankscope._native")]
 #[derive(Default)]
 pub struct NanStep {
-    fields: [Option<Py<PyAny>>; 10],
+    fields: [Option<Py<PyAny>>; 11],
 }
 
-const FIELDS: [&str; 10] = [
+const FIELDS: [&str; 11] = [
     "model",
     "args",
     "kwargs",
@@ -54,6 +54,8 @@ const FIELDS: [&str; 10] = [
     "loss_call",
     "autocast",
     "scaler_states",
+    // The step's earlier micro-batches under gradient accumulation (nan.py).
+    "earlier",
 ];
 const MODEL: usize = 0;
 const ARGS: usize = 1;
@@ -63,7 +65,7 @@ const AUTOCAST: usize = 8;
 const SCALER_STATES: usize = 9;
 
 /// What a `NanStep` let go of, to be released once no borrow is held.
-type Released = [Option<Py<PyAny>>; 10];
+type Released = [Option<Py<PyAny>>; 11];
 
 impl NanStep {
     /// Everything but the model, taken out.

@@ -160,6 +160,31 @@ def _inputs_of(args, kwargs) -> list:
 # (nan_arm.rs): the root stand-in fills it in without the watch's Python.
 _Step = _native.NanStep
 
+# Under gradient accumulation, the step's earlier micro-batches are kept
+# (their input, loss and RNG state: references, no copies) so that a
+# non-finite value made by one of them is replayed with its own input,
+# not the last one's. Their inputs live until the optimizer step instead
+# of until the next micro-batch: kept only while their tensors come to no
+# more than this, in all.
+EARLIER_KEEP_BYTES = int(float(os.environ.get("RANKSCOPE_NAN_KEEP_MB", "64") or 64) * (1 << 20))
+_MICRO_FIELDS = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "loss_call", "autocast")
+
+
+class _Micro:
+    """An earlier micro-batch of the step, as a `_Step` to replay."""
+
+    __slots__ = (*_MICRO_FIELDS, "output", "scaler_states", "earlier", "index")
+
+    def __init__(self, step, index):
+        for name in _MICRO_FIELDS:
+            setattr(self, name, getattr(step, name))
+        self.output = self.scaler_states = self.earlier = None
+        self.index = index
+
+
+def _input_bytes(args, kwargs) -> int:
+    return sum(t.numel() * t.element_size() for t in _inputs_of(args, kwargs))
+
 
 def _arm_field(name):
     """A NanWatch attribute kept in its native arm, which the stand-ins and
@@ -443,6 +468,8 @@ class NanWatch:
             if step.args is not None:
                 self._repeated(step)
                 step = self.step
+                if step.args is not None:
+                    self._keep_earlier(step)
             # The RNG state (a 5 kB copy, about 3 us) only where the
             # forward draws from it.
             step.scaler_states = self._scaler_states()
@@ -456,6 +483,20 @@ class NanWatch:
                 step.cuda_rng = torch.cuda.get_rng_state_all()
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the root pre-hook failed: {type(exc).__name__}: {exc}")
+
+    def _keep_earlier(self, step):
+        """The micro-batch the step kept, before the next one takes its
+        place: kept too, while the kept inputs stay under EARLIER_KEEP_BYTES
+        (past it, the search replays the last micro-batch only)."""
+        earlier = step.earlier
+        if earlier is None:
+            earlier = step.earlier = []
+        elif earlier and earlier[-1] is None:
+            earlier.append(None)  # over the cap already: only counted
+            return
+        size = _input_bytes(step.args, step.kwargs)
+        kept = sum(_input_bytes(m.args, m.kwargs) for m in earlier)
+        earlier.append(_Micro(step, len(earlier)) if kept + size <= EARLIER_KEEP_BYTES else None)
 
     def _repeated(self, step):
         """A model's forward with grad while the step still keeps an input:
@@ -818,6 +859,30 @@ class NanWatch:
             pass
 
     def _search(self, step, params) -> dict:
+        """The step's search; under gradient accumulation, on the micro-batch
+        that made the non-finite value: the first whose loss was non-finite,
+        else the last, else the first earlier one whose replay names an
+        origin. The weights are the same for all of them: no optimizer
+        step came between."""
+        earlier = [m for m in (step.earlier or ()) if m is not None]
+        if not earlier:
+            return self._search_one(step, params)
+        count = len(step.earlier) + 1
+        for micro in earlier:
+            if micro.loss is not None and not math.isfinite(float(_local(micro.loss))):
+                return _in_micro(self._search_one(micro, params), micro.index, count)
+        event = self._search_one(step, params)
+        if event.get("unfound") or event.get("stage") == "unknown":
+            for micro in earlier:
+                found = self._search_one(micro, params)
+                if not found.get("unfound") and found.get("stage") != "unknown":
+                    return _in_micro(found, micro.index, count)
+        if None in step.earlier:
+            note = f"the step had {count} micro-batches; only the first {len(earlier)} and the last were kept (RANKSCOPE_NAN_KEEP_MB)"
+            event["detail"] = f"{event['detail']}; {note}" if event.get("detail") else note
+        return event
+
+    def _search_one(self, step, params) -> dict:
         model = step.model() if step.model is not None else None
         loss = step.loss
         loss_value = float(_local(loss)) if loss is not None else None
@@ -1122,6 +1187,13 @@ def _no_collectives():
     return NoCollectives()
 
 
+def _in_micro(event, index, count):
+    """An event found in an earlier micro-batch, said so."""
+    note = f"in micro-batch {index + 1} of {count} of the step (gradient accumulation)"
+    event["detail"] = f"{note}; {event['detail']}" if event.get("detail") else note
+    return event
+
+
 def _ddp(model) -> bool:
     parallel = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
     return parallel is not None and isinstance(model, parallel)
@@ -1307,13 +1379,23 @@ class _Replay:
         # times in a step (a recurrent cell, a shared block) sends each
         # call's gradient into the one before it, so they are told apart.
         calls, open_calls = {}, {}
+        # A forward run inside the backward is a checkpoint's recompute, not
+        # a call of the step's (its tensors are not the graph's).
+        task = getattr(torch._C, "_current_graph_task_id", None)
+
+        def recomputing() -> bool:
+            return task is not None and task() != -1
 
         def pre(module, args):
+            if recomputing():
+                return
             call = [[t for t in _inputs_of(args, {}) if t.requires_grad], []]
             calls.setdefault(id(module), []).append(call)
             open_calls.setdefault(id(module), []).append(call)
 
         def post(module, args, out):
+            if recomputing():
+                return
             started = open_calls.get(id(module))
             if started:
                 started.pop()[1].extend(t for t in _tensors(out) if t.is_floating_point() and t.requires_grad)
