@@ -304,6 +304,33 @@ def test_cluster_crashes_lists_the_jobs_crashes_by_rank(default_python, spawn, c
     assert "RuntimeError: shape mismatch on rank 1" in crashes.stdout
 
 
+EXITING_RANK = """
+import os, sys, time
+print("READY", flush=True)
+if os.environ["RANK"] == "1":
+    sys.exit(3)  # no exception reaches a hook: no crash record
+if os.environ["RANK"] == "2":
+    sys.exit(0)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_rank_that_exits_with_a_status_says_it_in_the_list(default_python, spawn, cli, tmp_path):
+    job_id = f"job-{uuid.uuid4().hex[:8]}"
+    run = tmp_path / "run"
+    targets = [
+        spawn(default_python, EXITING_RANK, env={"RANK": str(r), "WORLD_SIZE": "3", "TORCHELASTIC_RUN_ID": job_id, "RANKSCOPE_RUN_DIR": str(run)})
+        for r in range(3)
+    ]
+    assert targets[1].proc.wait(timeout=30) == 3 and targets[2].proc.wait(timeout=30) == 0
+    listing = cli("cluster", "list", "--run", run)
+    rows = {l.split()[0]: l for l in listing.stdout.splitlines()[2:]}
+    assert " exited (3) " in rows["1"] and " exited " in rows["2"] and "(0)" not in rows["2"], listing.stdout
+    as_json = json.loads(cli("cluster", "list", "--run", run, "--format", "json").stdout)
+    assert [(r["rank"], r["state"], r["exit_code"]) for r in as_json] == [(0, "running", None), (1, "exited", 3), (2, "exited", 0)], as_json
+
+
 def _crash_and_finish(default_python, spawn, job_id, message, env):
     """A three-rank job whose rank 1 raises `message`; the other ranks are
     killed once it has: the job is over."""

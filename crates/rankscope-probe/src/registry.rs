@@ -28,6 +28,67 @@ struct Entry {
 static ENTRY: Mutex<Option<Entry>> = Mutex::new(None);
 static ENDPOINT: Mutex<Option<(String, Option<String>)>> = Mutex::new(None);
 static CRASHED: AtomicBool = AtomicBool::new(false);
+/// The entry `leave` marked, for its exit code, written as the process
+/// exits (`exit_code`).
+static LEFT: Mutex<Option<PathBuf>> = Mutex::new(None);
+/// The process that registered the exit hook: a forked child inherits the
+/// hook, and its exit is not this rank's.
+static HOOKED_BY: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+#[cfg(target_env = "gnu")]
+extern "C" {
+    /// glibc's: like `atexit`, with the status given to `exit()`.
+    fn on_exit(
+        function: extern "C" fn(libc::c_int, *mut libc::c_void),
+        arg: *mut libc::c_void,
+    ) -> libc::c_int;
+}
+
+/// Called by glibc's `exit()` with its status, after Python's own exit
+/// handlers (where `leave` ran): the entry gets the exit code, so that a
+/// rank that ended with `sys.exit(3)`, which records no crash, still says
+/// how it ended. `os._exit` and signals pass it by (a signal's death shows
+/// as "dead").
+#[cfg(target_env = "gnu")]
+extern "C" fn exit_code_hook(status: libc::c_int, _: *mut libc::c_void) {
+    let _ = std::panic::catch_unwind(|| {
+        if HOOKED_BY.load(Ordering::Relaxed) != std::process::id() {
+            return;
+        }
+        let path = LEFT
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .or_else(|| {
+                ENTRY
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_ref()
+                    .map(|e| e.path.clone())
+            });
+        let Some(path) = path else { return };
+        let Some(mut value) = read(&path) else { return };
+        if value["pid"].as_u64() != Some(u64::from(std::process::id())) {
+            return; // another process's entry by now (a restarted rank)
+        }
+        value["exit_code"] = json!(status);
+        let _ = write(&path, &value);
+    });
+}
+
+/// Registers `exit_code_hook`, once a process.
+fn hook_exit() {
+    #[cfg(target_env = "gnu")]
+    {
+        let pid = std::process::id();
+        if HOOKED_BY.swap(pid, Ordering::Relaxed) != pid {
+            // SAFETY: a plain function with no argument to keep alive.
+            unsafe {
+                on_exit(exit_code_hook, std::ptr::null_mut());
+            }
+        }
+    }
+}
 
 fn ranks_dir() -> PathBuf {
     crash::run_dir().join("ranks")
@@ -82,6 +143,7 @@ pub fn register(meta_json: &str, socket: &str, token_file: Option<&str>) -> std:
         path,
         socket: socket.to_string(),
     });
+    hook_exit();
     Ok(())
 }
 
@@ -145,6 +207,7 @@ pub fn leave() {
     value["state"] = json!(state);
     value["ended_at"] = json!(rankscope_core::host::now_seconds());
     let _ = write(&entry.path, &value);
+    *LEFT.lock().unwrap_or_else(|e| e.into_inner()) = Some(entry.path);
 }
 
 /// The registry of this process's job (`GET /v1/job`): what a CLI that

@@ -364,14 +364,16 @@ pub(crate) struct Tally {
 }
 
 impl Tally {
-    /// Adds `p`'s samples; `leaf` is told each name `own` counts.
-    pub fn add(&mut self, p: &Profile, mut leaf: impl FnMut(&str)) {
+    /// Adds `p`'s samples; `on_stack` is told each name counted, on the
+    /// stack or running itself (idle, with its mark).
+    pub fn add(&mut self, p: &Profile, mut on_stack: impl FnMut(&str)) {
         for (key, count) in &p.counts {
             let stack = &p.stacks[key.stack];
             let mut seen = HashSet::new();
             for &f in stack {
                 let name = p.frames[f].label(false);
                 if seen.insert(name.clone()) {
+                    on_stack(&name);
                     *self.inside.entry(name).or_default() += count;
                 }
             }
@@ -379,8 +381,8 @@ impl Tally {
                 let mut name = p.frames[last].label(false);
                 if key.idle {
                     name.push_str(IDLE);
+                    on_stack(&name);
                 }
-                leaf(&name);
                 *self.own.entry(name).or_default() += count;
             }
         }
@@ -400,8 +402,26 @@ pub fn top(p: &Profile, options: &WriteOptions) -> String {
     let mut tally = Tally::default();
     tally.add(p, |_| {});
     let Tally { own, inside } = tally;
+    // Functions that only call others (self 0) come after, by their total:
+    // a caller's share of the time is what a table of callees hides.
     let mut rows: Vec<(String, u64)> = own.into_iter().collect();
-    rows.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let callers: Vec<(String, u64)> = inside
+        .keys()
+        .filter(|name| !rows.iter().any(|(own, _)| own == *name))
+        .map(|name| (name.clone(), 0))
+        .collect();
+    rows.extend(callers);
+    rows.sort_by(|a, b| {
+        let total = |name: &str| {
+            inside
+                .get(name.strip_suffix(IDLE).unwrap_or(name))
+                .copied()
+                .unwrap_or(0)
+        };
+        b.1.cmp(&a.1)
+            .then(total(&b.0).cmp(&total(&a.0)))
+            .then(a.0.cmp(&b.0))
+    });
     let pct = |n: u64| {
         if total == 0 {
             0.0

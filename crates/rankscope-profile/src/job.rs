@@ -286,7 +286,7 @@ impl JobProfile {
     }
 
     /// The terminal's view of a job: per function, self and total share of
-    /// every rank's samples, and the ranks it ran on.
+    /// every rank's samples, and the ranks it was on the stack of.
     pub fn top(&self, options: &WriteOptions) -> String {
         let all = self.ranks();
         let total = self.total();
@@ -306,8 +306,26 @@ impl JobProfile {
                 n as f64 * 100.0 / total as f64
             }
         };
+        // Functions that only call others (self 0) come after, by their total:
+        // a caller's share of the time is what a table of callees hides.
         let mut rows: Vec<(String, u64)> = own.into_iter().collect();
-        rows.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let callers: Vec<(String, u64)> = inside
+            .keys()
+            .filter(|name| !rows.iter().any(|(own, _)| own == *name))
+            .map(|name| (name.clone(), 0))
+            .collect();
+        rows.extend(callers);
+        rows.sort_by(|a, b| {
+            let total = |name: &str| {
+                inside
+                    .get(name.strip_suffix(IDLE).unwrap_or(name))
+                    .copied()
+                    .unwrap_or(0)
+            };
+            b.1.cmp(&a.1)
+                .then(total(&b.0).cmp(&total(&a.0)))
+                .then(a.0.cmp(&b.0))
+        });
         let missed: u64 = self.profiles.iter().map(|p| p.missed).sum();
         let mut out = format!(
             "{} ranks: {total} samples{}\n",
@@ -450,6 +468,23 @@ mod tests {
                 rank(3, 30, 70, 0),
             ],
         }
+    }
+
+    #[test]
+    fn the_table_names_the_ranks_a_function_was_on_the_stack_of() {
+        let text = job().top(&WriteOptions::default());
+        // `main` runs no sample itself, and is on every rank's stacks.
+        let ranks = |function: &str| {
+            text.lines()
+                .find(|l| l.ends_with(function))
+                .and_then(|l| l.split_whitespace().nth(2).map(str::to_string))
+        };
+        assert_eq!(ranks(" main (train.py)").as_deref(), Some("all"), "{text}");
+        assert_eq!(ranks(" slow (train.py)").as_deref(), Some("3"), "{text}");
+        assert!(
+            text.contains("   0.0%  100.0%  all        main (train.py)"),
+            "{text}"
+        );
     }
 
     #[test]

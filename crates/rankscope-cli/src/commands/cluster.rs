@@ -33,6 +33,10 @@ struct RankEntry {
     /// "running", "exited" or "crashed", as the rank last wrote it.
     #[serde(default)]
     state: Option<String>,
+    /// The status the process gave `exit()`, where it ended through it
+    /// (not `os._exit`, not a signal).
+    #[serde(default)]
+    exit_code: Option<i64>,
     /// With a TCP endpoint (`tcp` in the metadata): the bearer token its
     /// registry entry (mode 0600) carries, for the CLI on another machine.
     #[serde(default)]
@@ -477,6 +481,12 @@ pub fn list(
             Err(_) if entry.meta.host != here => "unreachable".to_string(),
             Err(_) => "unresponsive".to_string(),
         },
+        // A rank that exited with a status other than 0 (`sys.exit(3)`)
+        // says so: it recorded no crash.
+        Liveness::Exited => match entry.exit_code {
+            Some(code) if code != 0 => format!("exited ({code})"),
+            _ => "exited".to_string(),
+        },
         other => other.word().to_string(),
     });
     // The process's age, not its probe's (an injected probe is younger).
@@ -493,7 +503,8 @@ pub fn list(
                 let m = &entry.meta;
                 serde_json::json!({
                     "job": job.id, "rank": m.rank, "local_rank": m.local_rank, "host": m.host, "pid": m.pid,
-                    "state": state, "uptime_s": uptime(entry, state.as_str()),
+                    "state": state.split(' ').next().unwrap_or(state), "exit_code": entry.exit_code,
+                    "uptime_s": uptime(entry, state.as_str()),
                 })
             })
             .collect();
