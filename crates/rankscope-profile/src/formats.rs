@@ -364,6 +364,32 @@ pub(crate) struct Tally {
 }
 
 impl Tally {
+    /// (function, self count) for the table: by self count, then total;
+    /// functions that only call others (self 0) come after the rest, by
+    /// their total (a caller's share of the time is what a table of
+    /// callees hides).
+    pub fn rows(&self) -> Vec<(String, u64)> {
+        let mut rows: Vec<(String, u64)> = self.own.iter().map(|(n, c)| (n.clone(), *c)).collect();
+        rows.extend(
+            self.inside
+                .keys()
+                .filter(|name| !self.own.contains_key(*name))
+                .map(|name| (name.clone(), 0)),
+        );
+        let total = |name: &str| {
+            self.inside
+                .get(name.strip_suffix(IDLE).unwrap_or(name))
+                .copied()
+                .unwrap_or(0)
+        };
+        rows.sort_by(|a, b| {
+            b.1.cmp(&a.1)
+                .then(total(&b.0).cmp(&total(&a.0)))
+                .then(a.0.cmp(&b.0))
+        });
+        rows
+    }
+
     /// Adds `p`'s samples; `on_stack` is told each name counted, on the
     /// stack or running itself (idle, with its mark).
     pub fn add(&mut self, p: &Profile, mut on_stack: impl FnMut(&str)) {
@@ -401,27 +427,8 @@ pub fn top(p: &Profile, options: &WriteOptions) -> String {
         .sum();
     let mut tally = Tally::default();
     tally.add(p, |_| {});
-    let Tally { own, inside } = tally;
-    // Functions that only call others (self 0) come after, by their total:
-    // a caller's share of the time is what a table of callees hides.
-    let mut rows: Vec<(String, u64)> = own.into_iter().collect();
-    let callers: Vec<(String, u64)> = inside
-        .keys()
-        .filter(|name| !rows.iter().any(|(own, _)| own == *name))
-        .map(|name| (name.clone(), 0))
-        .collect();
-    rows.extend(callers);
-    rows.sort_by(|a, b| {
-        let total = |name: &str| {
-            inside
-                .get(name.strip_suffix(IDLE).unwrap_or(name))
-                .copied()
-                .unwrap_or(0)
-        };
-        b.1.cmp(&a.1)
-            .then(total(&b.0).cmp(&total(&a.0)))
-            .then(a.0.cmp(&b.0))
-    });
+    let rows = tally.rows();
+    let inside = tally.inside;
     let pct = |n: u64| {
         if total == 0 {
             0.0

@@ -298,7 +298,8 @@ impl JobProfile {
                 seen_on.entry(name.to_string()).or_default().insert(rank);
             });
         }
-        let Tally { own, inside } = tally;
+        let rows = tally.rows();
+        let inside = tally.inside;
         let pct = |n: u64| {
             if total == 0 {
                 0.0
@@ -306,26 +307,6 @@ impl JobProfile {
                 n as f64 * 100.0 / total as f64
             }
         };
-        // Functions that only call others (self 0) come after, by their total:
-        // a caller's share of the time is what a table of callees hides.
-        let mut rows: Vec<(String, u64)> = own.into_iter().collect();
-        let callers: Vec<(String, u64)> = inside
-            .keys()
-            .filter(|name| !rows.iter().any(|(own, _)| own == *name))
-            .map(|name| (name.clone(), 0))
-            .collect();
-        rows.extend(callers);
-        rows.sort_by(|a, b| {
-            let total = |name: &str| {
-                inside
-                    .get(name.strip_suffix(IDLE).unwrap_or(name))
-                    .copied()
-                    .unwrap_or(0)
-            };
-            b.1.cmp(&a.1)
-                .then(total(&b.0).cmp(&total(&a.0)))
-                .then(a.0.cmp(&b.0))
-        });
         let missed: u64 = self.profiles.iter().map(|p| p.missed).sum();
         let mut out = format!(
             "{} ranks: {total} samples{}\n",
