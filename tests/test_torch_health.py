@@ -285,6 +285,24 @@ def test_a_nan_input_is_named_though_the_model_is_called_again_without_grad(torc
 # step. From step 3 the one named by argv[1] makes a NaN: `block` and `enc`
 # in the output they nest, `cell` in its backward only (a square root's
 # gradient at 0, in each of its calls).
+# The tail of a target program that defines `train_step()` and `done`: as
+# many steps as a test asks (`budget`, set through eval by run_steps), then
+# "DONE n".
+ON_REQUEST = """
+budget = 0
+print("READY", flush=True)
+while True:
+    if budget > 0:
+        train_step()
+        done += 1
+        budget -= 1
+        if budget == 0:
+            print(f"DONE {done}", flush=True)
+    else:
+        time.sleep(0.002)
+"""
+
+
 NESTED = """
 import dataclasses, sys, time
 import torch
@@ -356,21 +374,14 @@ class Net(nn.Module):
 model = Net()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 criterion = nn.MSELoss()
-budget = 0
-print("READY", flush=True)
-while True:
-    if budget > 0:
-        loss = criterion(model(torch.randn(6, 5, 4)), torch.randn(6, 1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        done += 1
-        budget -= 1
-        if budget == 0:
-            print(f"DONE {done}", flush=True)
-    else:
-        time.sleep(0.002)
-"""
+
+
+def train_step():
+    loss = criterion(model(torch.randn(6, 5, 4)), torch.randn(6, 1))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+""" + ON_REQUEST
 
 
 @pytest.mark.parametrize("which, module, stage, what", [
@@ -436,21 +447,14 @@ class Net(nn.Module):
 
 model = Net()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-budget = 0
-print("READY", flush=True)
-while True:
-    if budget > 0:
-        loss = model(torch.randn(6, 4)).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        done += 1
-        budget -= 1
-        if budget == 0:
-            print(f"DONE {done}", flush=True)
-    else:
-        time.sleep(0.002)
-"""
+
+
+def train_step():
+    loss = model(torch.randn(6, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+""" + ON_REQUEST
 
 
 def test_a_backward_nan_under_a_checkpoint_names_the_module_called_once(torch_python, spawn, cli):
@@ -462,6 +466,47 @@ def test_a_backward_nan_under_a_checkpoint_names_the_module_called_once(torch_py
     rows = query_json(cli, target.pid, "SELECT step, stage, module, what FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(3, "backward", "bad")], rows
     assert rows[0]["what"] == "the gradient it sent back (its output's gradient was finite)", rows
+
+
+GAN = """
+import time
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+netG = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6))
+netD = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1))
+optG = torch.optim.Adam(netG.parameters(), 2e-4)
+optD = torch.optim.Adam(netD.parameters(), 2e-4)
+bce = nn.BCEWithLogitsLoss()
+done = 0
+
+
+def train_step():
+    if done == 3:
+        with torch.no_grad():
+            netG[2].weight[0, 0] = float("inf")  # the program's own change, between steps
+    fake = netG(torch.randn(8, 4))
+    lossD = bce(netD(torch.randn(8, 6) + 2), torch.ones(8, 1)) + bce(netD(fake.detach()), torch.zeros(8, 1))
+    optD.zero_grad()
+    lossD.backward()
+    optD.step()
+    lossG = bce(netD(fake), torch.ones(8, 1))
+    optG.zero_grad()
+    lossG.backward()
+    optG.step()
+""" + ON_REQUEST
+
+
+def test_a_nan_input_made_by_another_model_names_that_models_weights(torch_python, spawn, cli):
+    # The discriminator's input is the generator's output: the generator's
+    # weights, non-finite before the step, are named, not the data.
+    target = spawn(torch_python, GAN)
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 5, 5)
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, detail FROM python.nan_events")
+    assert [(r["stage"], r["module"]) for r in rows] == [("update", "netG.2")], rows
+    assert "the non-finite input of netD" in rows[0]["detail"], rows
 
 
 def test_a_nan_made_in_a_loss_function_is_named_as_the_loss(torch_python, spawn, cli):

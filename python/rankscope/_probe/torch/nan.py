@@ -894,6 +894,17 @@ class NanWatch:
         inputs = _inputs_of(step.args, step.kwargs)
         low, high, bad = _stats(inputs)
         if bad:
+            # An input made by another model of the program's (a GAN's
+            # discriminator fed the generator's output) is no data
+            # pipeline's fault where that model's weights went non-finite.
+            for other in TRACER.live_models():
+                if other is model:
+                    continue
+                spoiled = self._spoiled_weights(other, loss_value)
+                if spoiled is not None:
+                    spoiled["detail"] += (f"; the non-finite input of {models.qualified(model, '') or type(model).__name__}, "
+                                          "the model whose step found it, may be this one's output")
+                    return spoiled
             return {
                 "stage": "input",
                 "module": models.qualified(model, ""),
