@@ -173,13 +173,14 @@ _MICRO_FIELDS = ("model", "args", "kwargs", "rng", "cuda_rng", "loss", "loss_cal
 class _Micro:
     """An earlier micro-batch of the step, as a `_Step` to replay."""
 
-    __slots__ = (*_MICRO_FIELDS, "output", "scaler_states", "earlier", "index")
+    __slots__ = (*_MICRO_FIELDS, "output", "scaler_states", "earlier", "index", "size")
 
-    def __init__(self, step, index):
+    def __init__(self, step, index, size):
         for name in _MICRO_FIELDS:
             setattr(self, name, getattr(step, name))
         self.output = self.scaler_states = self.earlier = None
         self.index = index
+        self.size = size  # its input tensors' bytes
 
 
 def _input_bytes(args, kwargs) -> int:
@@ -495,8 +496,8 @@ class NanWatch:
             earlier.append(None)  # over the cap already: only counted
             return
         size = _input_bytes(step.args, step.kwargs)
-        kept = sum(_input_bytes(m.args, m.kwargs) for m in earlier)
-        earlier.append(_Micro(step, len(earlier)) if kept + size <= EARLIER_KEEP_BYTES else None)
+        kept = sum(m.size for m in earlier)
+        earlier.append(_Micro(step, len(earlier), size) if kept + size <= EARLIER_KEEP_BYTES else None)
 
     def _repeated(self, step):
         """A model's forward with grad while the step still keeps an input:
