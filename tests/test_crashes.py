@@ -229,6 +229,35 @@ def test_a_native_crash_is_listed(python, cli, endpoint_dir, tmp_path):
     assert "Segmentation fault" in shown.stdout and "target.py" in shown.stdout
 
 
+def test_forked_workers_leave_no_empty_native_log(default_python, endpoint_dir, tmp_path):
+    # A DataLoader's workers are forked and leave by os._exit, past atexit:
+    # each left an empty native-<pid>.log in the run directory.
+    source = """
+    import multiprocessing as mp
+    print("READY", flush=True)
+
+    def work(q, i):
+        q.put(i * i)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        workers = [ctx.Process(target=work, args=(q, i)) for i in range(3)]
+        for w in workers:
+            w.start()
+        print(sorted(q.get() for _ in workers), flush=True)
+        for w in workers:
+            w.join()
+        print("codes", [w.exitcode for w in workers], flush=True)
+    """
+    plain, _ = run_target(default_python, source, tmp_path / "plain", endpoint_dir, probe=False)
+    probed, _ = run_target(default_python, source, tmp_path / "run", endpoint_dir)
+    assert probed.returncode == plain.returncode == 0, probed.stderr
+    assert probed.stdout == plain.stdout and "codes [0, 0, 0]" in probed.stdout, probed.stdout
+    assert probed.stderr == plain.stderr
+    assert list((tmp_path / "run").glob("native-*.log")) == []
+
+
 def test_faulthandler_set_up_by_the_user_is_left_alone(default_python, endpoint_dir, tmp_path):
     source = """
     import faulthandler, sys

@@ -256,6 +256,40 @@ def test_torch_shows_the_module_tree_with_alike_siblings_as_one_line(torch_pytho
         assert "extra.0.mlp.0" not in bad.stderr and " and 29 more\n" in bad.stderr, bad.stderr
 
 
+SCRIPTED_CHILD = """
+import time
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        # jit keeps the eager Sequential alive, sharing its parameters.
+        self.js = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.js(self.a(x)))
+
+
+net = Net()
+optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_scripted_childs_eager_original_is_not_a_second_model(torch_python, spawn, cli):
+    target = spawn(torch_python, SCRIPTED_CHILD)
+    status = torch_json(cli, target.pid)
+    assert [m["name"] for m in status["models"]] == ["Net"], status["models"]
+    rows = [r["name"] for r in status["models"][0]["tree"]["rows"]]
+    assert "a" in rows and "head" in rows and not any(name.startswith("net.") for name in rows), rows
+
+
 def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_python, spawn, cli, tmp_path):
     target = spawn(torch_python, TRAIN)
     on = cli(target.pid, "torch", "trace", "on", "--every", "2")
@@ -323,6 +357,76 @@ def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_pyth
     probed = tmp_path / "probed.pt"
     assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
     assert_bitwise_equal(torch_python, probed, reference_run(torch_python, tmp_path, 10))
+
+
+COPIES = """
+import copy, gc, sys, weakref
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+
+
+class Blk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.l(x)) + x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b1 = Blk()
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.b1(x))
+
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(1)
+x0 = torch.randn(4, 8, generator=g)
+gc.disable()  # reference counting alone frees, as in loops that collect by hand
+alive = 0
+for i in range(8):
+    optimizer.zero_grad()
+    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+    optimizer.step()
+    snap = copy.deepcopy(model)  # a snapshot, or an EMA model
+    ref = weakref.ref(snap)
+    del snap
+    alive += ref() is not None
+print("copies alive after del", alive)
+ema = copy.deepcopy(model)
+with torch.no_grad():
+    print("ema", ema(x0).sum().item(), "model", model(x0).sum().item())
+print("own forward after a call", "forward" in vars(ema.b1), "forward" in vars(ema))
+Blk.forward = lambda self, x: x * 0  # the program patches the class
+with torch.no_grad():
+    print("patched", model.b1(x0).abs().sum().item(), ema.b1(x0).abs().sum().item(), model(x0).sum().item())
+if "--show" in sys.argv:
+    print("STAND-IN", type(vars(model.b1).get("forward")).__name__)
+"""
+
+
+def test_copies_of_a_traced_model_are_freed_have_no_forward_of_their_own_and_follow_the_class(torch_python, spawn):
+    # With the trace on at every step, a stand-in is on each module when
+    # the program copies its model: the copy held its own bound forward (a
+    # cycle: copies lived until the collector ran) and ignored the class
+    # the program patched later, as the traced model itself did.
+    plain = spawn(torch_python, COPIES, probe=False, wait=False)
+    want, _ = plain.proc.communicate(timeout=120)
+    traced = spawn(torch_python, COPIES, env={"RANKSCOPE_TORCH": "trace"}, wait=False, args=["--show"])
+    got, err = traced.proc.communicate(timeout=120)
+    assert traced.proc.returncode == plain.proc.returncode == 0, err
+    got, want = got.decode().splitlines(), want.decode().splitlines()
+    assert got[-1] == "STAND-IN StandIn", got  # the premise: the trace's stand-in was on
+    assert got[:-1] == want, (got, want)
+    assert want[0] == "copies alive after del 0" and want[2] == "own forward after a call False False", want
 
 
 def test_backward_through_in_place_relu(torch_python, spawn, cli, tmp_path):

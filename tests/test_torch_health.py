@@ -498,6 +498,63 @@ def train_step():
 """ + ON_REQUEST
 
 
+SPARSE = """
+import time
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+emb = nn.Embedding(20, 4, sparse=True)
+head = nn.Linear(4, 1)
+optimizer = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1)
+data = torch.Generator().manual_seed(1)
+done = 0
+
+
+def train_step():
+    idx = torch.randint(0, 20, (16,), generator=data)  # indices repeat: summed
+    loss = head(emb(idx)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    print("NORMS", done, emb.weight.grad.coalesce().values().norm().item(), head.weight.grad.norm().item(), flush=True)
+    optimizer.step()
+""" + ON_REQUEST
+
+
+def test_grads_of_a_sparse_gradient_are_its_values_and_the_other_parameters_still_get_rows(torch_python, spawn, cli):
+    # An Embedding(sparse=True)'s gradient is read through its values; it
+    # turned the whole feature off before (torch has no aminmax for it).
+    target = spawn(torch_python, SPARSE)
+    on(cli, target.pid, "grads", "--every", "1")
+    run_steps(cli, target, 3, 3)
+    truth = {}
+    for line in target.output:
+        if line.startswith("NORMS"):
+            _, step, sparse, dense = line.split()
+            truth[int(step)] = (float(sparse), float(dense))
+    rows = query_json(cli, target.pid, "SELECT step, param, norm, nonfinite FROM python.grad_stats ORDER BY step, param")
+    assert [r["param"] for r in rows] == ["emb.weight", "head.bias", "head.weight"] * 3, rows
+    for r in rows:
+        if r["param"] != "head.bias":
+            want = truth[r["step"]][0 if r["param"] == "emb.weight" else 1]
+            assert r["norm"] == pytest.approx(want, rel=1e-5), (r, truth)
+            assert r["nonfinite"] == 0
+    assert "turned itself off" not in on(cli, target.pid, "grads")
+
+
+def test_a_feature_that_turned_itself_off_says_why_and_a_look_does_not_turn_it_on(torch_python, spawn, cli):
+    target = spawn(torch_python, SPARSE)
+    on(cli, target.pid, "grads", "--every", "2")
+    fail = cli(target.pid, "eval", "import rankscope._probe.torch.stats as s; s.GRADS.failed('the optimizer pre-hook failed: ValueError: x')")
+    assert fail.returncode == 0, fail.stderr
+    for _ in range(2):
+        look = on(cli, target.pid, "grads")
+        assert "grads: off" in look and "turned itself off after an error: the optimizer pre-hook failed: ValueError: x" in look, look
+        assert "`torch grads on` turns it on again" in look, look
+    assert "grads: off, after an error: the optimizer pre-hook failed" in on(cli, target.pid)
+    assert "grads: on, 3 parameters, every 10 steps" in on(cli, target.pid, "grads", "on")
+
+
 def test_a_nan_input_made_by_another_model_names_that_models_weights(torch_python, spawn, cli):
     # The discriminator's input is the generator's output: the generator's
     # weights, non-finite before the step, are named, not the data.
@@ -802,6 +859,11 @@ def test_bad_requests_say_what_to_do(torch_python, spawn, cli):
     assert re.search(r"^activations: on, [1-9]\d* modules", status, re.M), status
     zero = cli(target.pid, "torch", "grads", "--every", "0")
     assert zero.returncode != 0 and "--every must be 1 or more" in zero.stderr
+    # An empty glob (an unset shell variable) is not taken for every module.
+    for args in (["trace", "on", "--modules", ""], ["activations", "off", "--modules", " "]):
+        empty = cli(target.pid, "torch", *args)
+        assert empty.returncode != 0 and "--modules is empty" in empty.stderr and "hint:" in empty.stderr, empty.stderr
+    assert "trace: off" in cli(target.pid, "torch").stdout
     # No process group here: recording waits for one, and says so.
     collectives = cli(target.pid, "torch", "collectives", "on")
     assert collectives.returncode == 0, collectives.stderr
@@ -824,6 +886,23 @@ def test_grads_sums_up_every_optimizers_parameters_and_counts_only_trained_ones(
     total = sum(r["norm"] ** 2 for r in rows) ** 0.5
     largest = max(rows, key=lambda r: r["norm"])
     assert f"step 5: total gradient norm {sci(total)} (as the optimizer was given them, after any clipping); largest: {largest['param']} {sci(largest['norm'])}," in summary, summary
+
+
+def test_two_optimizers_give_each_step_one_row_a_parameter_and_one_check(torch_python, spawn, cli):
+    # The head's optimizer takes over marking steps at the third step, which
+    # is then numbered again: that step's rows are not written twice, and
+    # the watch counts steps, not each optimizer's check of one.
+    target = spawn(torch_python, TRAIN, args=["--split"])
+    on(cli, target.pid, "grads", "--every", "1")
+    on(cli, target.pid, "nan", "on")
+    run_steps(cli, target, 8, 8)
+    rows = query_json(cli, target.pid, "SELECT step, param, count(*) AS n FROM python.grad_stats GROUP BY step, param HAVING count(*) > 1")
+    assert rows == [], rows
+    steps = query_json(cli, target.pid, "SELECT count(DISTINCT step) AS n FROM python.grad_stats")[0]["n"]
+    assert steps >= 6, steps
+    text = on(cli, target.pid, "nan")
+    checked = int(re.search(r"nan watch: armed \((\d+) steps checked", text).group(1))
+    assert 7 <= checked <= 8, text
 
 
 def test_rankscope_torch_env_arms_the_watch_and_grads_before_the_model_exists(torch_python, spawn, cli):

@@ -97,9 +97,11 @@ class NanArm:
     slow: bool
     loss_modules: bool
     checked_steps: int
+    steps_seen: int
     sentinel_params: object
     models_seen: object
     def __init__(self, finite: FiniteCheck, tensor: type, full_every: int) -> None: ...
+    def counted(self, step: int) -> None: ...
 
 class CollectiveLog:
     """What every recorded collective shares (collective.rs): its groups,

@@ -255,15 +255,25 @@ pub fn step_address() -> u64 {
 
 /// The process's memory now, in bytes, from /proc.
 #[pyfunction]
-pub fn memory_now<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(signature = (full=true))]
+pub fn memory_now<'py>(py: Python<'py>, full: bool) -> PyResult<Bound<'py, PyDict>> {
+    let pid = std::process::id();
     let proc = py
-        .detach(|| rankscope_memory::read_process(std::process::id()))
+        .detach(|| {
+            if full {
+                rankscope_memory::read_process(pid)
+            } else {
+                rankscope_memory::read_status(pid)
+            }
+        })
         .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
     let out = PyDict::new(py);
     out.set_item("rss", proc.rss)?;
     out.set_item("rss_peak", proc.rss_peak)?;
-    out.set_item("uss", proc.uss)?;
-    out.set_item("pss", proc.pss)?;
+    if full {
+        out.set_item("uss", proc.uss)?;
+        out.set_item("pss", proc.pss)?;
+    }
     out.set_item("swap", proc.swap)?;
     Ok(out)
 }

@@ -156,8 +156,14 @@ pub struct NanArm {
     /// A loss module has a stand-in: the root's output is kept for it.
     #[pyo3(get, set)]
     loss_modules: bool,
+    /// Checks made: the full check's cadence counts each optimizer's.
     #[pyo3(get, set)]
     checked_steps: i64,
+    /// Steps checked, as `torch nan` says: a step whose two optimizers
+    /// (a GAN's) were each checked counts once.
+    #[pyo3(get)]
+    steps_seen: i64,
+    last_seen: Option<i64>,
     full_every: i64,
     /// (a weakref to the optimizer, the list of its sentinel parameters).
     sentinel_params: Option<Py<PyAny>>,
@@ -199,6 +205,8 @@ impl NanArm {
             searching: false,
             loss_modules: false,
             checked_steps: 0,
+            steps_seen: 0,
+            last_seen: None,
             full_every: full_every.max(1),
             sentinel_params: None,
             models_seen: None,
@@ -209,6 +217,11 @@ impl NanArm {
             autocast_now,
             scaler: None,
         })
+    }
+
+    /// One check made, of step `step`.
+    fn counted(&mut self, step: i64) {
+        self.count(step);
     }
 
     // The setters of what may hold the program's objects: see
@@ -397,6 +410,16 @@ pub(crate) fn output_needs_python(
     }
 }
 
+impl NanArm {
+    fn count(&mut self, step: i64) {
+        self.checked_steps += 1;
+        if self.last_seen != Some(step) {
+            self.last_seen = Some(step);
+            self.steps_seen += 1;
+        }
+    }
+}
+
 /// The check at the optimizer's pre-hook, where nothing but the sentinel
 /// gradients (and a CPU loss) is to be read: true when they are all
 /// finite and read in place. The step's input is then let go of where
@@ -406,6 +429,7 @@ pub(crate) fn output_needs_python(
 pub(crate) fn check_sentinels(
     arm: &Bound<'_, NanArm>,
     optimizer: &Bound<'_, PyAny>,
+    step_number: i64,
     primary: impl FnOnce() -> PyResult<bool>,
 ) -> PyResult<bool> {
     let py = arm.py();
@@ -443,7 +467,7 @@ pub(crate) fn check_sentinels(
     let Ok(mut held) = arm.try_borrow_mut() else {
         return Ok(false);
     };
-    held.checked_steps += 1;
+    held.count(step_number);
     drop(held);
     // Where the step's own clear cannot take its borrow, the boundary's
     // does it.

@@ -328,8 +328,9 @@ impl StepClock {
                 // An `Exception` here leaves the step to the watch's
                 // Python, whose own failure takes off the watch alone (as
                 // `tell` does), not the whole clock.
+                let step = current_step(slf, Some(optimizer))?;
                 let checked = match arm {
-                    Some(arm) => nan_arm::check_sentinels(arm.bind(py), optimizer, || {
+                    Some(arm) => nan_arm::check_sentinels(arm.bind(py), optimizer, step, || {
                         marks_steps(slf, optimizer)
                     })
                     .or_else(|err| {
@@ -341,7 +342,6 @@ impl StepClock {
                     })?,
                     None => false,
                 };
-                let step = current_step(slf, Some(optimizer))?;
                 tell(
                     slf.as_any(),
                     &calls,

@@ -191,17 +191,21 @@ TIMELINE_ROWS_KEPT = 30
 
 
 def _memory_picture(exc: BaseException) -> dict | None:
-    """The process's memory at the crash (one read of /proc); for an
-    out-of-memory error also CUDA's allocator and the largest tensors with
+    """The process's memory at the crash (RSS, its peak and swap); for an
+    out-of-memory error also USS and PSS, CUDA's allocator and the largest tensors with
     their holders (``_probe/memory.py``)."""
+    out_of_memory = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
     try:
         from rankscope import _native
 
-        now = _native.memory_now()
+        # USS and PSS only for a memory error: smaps_rollup takes 10-15 ms
+        # with torch loaded, and the traceback waits for the record (under
+        # torchrun, the other ranks' SIGTERM cut it short more often).
+        now = _native.memory_now(out_of_memory)
         picture = {key + "_mb": value / float(1 << 20) for key, value in now.items()}
     except Exception:  # noqa: BLE001 - a record without it is still a record
         return None
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+    if out_of_memory:
         try:
             import json
 

@@ -7,6 +7,7 @@ starting a probe imports nothing into the program (see ``unseen``).
 """
 
 import os
+import sys
 
 from rankscope import _native
 from rankscope._probe.unseen import builtin
@@ -64,5 +65,22 @@ def _after_fork_in_child() -> None:
     try:
         builtin("faulthandler").disable()
         enable()
+        # A child that multiprocessing forked (a DataLoader worker) leaves
+        # by os._exit, past atexit: its log is closed, and dropped where
+        # empty, by multiprocessing's own exit function, which such a child
+        # runs last. Its finalizers are cleared as it starts, and then its
+        # after-fork callbacks run: the finalizer is registered from one.
+        util = sys.modules.get("multiprocessing.util")
+        if util is not None and _log is not None:
+            util.register_after_fork(_finalize_in_worker, _finalize_in_worker)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _finalize_in_worker(_) -> None:
+    try:
+        util = sys.modules["multiprocessing.util"]
+        # The lowest priority: after the program's own finalizers.
+        util.Finalize(None, _close, exitpriority=-(2**31))
     except Exception:  # noqa: BLE001
         pass

@@ -713,11 +713,16 @@ fn memory_text(memory: &serde_json::Value) -> String {
             .map(|v| format!("{v:.1} MB"))
             .unwrap_or_else(|| "?".into())
     };
+    // USS is read for a memory error only (smaps_rollup is slow).
+    let uss = if memory["uss_mb"].is_null() {
+        String::new()
+    } else {
+        format!(", USS {}", mb("uss_mb"))
+    };
     let mut out = format!(
-        "\nMemory at the crash: RSS {} (peak {}), USS {}, swap {}\n",
+        "\nMemory at the crash: RSS {} (peak {}){uss}, swap {}\n",
         mb("rss_mb"),
         mb("rss_peak_mb"),
-        mb("uss_mb"),
         mb("swap_mb")
     );
     for device in memory["cuda"].as_array().into_iter().flatten() {

@@ -39,7 +39,7 @@ pub fn request_of(action: Option<&TorchAction>) -> Result<Value> {
                 )
                 .into());
             }
-            json!({"action": "trace_on", "every": every, "modules": modules, "backward": backward})
+            json!({"action": "trace_on", "every": every, "modules": some_modules(modules)?, "backward": backward})
         }
         Some(TorchAction::Trace {
             action: TraceAction::Off,
@@ -58,12 +58,25 @@ pub fn request_of(action: Option<&TorchAction>) -> Result<Value> {
             modules,
             every,
         }) => json!({
-            "action": "activations", "switch": switch_word(*switch), "modules": modules, "every": every.map(at_least_one).transpose()?,
+            "action": "activations", "switch": switch_word(*switch), "modules": modules.as_deref().map(some_modules).transpose()?, "every": every.map(at_least_one).transpose()?,
         }),
         Some(TorchAction::Collectives { switch }) => {
             json!({"action": "collectives", "switch": switch_word(*switch)})
         }
     })
+}
+
+/// A `--modules` glob that names something: an empty one (a shell
+/// variable that was not set) would otherwise be taken as every module.
+fn some_modules(glob: &str) -> Result<&str> {
+    if glob.trim().is_empty() {
+        return Err(Hinted::new(
+            "--modules is empty",
+            "give a glob of qualified module names, e.g. --modules 'encoder.*', or '*' for every module",
+        )
+        .into());
+    }
+    Ok(glob)
 }
 
 fn switch_word(switch: Option<Switch>) -> Option<&'static str> {
@@ -286,6 +299,9 @@ fn stats_text(feature: &str, table: &str, what: &str, reply: &Value) -> String {
     }
     if let Some(reason) = reply["disabled"].as_str() {
         out += &format!("{feature}: turned itself off after an error: {reason}\n");
+        if reply["on"].as_bool() != Some(true) {
+            out += &format!("(`torch {feature} on` turns it on again)\n");
+        }
     }
     if let Some(note) = reply["note"].as_str() {
         out += &format!("note: {note}\n");
@@ -604,14 +620,16 @@ fn features_lines(features: &Value) -> String {
         );
     }
     for (name, what) in [("grads", "parameters"), ("activations", "modules")] {
-        if let Some(f) = features
-            .get(name)
-            .filter(|f| f["on"].as_bool() == Some(true))
-        {
+        let Some(f) = features.get(name) else {
+            continue;
+        };
+        if f["on"].as_bool() == Some(true) {
             out += &format!(
                 "{name}: on, {} {what}, every {}, {} rows\n",
                 f["count"], f["every"], f["rows"]
             );
+        } else if let Some(reason) = f["disabled"].as_str() {
+            out += &format!("{name}: off, after an error: {reason}\n");
         }
     }
     if let Some(c) = features

@@ -130,17 +130,19 @@ def _feature(action: str, request: dict) -> dict:
     from rankscope._probe.torch import stats
 
     # Neither a switch nor an option: on where it is off, else only how it
-    # stands (looking does not reset its options).
+    # stands (looking does not reset its options). One that turned itself
+    # off after an error stays off for a look, which says why: turned on
+    # again, it would fail again at its next step.
     looking = switch is None and request.get("every") is None and request.get("modules") is None
     if action == "grads":
         if switch == "off":
             return stats.GRADS.turn_off()
-        if looking and stats.GRADS.on:
+        if looking and (stats.GRADS.on or stats.GRADS.disabled):
             return stats.GRADS.describe()
         return stats.GRADS.turn_on(int(request.get("every") or 10))
     if switch == "off":
         return stats.ACTIVATIONS.turn_off()
-    if looking and stats.ACTIVATIONS.on:
+    if looking and (stats.ACTIVATIONS.on or stats.ACTIVATIONS.disabled):
         return stats.ACTIVATIONS.describe()
     return stats.ACTIVATIONS.turn_on(str(request.get("modules") or "*"), every)
 

@@ -57,8 +57,24 @@ def discover(objects: list | None = None) -> tuple[list, list, list]:
         models = [root for root in roots if any(id(p) in updated for p in root.parameters())]
     else:
         models = [root for root in roots if not isinstance(root, loss_type) and next(root.parameters(), None) is not None]
+    models = _without_parts(models)
     _label(models)
     return models, found_optimizers, losses
+
+
+def _without_parts(models: list) -> list:
+    """The models less any whose parameters are all another's: a module
+    that is part of a model without being its submodule (the eager original
+    of a ``torch.jit.script``ed child, which jit keeps alive, and whose
+    parameters the scripted one shares) is no model of its own."""
+    if len(models) < 2:
+        return models
+    owned = [{id(p) for p in model.parameters()} for model in models]
+    return [
+        model
+        for i, model in enumerate(models)
+        if not any(j != i and owned[i] < other for j, other in enumerate(owned))
+    ]
 
 
 # id(model) -> the label its modules' names start with, where the program

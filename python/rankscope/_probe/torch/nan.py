@@ -658,7 +658,7 @@ class NanWatch:
         # On a CPU, read in place in one call (see finite.rs).
         finite = _finite_check().check_grads(cached[1], step.loss)
         if finite is not None:
-            self.checked_steps += 1
+            self._arm.counted(step_number)
             if not finite and self.tripped_at is None:
                 self._trip(step_number, step, models.params_with_grads(optimizer))
             return
@@ -748,7 +748,7 @@ class NanWatch:
             # a NaN or an Inf element, not a norm that overflowed.
             finite = _finite_check().check([*grads, loss] if loss is not None else grads)
             if finite is not None:
-                self.checked_steps += 1
+                self._arm.counted(step_number)
                 if not finite and self.tripped_at is None:
                     self._trip(step_number, self.step, params)
                 return
@@ -767,7 +767,7 @@ class NanWatch:
             values.append(loss)
         if not values:
             return
-        self.checked_steps += 1
+        self._arm.counted(step_number)
         if values[0].device.type == "cpu":
             # One read per value: cheaper than stacking a few scalars.
             if not all(math.isfinite(v.item()) for v in values) and self.tripped_at is None:
@@ -1080,7 +1080,7 @@ class NanWatch:
     def describe(self) -> dict:
         return {
             "armed": self.armed,
-            "checked_steps": self.checked_steps,
+            "checked_steps": self._arm.steps_seen,
             "gpu_waits": self.gpu_waits,
             "tripped_at": self.tripped_at,
             "events": self.events,

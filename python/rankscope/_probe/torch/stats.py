@@ -102,6 +102,17 @@ def _norms(tensors, ord=2):
     return out
 
 
+def _values(grad):
+    """A gradient's values as a dense tensor: a sparse one's stored values
+    (an ``Embedding(sparse=True)``'s), summed where an index repeats, which
+    have its norm, extremes and non-finite count; any other as it is."""
+    if grad.layout == torch.strided:
+        return grad
+    if grad.is_sparse:
+        return grad.coalesce().values()
+    return grad.values()  # compressed layouts (CSR and the like)
+
+
 def _gathered(values, device):
     """Scalars onto one device (a model split over GPUs), in one stack
     where they are there already."""
@@ -148,6 +159,7 @@ class GradStats:
         self.kept = None  # (optimizer weakref, buffers): the last copies, for a small model
         # optimizer id -> (its weakref, _native.GradRead): a CPU's statistics
         self.readers: dict = {}
+        self.read_at: dict = {}  # optimizer id -> (its weakref, the step it was last read at)
 
     def turn_on(self, every: int) -> dict:
         if every < 1:
@@ -165,7 +177,9 @@ class GradStats:
         self.before.clear()
         self.kept = None
         self.readers.clear()
-        return self.describe()
+        described = self.describe()
+        self.disabled = None  # said once: a look from now on turns it on
+        return described
 
     def failed(self, reason: str) -> None:
         self.disabled = reason
@@ -202,6 +216,13 @@ class GradStats:
         # Called at sampled steps only (WHEN).
         if not self.on:
             return
+        read = self.read_at.get(id(optimizer))
+        if read is not None and read[1] == step and read[0]() is optimizer:
+            # Its second step in one step: where a later optimizer took
+            # over marking steps, the step in progress spans two of its
+            # calls (see `weigh` in step_clock.rs). The first one's rows
+            # stand; a second set would give each parameter two rows.
+            return
         params = models.params_with_grads(optimizer)
         if self.before:
             # Another optimizer's step of this step is open: this one steps
@@ -211,6 +232,7 @@ class GradStats:
             params = [p for p in params if id(p) not in taken]
         if not params:
             return
+        self.read_at[id(optimizer)] = (weakref.ref(optimizer), step)
         if any(id(p) not in self.names for p in params):
             self._name_unknown(params)
         grads = [p.grad for p in params]
@@ -222,7 +244,7 @@ class GradStats:
         # without a collective (see trace._local); the rows say so by its
         # size. The parameters themselves stay, for their names.
         local = [_local(p) for p in params]
-        grads = [_local(g) for g in grads]
+        grads = [_values(_local(g)) for g in grads]
         if grads[0].device.type == "cpu" and self._native_pre(optimizer, step, local, grads, params):
             return
         size = sum(p.numel() * p.element_size() for p in local)
@@ -368,7 +390,7 @@ class GradStats:
             norm = norms[i]
             nonfinite = 0
             if not math.isfinite(norm):
-                grad = _local(params[i].grad) if params is not None and params[i].grad is not None else None
+                grad = _values(_local(params[i].grad)) if params is not None and params[i].grad is not None else None
                 nonfinite = int((~torch.isfinite(grad)).sum()) if grad is not None else None
             update = updates[i] if have_update else None
             ratio = update / weights[i] if update is not None and weights[i] > 0 else None
@@ -576,7 +598,9 @@ class ActivationStats:
         self.on = False
         self._detach()
         TRACER.remove_listener(self)
-        return self.describe()
+        described = self.describe()
+        self.disabled = None  # said once: a look from now on turns it on
+        return described
 
     def failed(self, reason: str) -> None:
         self.disabled = reason
