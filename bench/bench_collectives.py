@@ -15,14 +15,17 @@ microseconds (the calling thread's work, the same whatever the peers
 do), then two ranks, for what a real collective takes; the share is the
 one against the other. Two ranks on a 2-core machine spin against each
 other, so their own ratio is printed too but moves by +-15 % a run.
-`--ranks N` runs one job of N ranks only.
+`--ranks N` runs one job of N ranks only. `--cold` measures, in one
+process, a recorded call right after a gloo call returns, against the
+same call warm and against 5 us of the program's own work put there.
 
-    .venv/bin/python bench/bench_collectives.py [--rounds 20] [--calls 2000] [--ranks N]
+    .venv/bin/python bench/bench_collectives.py [--rounds 20] [--calls 2000] [--ranks N] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -99,6 +102,86 @@ def run_job(rankscope: str, ranks: int, rounds: int, calls: int) -> dict[str, li
     return times
 
 
+COLD = r"""
+import json, os, statistics, sys, time
+import torch
+import torch.distributed as dist
+from rankscope import _native
+from rankscope._probe.torch import collectives
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+recorder = collectives.RECORDER
+recorder.start()
+x = torch.ones(256)
+plain = recorder.originals["all_reduce"]
+def nothing(tensor, op=None, group=None, async_op=False):
+    return None
+# The recording of a call that does nothing: the recording's own work.
+recorded = _native.CollectiveCall(recorder.log, "all_reduce", nothing, 2, 3, "tensor", None)
+clock = time.perf_counter
+def spin(us):
+    end = clock() + us * 1e-6
+    while clock() < end:
+        pass
+n, rounds = int(sys.argv[1]), int(sys.argv[2])
+def alone():
+    for _ in range(n):
+        plain(x)
+def with_spin():
+    for _ in range(n):
+        plain(x)
+        spin(5)
+def with_recorded():
+    for _ in range(n):
+        plain(x)
+        recorded((x,), {})
+def recorded_after():
+    spent = 0.0
+    for _ in range(n):
+        plain(x)
+        t = clock()
+        recorded((x,), {})
+        spent += clock() - t
+    return spent
+def recorded_warm():
+    t = clock()
+    for _ in range(n):
+        recorded((x,), {})
+    return clock() - t
+ways = {"all_reduce": alone, "all_reduce, then 5 us of the program's own work": with_spin,
+        "all_reduce, then a recorded call": with_recorded}
+out = {k: [] for k in [*ways, "the recorded call, timed after an all_reduce", "the recorded call, warm, back to back"]}
+for _ in range(rounds):
+    for name, way in ways.items():
+        t = clock()
+        way()
+        out[name].append((clock() - t) / n)
+    out["the recorded call, timed after an all_reduce"].append(recorded_after() / n)
+    out["the recorded call, warm, back to back"].append(recorded_warm() / n)
+print(json.dumps({k: statistics.median(v) for k, v in out.items()}), flush=True)
+"""
+
+
+def cold(rounds: int, calls: int) -> None:
+    """What a recorded call costs right after a gloo call returns, against
+    the same work warm, and against 5 us of the program's own work put
+    there: a 1-rank all_reduce hands its work to gloo's threads and waits,
+    so whatever runs next runs with cold caches, on a core the other
+    threads just had."""
+    endpoint = private_dir("rs-bench-coll-")
+    env = base_env(RANKSCOPE="1", RANKSCOPE_DIR=endpoint, RANKSCOPE_RUN_DIR=os.path.join(endpoint, "run"), OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0",
+                   WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, "-c", COLD, str(calls), str(rounds)], env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise BenchError(f"the in-process run failed: {done.stderr.strip().splitlines()[-1:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    base = got["all_reduce"]
+    print(f"1 rank, in one process, {rounds} rounds x {calls} calls each (medians of the rounds)")
+    for name, seconds in got.items():
+        extra = f"  ({(seconds - base) * 1e6:+.1f} us)" if name.startswith("all_reduce,") else ""
+        print(f"  {name:48s} {seconds * 1e6:7.1f} us{extra}")
+
+
 def report(ranks: int, rounds: int, calls: int, times: dict[str, list[float]]) -> tuple[float, float]:
     """Prints one job's figures; returns (base, recorded - base), in seconds a call."""
     base = min(times["not recorded"])
@@ -116,9 +199,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--ranks", type=int, default=0, help="one job of this many ranks only (default: 1 rank, then 2)")
+    ap.add_argument("--cold", action="store_true", help="only the in-process measure of a recorded call right after a gloo call")
     args = ap.parse_args()
     rankscope = tool("rankscope")
     print(f"machine: {machine()}")
+    if args.cold:
+        cold(args.rounds, args.calls)
+        return 0
     if args.ranks:
         base, cost = report(args.ranks, args.rounds, args.calls, run_job(rankscope, args.ranks, args.rounds, args.calls))
         share = cost / base * 100

@@ -59,6 +59,23 @@ def job(default_python, spawn, tmp_path):
     return start
 
 
+def test_two_torchrun_jobs_without_an_id_are_two_jobs(default_python, spawn, cli, tmp_path):
+    # torchrun names a job started without --rdzv-id "none": two of them at
+    # once were one job, their ranks mixed. Their rendezvous tells them apart.
+    run = tmp_path / "run"
+    for port, size in (("29611", 3), ("29612", 2)):
+        for rank in range(size):
+            spawn(default_python, RANK, env={
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size), "TORCHELASTIC_RUN_ID": "none",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANKSCOPE_RUN_DIR": str(run),
+            })
+    both = cli("cluster", "list", "--run", run)
+    assert both.returncode != 0 and "none-127.0.0.1-29611" in both.stderr and "none-127.0.0.1-29612" in both.stderr, both.stderr
+    first = cli("cluster", "list", "--run", run, "--job", "none-127.0.0.1-29611")
+    assert first.returncode == 0, first.stderr
+    assert "job none-127.0.0.1-29611 (3 ranks)" in first.stdout and first.stdout.count(" running ") == 3, first.stdout
+
+
 def test_list_bt_eval_and_query_across_ranks(job, cli):
     job_id, run, targets = job()
     listing = cli("cluster", "list", "--run", run)

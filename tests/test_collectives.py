@@ -39,24 +39,29 @@ for step in range(100):
 """
 
 
-def start_hang(python, tmp_path, endpoint_dir, env=None):
-    script = tmp_path / "hang.py"
-    script.write_text(HANG)
+def start_marked(python, tmp_path, endpoint_dir, source: str, name: str, ranks: int, env=None):
+    """A torchrun job of `source` (as tmp_path/name), once each rank has left
+    its mark in tmp_path/marks (it has reached where the test looks)."""
+    script = tmp_path / name
+    script.write_text(source)
     marks = tmp_path / "marks"
     marks.mkdir()
-    stuck_at = line_of(HANG, "stuck")
-    proc = launch_torchrun(python, script, 4, endpoint_dir, tmp_path / "run", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = launch_torchrun(python, script, ranks, endpoint_dir, tmp_path / "run", env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180
-        while len(list(marks.iterdir())) < 4:
+        while len(list(marks.iterdir())) < ranks:
             assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
-            assert time.monotonic() < deadline, "the ranks did not reach step 5"
+            assert time.monotonic() < deadline, "the ranks did not reach their marks"
             time.sleep(0.05)
     except BaseException:
         kill_tree(proc.pid)
         proc.wait()
         raise
-    return proc, stuck_at
+    return proc
+
+
+def start_hang(python, tmp_path, endpoint_dir, env=None):
+    return start_marked(python, tmp_path, endpoint_dir, HANG, "hang.py", 4, env), line_of(HANG, "stuck")
 
 
 def stuck_line(cli, run, wanted: str, timeout: float = 60) -> str:
@@ -326,7 +331,8 @@ def test_every_form_of_call_is_recorded_as_called_and_changes_nothing(python, sp
     ], rows
     inner = cli(target.pid, "query", "SELECT op, caller FROM python.collectives WHERE caller LIKE '%distributed_c10d.py%'", "--format", "json")
     assert inner.returncode == 0, inner.stderr
-    assert {row["op"] for row in json.loads(inner.stdout)} == {"broadcast"}, inner.stdout
+    # The object collective's own broadcasts are its row, not rows of their own.
+    assert json.loads(inner.stdout) == [], inner.stdout
     # Nothing failed to be recorded (a failure leaves the call unrecorded and counts).
     errors = cli(target.pid, "eval", "__import__('rankscope._probe.torch.collectives', fromlist=['_']).RECORDER.errors")
     assert errors.returncode == 0, errors.stderr
@@ -414,18 +420,9 @@ for step in range(100):
 
 def test_a_receive_whose_send_never_came_is_named_with_the_rank_that_never_sent(default_python, cli, endpoint_dir, tmp_path):
     require_torch(default_python)
-    script = tmp_path / "pp.py"
-    script.write_text(PIPELINE)
-    marks = tmp_path / "marks"
-    marks.mkdir()
     run = tmp_path / "run"
-    proc = launch_torchrun(default_python, script, 3, endpoint_dir, run, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_marked(default_python, tmp_path, endpoint_dir, PIPELINE, "pp.py", 3)
     try:
-        deadline = time.monotonic() + 180
-        while len(list(marks.iterdir())) < 3:
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
-            assert time.monotonic() < deadline, "the ranks did not reach step 5"
-            time.sleep(0.05)
         # Rank 1 waits for the sixth send, which rank 0 never makes.
         line = stuck_line(cli, run, "recv #6 from rank 0 on group 0:")
         assert re.match(r"recv #6 from rank 0 on group 0: rank 1 waiting since \d\d:\d\d:\d\d UTC \(\d+ s\)", line), line
@@ -449,6 +446,85 @@ def test_a_receive_whose_send_never_came_is_named_with_the_rank_that_never_sent(
         status = cli("cluster", "torch", "--run", run, "collectives", "--ranks", "1")
         assert status.returncode == 0, status.stderr
         assert "in flight: recv #6 from rank 0 for" in status.stdout, status.stdout
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+
+
+MIXED = """
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+try:
+    import numpy  # noqa: F401 - torch's object collectives need it
+except ImportError:
+    print("NO NUMPY", flush=True)
+else:
+    objects = [{"lr": 0.1}] if rank == 0 else [None]
+    dist.broadcast_object_list(objects, src=0)  # two broadcasts inside
+if rank == 0:
+    dist.isend(torch.ones(2), 1).wait()
+else:
+    print("FROM", dist.recv(torch.zeros(2)), flush=True)  # from any rank
+try:
+    dist.all_reduce(3)  # refused before it reaches the group
+except (TypeError, ValueError, AttributeError, RuntimeError) as exc:
+    print("REFUSED", type(exc).__name__, flush=True)
+dist.all_reduce(torch.ones(2))
+dist.destroy_process_group()
+# The default group again: named 0 again, numbered from 1. A store of its
+# own: in torchrun's, the first group's addresses are still there to be read.
+dist.init_process_group("gloo", init_method="file://" + os.path.join(HERE, "again"), rank=rank, world_size=2)
+dist.all_reduce(torch.ones(2))
+
+
+def fetch_batch():
+    open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+    while rank == 1:
+        time.sleep(0.05)  # @stuck
+
+
+fetch_batch()
+dist.all_reduce(torch.ones(2))
+"""
+
+
+def test_object_collectives_any_source_receives_refused_calls_and_a_group_made_again(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    run = tmp_path / "run"
+    proc = start_marked(default_python, tmp_path, endpoint_dir, MIXED, "mixed.py", 2)
+    try:
+        # The group made again is told from the first, whose five
+        # collectives are done: the hang on the new one is found.
+        line = stuck_line(cli, run, "all_reduce #2 on group 0#2:")
+        assert re.match(r"all_reduce #2 on group 0#2: rank 0 waiting since", line), line
+        assert f"rank 1 never joined (its last was #1) (it is in fetch_batch, mixed.py:{line_of(MIXED, 'stuck')})" in line, line
+        bt = cli("cluster", "bt", "--run", run).stdout
+        # The receive from any rank took rank 0's send: no line says otherwise.
+        assert "isend" not in bt and "recv" not in bt, bt
+        numpy = subprocess.run([default_python, "-c", "import numpy"], capture_output=True).returncode == 0
+        rows = cli("cluster", "query", "--run", run, "SELECT rank, op, seq, peer, process_group, state FROM python.collectives ORDER BY rank, ts", "--format", "json")
+        assert rows.returncode == 0, rows.stderr
+        got = [tuple(r.values()) for r in json.loads(rows.stdout)]
+        for rank in (0, 1):
+            mine = [r[1:] for r in got if r[0] == rank]
+            p2p = ("isend", 1, 1, "0", "issued") if rank == 0 else ("recv", 1, 0, "0", "done")
+            # One row for the object collective, none for the broadcasts in
+            # it; the refused call has no number, and the next one its own.
+            objects = [("broadcast_object_list", 1, None, "0", "done")] if numpy else []
+            assert mine == [
+                *objects,
+                p2p,
+                ("all_reduce", None, None, "0", "failed"),
+                ("all_reduce", 3 if numpy else 1, None, "0", "done"),
+                ("all_reduce", 1, None, "0#2", "done"),
+                ("all_reduce", 2, None, "0#2", "in flight"),
+            ][: len(objects) + (5 if rank == 0 else 4)], (rank, mine)
     finally:
         kill_tree(proc.pid)
         proc.wait()

@@ -24,8 +24,10 @@
 //! that peer with that tag on that group, a receive's among its receives
 //! from it, so that the k-th send of one rank pairs with the k-th receive
 //! of the other (what `cluster bt` compares for a hung pipeline). torch's
-//! `send` is made of its `isend` and a wait: a call made inside a recorded
-//! point-to-point call on the same thread is not recorded again. Gloo
+//! `send` is made of its `isend` and a wait, and an object collective
+//! (`broadcast_object_list`) of two collectives: a call made inside a
+//! recorded call on the same thread is not recorded again (the outer row
+//! takes the first inner call's number, the same on every rank). Gloo
 //! counts point-to-point calls in the group's own number, on the two
 //! ranks alone: where a backend does (seen at the first such call), the
 //! collectives' numbers leave them out, so that they still agree across
@@ -59,9 +61,10 @@ const MAX_SITES: usize = 4096;
 const MAX_SHAPES: usize = 1024;
 
 thread_local! {
-    /// Inside a recorded point-to-point call on this thread: torch's
-    /// `send` calls its `isend`, which is one call, not two.
-    static IN_P2P: Flag<bool> = const { Flag::new(false) };
+    /// Inside a recorded call on this thread: torch's `send` calls its
+    /// `isend`, which is one call, not two; `broadcast_object_list` its
+    /// two `broadcast`s.
+    static IN_CALL: Flag<bool> = const { Flag::new(false) };
 }
 
 /// Which way a point-to-point call goes.
@@ -131,6 +134,10 @@ struct State {
     /// code object is kept, so that its address is not reused.
     sites: HashMap<(usize, i64), (Py<PyAny>, String)>,
     in_flight: BTreeMap<u64, InFlight>,
+    /// How many groups each name was given to: torch names a default group
+    /// made again (after `destroy_process_group`) "0" again, and numbers
+    /// its collectives from 1 again.
+    names: HashMap<String, u32>,
 }
 
 /// `CollectiveLog(group_info, tensors, shape_of, thread_name, step)`:
@@ -221,6 +228,16 @@ impl CollectiveLog {
                 Err(_) => Held::Strongly(group.clone().unbind()),
             };
             let mut state = self.state();
+            // A name given before is told apart ("0#2"), the same way on
+            // every rank (each makes its groups again in the same order), so
+            // that the old group's rows are not taken for the new one's.
+            let uses = state.names.entry(name.clone()).or_insert(0);
+            *uses += 1;
+            let name = if *uses > 1 {
+                format!("{name}#{uses}")
+            } else {
+                name
+            };
             state.order.retain(|&a| a != at);
             state.order.push(at);
             let old = state.groups.insert(
@@ -474,12 +491,47 @@ impl CollectiveLog {
     }
 
     fn close(&self, key: u64, began: Instant, state: &str) {
+        self.close_with(key, began, state, Vec::new());
+    }
+
+    /// A receive from any rank (`recv(t)` with no `src`) returned `src`:
+    /// its row is numbered among the receives from that rank (it was among
+    /// those from none), so that it pairs with the send it took. Returns
+    /// its cells that change (seq and peer).
+    fn received_from(
+        &self,
+        group: &Bound<'_, PyAny>,
+        key: u64,
+        src: i64,
+        tag: i64,
+    ) -> Vec<(usize, Cell)> {
+        let at = group.as_ptr() as usize;
+        let mut state = self.state();
+        let Some(info) = state.groups.get_mut(&at) else {
+            return Vec::new();
+        };
+        if let Some(unknown) = info.p2p.get_mut(&(Way::Recv, None, tag)) {
+            *unknown = unknown.saturating_sub(1);
+        }
+        let count = info.p2p.entry((Way::Recv, Some(src), tag)).or_insert(0);
+        *count += 1;
+        let changes = vec![(0, Cell::Int(*count)), (PEER, Cell::Int(src))];
+        if let Some(flying) = state.in_flight.get_mut(&key) {
+            for (at, cell) in &changes {
+                flying.cells[*at] = cell.clone();
+            }
+        }
+        changes
+    }
+
+    fn close_with(&self, key: u64, began: Instant, state: &str, extra: Vec<(usize, Cell)>) {
         let end_us = (now_s() * 1e6).round() as i64;
-        let changes = vec![
+        let mut changes = vec![
             (STATE, Cell::Str(state.to_string())),
             (END_TS, Cell::Int(end_us)),
             (DURATION, Cell::Float(began.elapsed().as_secs_f64() * 1e3)),
         ];
+        changes.extend(extra);
         let row = self.state().in_flight.remove(&key);
         match store::finish_row(TABLE, key, changes.clone()) {
             Ok(true) => {}
@@ -672,12 +724,12 @@ pub struct CollectiveCall {
     p2p: Option<P2p>,
 }
 
-/// Resets the thread's point-to-point flag when the call ends, however.
-struct InP2p;
+/// Resets the thread's flag when the call ends, however.
+struct InCall;
 
-impl Drop for InP2p {
+impl Drop for InCall {
     fn drop(&mut self) {
-        IN_P2P.with(|f| f.set(false));
+        IN_CALL.with(|f| f.set(false));
     }
 }
 
@@ -743,8 +795,7 @@ impl CollectiveCall {
         let original = self.original.bind(py);
         let kw = (!kwargs.is_empty()).then_some(kwargs);
         let log = self.log.bind(py);
-        if !log.get().on.load(Ordering::Acquire) || (self.p2p.is_some() && IN_P2P.with(|f| f.get()))
-        {
+        if !log.get().on.load(Ordering::Acquire) || IN_CALL.with(|f| f.get()) {
             return original.call(args, kw);
         }
         let entry = match self.arguments(py, args, kwargs) {
@@ -762,11 +813,21 @@ impl CollectiveCall {
                 if self.p2p.is_some() && p2p.is_none() {
                     None
                 } else {
+                    // A blocking receive from any rank: its peer is what it returns.
+                    let any_source = p2p
+                        .as_ref()
+                        .filter(|c| {
+                            self.op == "recv"
+                                && c.way == Way::Recv
+                                && c.peer.is_none()
+                                && c.group_peer.is_none()
+                        })
+                        .map(|c| c.tag);
                     match log
                         .get()
                         .enter(py, &self.op, group, asynchronous, first, p2p)
                     {
-                        Ok(opened) => Some((opened, asynchronous)),
+                        Ok(opened) => Some((opened, asynchronous, any_source)),
                         Err(e) if e.is_instance_of::<PyException>(py) => None,
                         Err(e) => return Err(e),
                     }
@@ -780,21 +841,44 @@ impl CollectiveCall {
             log.get().errors.fetch_add(1, Ordering::Relaxed);
         }
         let result = {
-            let _inside = (self.p2p.is_some() && entry.is_some()).then(|| {
-                IN_P2P.with(|f| f.set(true));
-                InP2p
+            let _inside = entry.is_some().then(|| {
+                IN_CALL.with(|f| f.set(true));
+                InCall
             });
             original.call(args, kw)
         };
-        if let Some(((key, began, group, before), asynchronous)) = entry {
+        if let Some(((key, began, group, before), asynchronous, any_source)) = entry {
             match &result {
                 Ok(out) => {
                     if self.p2p.is_some() {
                         log.get().p2p_returned(py, &group, before);
                     }
-                    CollectiveLog::leave(log, key, began, asynchronous, out)?
+                    match (any_source, out.extract::<i64>()) {
+                        (Some(tag), Ok(src)) => {
+                            let extra = log.get().received_from(&group, key, src, tag);
+                            log.get().close_with(key, began, "done", extra);
+                        }
+                        _ => CollectiveLog::leave(log, key, began, asynchronous, out)?,
+                    }
                 }
-                Err(_) => log.get().close(key, began, "failed"),
+                Err(_) => {
+                    // Refused before it reached the group (a bad argument):
+                    // torch's number did not move, and the row takes none,
+                    // which the next call takes.
+                    let unmoved = self.p2p.is_none()
+                        && before.is_some()
+                        && group
+                            .call_method0(intern!(py, "_get_sequence_number_for_group"))
+                            .and_then(|s| s.extract::<i64>())
+                            .ok()
+                            == before;
+                    let extra = if unmoved {
+                        vec![(0, Cell::Null)]
+                    } else {
+                        Vec::new()
+                    };
+                    log.get().close_with(key, began, "failed", extra);
+                }
             }
         }
         result

@@ -56,6 +56,22 @@ pub fn launcher(cmdline: &[String]) -> bool {
     })
 }
 
+/// torchrun names every job started without `--rdzv-id` (or
+/// `--standalone`) "none": two such jobs at once would be taken for one.
+/// Their rendezvous address, which they cannot share while both run, and
+/// which every rank of one job is given alike, tells them apart.
+fn told_apart(id: String, env: impl Fn(&str) -> Option<String>) -> String {
+    if id != "none" {
+        return id;
+    }
+    match (env("MASTER_ADDR"), env("MASTER_PORT")) {
+        (Some(addr), Some(port)) if !addr.is_empty() && !port.is_empty() => {
+            format!("none-{addr}-{port}")
+        }
+        _ => id,
+    }
+}
+
 pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
     let cmdline = cmdline();
     let child = multiprocessing_child(&cmdline);
@@ -96,7 +112,8 @@ pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
         ]
         .iter()
         .filter(|_| !child)
-        .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty())),
+        .find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
+        .map(|id| told_apart(id, |n| std::env::var(n).ok())),
         step_address: Some(crate::memory::step_address()),
     }
 }
@@ -107,6 +124,18 @@ mod tests {
 
     fn args(line: &str) -> Vec<String> {
         line.split('|').map(str::to_string).collect()
+    }
+
+    #[test]
+    fn torchruns_default_job_id_is_told_apart_by_its_rendezvous() {
+        let env = |n: &str| match n {
+            "MASTER_ADDR" => Some("10.0.0.5".to_string()),
+            "MASTER_PORT" => Some("29501".to_string()),
+            _ => None,
+        };
+        assert_eq!(told_apart("none".into(), env), "none-10.0.0.5-29501");
+        assert_eq!(told_apart("a1b2".into(), env), "a1b2");
+        assert_eq!(told_apart("none".into(), |_| None), "none");
     }
 
     #[test]

@@ -197,6 +197,7 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
     if let Some(addr) = job_address(job) {
         return job_at(addr);
     }
+    let explicit_run = crash::explicit_run_dir(run.clone());
     let mut entries = Vec::new();
     // Live probes on this machine; what dead ones left behind goes, as in `rankscope list`.
     let endpoint_dir = paths::endpoint_dir();
@@ -233,7 +234,7 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
             )
         })?,
         None => {
-            let live: Vec<String> = jobs
+            let mut live: Vec<String> = jobs
                 .iter()
                 .filter(|(_, ranks)| {
                     ranks
@@ -242,6 +243,22 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
                 })
                 .map(|(id, _)| id.clone())
                 .collect();
+            // `--run DIR` names the job whose registry is there, among those
+            // running (every live probe here is read too).
+            if let Some(dir) = &explicit_run {
+                let in_dir: Vec<String> = live
+                    .iter()
+                    .filter(|id| {
+                        jobs[id.as_str()]
+                            .iter()
+                            .any(|r| r.run_dir.as_deref() == Some(dir.as_path()))
+                    })
+                    .cloned()
+                    .collect();
+                if !in_dir.is_empty() {
+                    live = in_dir;
+                }
+            }
             let latest = || {
                 jobs.iter()
                     .max_by(|a, b| newest(a.1).total_cmp(&newest(b.1)))
