@@ -67,6 +67,8 @@ fn store() -> Arc<Store> {
         env_number("RANKSCOPE_TABLE_ROWS").or_else(|| env_number("RANKSCOPE_TORCH_ROWS"))
     {
         config.ring_rows = rows.max(1) as usize;
+        // The user's number is every table's.
+        config.table_rows.clear();
     }
     if let Some(seconds) = std::env::var("RANKSCOPE_STORE_FLUSH_S")
         .ok()
