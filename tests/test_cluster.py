@@ -101,7 +101,7 @@ def test_list_bt_eval_and_query_across_ranks(job, cli):
 
 
 def test_a_killed_rank_shows_dead_and_the_others_still_answer(job, cli):
-    _, run, targets = job()
+    job_id, run, targets = job()
     targets[3].proc.send_signal(signal.SIGKILL)
     targets[3].proc.wait()
     listing = cli("cluster", "list", "--run", run)
@@ -114,6 +114,13 @@ def test_a_killed_rank_shows_dead_and_the_others_still_answer(job, cli):
     q = cli("cluster", "query", "--run", run, "SELECT DISTINCT rank FROM python.threads ORDER BY rank", "--format", "csv")
     assert q.stdout.split() == ["rank", "0", "1", "2"]
     assert "rank 3 (dead)" in q.stderr
+    # Every rank gone: no answer at all is an error, not "0 ranks answered".
+    for target in targets.values():
+        target.kill()
+    gone = cli("cluster", "bt", "--run", run, "--job", job_id)
+    assert gone.returncode != 0, gone.stdout
+    assert f"no rank of job {job_id} answered" in gone.stderr and "hint:" in gone.stderr, gone.stderr
+    assert "rank 3: no stacks (dead)" in gone.stdout
 
 
 def test_a_rank_that_leaves_mid_command_gets_a_message_and_the_rest_answer(job, cli):

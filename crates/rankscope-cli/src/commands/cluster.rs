@@ -713,6 +713,17 @@ pub fn bt(
             println!("  {line}");
         }
     }
+    if !selected.is_empty() && missing.len() == selected.len() {
+        // A job whose ranks have all ended: no stack is no answer.
+        return Err(Hinted::new(
+            format!("no rank of job {} answered", job.id),
+            format!(
+                "`rankscope cluster list --job {}` says how each ended; `cluster crashes` shows its crash records",
+                job.id
+            ),
+        )
+        .into());
+    }
     Ok(0)
 }
 
