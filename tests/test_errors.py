@@ -55,6 +55,9 @@ def test_list_shows_live_probes_and_cleans_dead_sockets(default_python, spawn, c
     result = cli("list")
     assert result.returncode == 0, result.stderr
     assert str(live.pid) in result.stdout and "ready" in result.stdout
+    # A lone program is no rank of a job: no rank 0 is made up for it.
+    [row] = [line.split() for line in result.stdout.splitlines() if line.split()[:1] == [str(live.pid)]]
+    assert row[1] == "-", row
     assert str(dead.pid) not in result.stdout
     assert not Path(endpoint_dir, f"{dead.pid}.sock").exists()
     assert "removed 1 stale endpoint" in result.stderr

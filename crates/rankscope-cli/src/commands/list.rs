@@ -111,7 +111,7 @@ pub fn run(format: ListFormat) -> Result<u8> {
                 .map(|e| {
                     json!({
                         "pid": e.pid,
-                        "rank": e.meta.as_ref().map(|m| m.rank),
+                        "rank": e.meta.as_ref().and_then(rank_of),
                         "state": if e.responsive { "ready" } else { "unresponsive" },
                         "uptime_s": e.meta.as_ref().map(|m| process_age(m, &here)),
                         "probe_uptime_s": e.meta.as_ref().map(|m| rankscope_core::host::now_seconds() - m.started_at),
@@ -139,7 +139,7 @@ pub fn run(format: ListFormat) -> Result<u8> {
                 for e in &entries {
                     let (rank, uptime, python, cmd) = match &e.meta {
                         Some(m) => (
-                            m.rank.to_string(),
+                            rank_of(m).map_or_else(|| "-".to_string(), |r| r.to_string()),
                             human_duration(process_age(m, &here)),
                             m.python_version.clone(),
                             m.cmdline.join(" "),
@@ -204,4 +204,11 @@ mod tests {
         assert_eq!(human_duration(125.0), "2m05s");
         assert_eq!(human_duration(7300.0), "2h01m");
     }
+}
+
+/// A process's rank where it is one of a job's: a lone program, a
+/// launcher (torchrun's own process) or an `mp.spawn` parent has none,
+/// whatever its metadata's default says.
+fn rank_of(meta: &ProcessMeta) -> Option<i64> {
+    (meta.world_size > 1 || meta.job_id.is_some()).then_some(meta.rank)
 }
