@@ -353,6 +353,12 @@ def test_a_rank_that_exits_with_a_status_says_it_in_the_list(default_python, spa
     assert " exited (3) " in rows["1"] and " exited " in rows["2"] and "(0)" not in rows["2"], listing.stdout
     as_json = json.loads(cli("cluster", "list", "--run", run, "--format", "json").stdout)
     assert [(r["rank"], r["state"], r["exit_code"]) for r in as_json] == [(0, "running", None), (1, "exited", 3), (2, "exited", 0)], as_json
+    # No record, but `cluster crashes` still names the rank that failed
+    # (mp.spawn's workers end so: their wrapper catches the exception).
+    crashes = cli("cluster", "crashes", "--run", run)
+    assert crashes.returncode == 0, crashes.stderr
+    assert f"rank 1 (pid {targets[1].pid}) exited with status 3 and no crash record" in crashes.stdout, crashes.stdout
+    assert "rank 2" not in crashes.stdout, crashes.stdout
 
 
 def _crash_and_finish(default_python, spawn, job_id, message, env):

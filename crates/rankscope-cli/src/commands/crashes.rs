@@ -374,6 +374,8 @@ pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>, launcher: bool) -> Res
 struct Vanished {
     rank: i64,
     pid: u32,
+    /// Where it exited with a failing status and no record: the status.
+    exit_code: Option<i64>,
     /// The last `python.memory` row's time and RSS.
     last: Option<(f64, f64)>,
 }
@@ -403,15 +405,20 @@ fn vanished(run: Option<PathBuf>) -> Vec<Vanished> {
             let (Some(pid), Some(rank)) = (entry["pid"].as_u64(), entry["rank"].as_i64()) else {
                 continue;
             };
-            if entry["state"].as_str() != Some("running")
-                || entry["host"].as_str() != Some(here.as_str())
-                || paths::pid_alive(pid as u32)
-            {
+            // Exited with a failing status: an exception that no hook saw
+            // (mp.spawn's worker wrapper catches it), or sys.exit(1).
+            let failed = entry["exit_code"].as_i64().filter(|&c| c != 0);
+            let exited = entry["state"].as_str() == Some("exited") && failed.is_some();
+            let killed = entry["state"].as_str() == Some("running")
+                && entry["host"].as_str() == Some(here.as_str())
+                && !paths::pid_alive(pid as u32);
+            if !exited && !killed {
                 continue;
             }
             out.push(Vanished {
                 rank,
                 pid: pid as u32,
+                exit_code: failed.filter(|_| exited),
                 last: last_memory(&dir, pid as i64),
             });
         }
@@ -452,6 +459,13 @@ fn last_memory(dir: &Path, pid: i64) -> Option<(f64, f64)> {
 fn vanished_text(gone: &[Vanished]) -> String {
     let mut out = String::new();
     for v in gone {
+        if let Some(code) = v.exit_code {
+            out += &format!(
+                "rank {} (pid {}) exited with status {code} and no crash record: its exception was caught before any hook saw it (mp.spawn's worker wrapper catches it and hands it to the parent, which prints it), or it called sys.exit({code})\n",
+                v.rank, v.pid
+            );
+            continue;
+        }
         let last = match v.last {
             Some((at, rss)) => format!(
                 "last seen at {} with RSS {rss:.1} MB (python.memory)",
@@ -474,6 +488,11 @@ pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result
         vanished(run.clone())
     };
     let (entries, several) = collect(run)?;
+    // One that exited with a record says why itself.
+    let gone: Vec<Vanished> = gone
+        .into_iter()
+        .filter(|v| v.exit_code.is_none() || !entries.iter().any(|e| e.pid() == Some(v.pid)))
+        .collect();
     // Ids are positions among every entry, launcher's included, so an id
     // means the same with and without --all.
     let shown: Vec<(usize, &Entry)> = entries
