@@ -300,7 +300,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<finite::FiniteCheck>()?;
     m.add_class::<step_clock::StepClock>()?;
     m.add_class::<stand_in::StandIn>()?;
-    m.add_class::<stand_in::CopiedForward>()?;
     m.add_class::<nan_arm::NanArm>()?;
     m.add_class::<nan_arm::NanStep>()?;
     m.add_class::<collective::CollectiveLog>()?;

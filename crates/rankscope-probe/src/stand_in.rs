@@ -64,11 +64,6 @@ pub struct StandIn {
     timing: bool,
     /// The module's own attribute before this one (timed.put_on sets it).
     previous: Option<Py<PyAny>>,
-    /// Stands in for the class's `forward` of a module that had none of
-    /// its own: each call takes the class's as it is then, so that a class
-    /// the program patches while this is on (a patched attention) is
-    /// followed, as it would be without rankscope.
-    follow: bool,
     /// On a model's root while the NaN watch is armed: the step's input is
     /// kept natively (nan_arm.rs), and `before` and `after` are called only
     /// where the watch's Python has to do it.
@@ -107,7 +102,6 @@ impl StandIn {
             after,
             timing,
             previous: None,
-            follow: false,
             arm: None,
         })
     }
@@ -122,7 +116,7 @@ impl StandIn {
         // Copied out, so that nothing is borrowed while Python runs: the
         // inner forward may be anything, and a probe thread may take this
         // stand-in off meanwhile.
-        let (inner, owner, acc, at, before, after, timing, arm, model, follow) = {
+        let (inner, owner, acc, at, before, after, timing, arm, model) = {
             let me = slf.borrow();
             (
                 me.wrapped.clone_ref(py),
@@ -136,12 +130,7 @@ impl StandIn {
                 me.timing,
                 me.arm.as_ref().map(|a| a.clone_ref(py)),
                 me.owner.as_ref().map(|o| o.clone_ref(py).into_any()),
-                me.follow,
             )
-        };
-        let inner = match (&owner, follow) {
-            (Some(owner), true) => class_forward(&alive(owner.bind(py))?, inner)?,
-            _ => inner,
         };
         if timing {
             if let Some(acc) = &acc {
@@ -202,9 +191,7 @@ impl StandIn {
         let py = value.py();
         self.wrapped = value.unbind();
         self.bound = false;
-        self.bind_weakly(py)?;
-        self.follow = self.bound && self.had_none_of_its_own(py)?;
-        Ok(())
+        self.bind_weakly(py)
     }
     /// The module this stands in on: from now on its bound methods are
     /// held through a weak reference to it (see the module's comment).
@@ -213,9 +200,7 @@ impl StandIn {
         let py = module.py();
         // A module that takes no weak reference keeps the strong one.
         self.owner = PyWeakrefReference::new(&module).ok().map(Bound::unbind);
-        self.bind_weakly(py)?;
-        self.follow = self.bound && self.had_none_of_its_own(py)?;
-        Ok(())
+        self.bind_weakly(py)
     }
     #[getter]
     fn get_previous(&self, py: Python<'_>) -> Py<PyAny> {
@@ -224,12 +209,8 @@ impl StandIn {
             .map_or_else(|| py.None(), |p| p.clone_ref(py))
     }
     #[setter]
-    fn set_previous(&mut self, py: Python<'_>, value: Py<PyAny>) -> PyResult<()> {
+    fn set_previous(&mut self, value: Py<PyAny>) {
         self.previous = Some(value);
-        // Taken out of a chain (timed.take_off), this one's inner forward
-        // and previous attribute change.
-        self.follow = self.bound && self.had_none_of_its_own(py)?;
-        Ok(())
     }
     /// See `replace_after_borrow`.
     #[setter]
@@ -243,14 +224,9 @@ impl StandIn {
         self.inner(name.py())?.getattr(name)
     }
 
-    /// A bound method copies as the same function bound to the copy;
-    /// where the module had no `forward` of its own, the copy is to have
-    /// none either (see `CopiedForward`).
+    /// A bound method copies as the same function bound to the copy.
     fn __deepcopy__<'py>(&self, memo: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let py = memo.py();
-        if let Some(copy) = self.copy_without_own_forward(memo)? {
-            return Ok(Bound::new(py, CopiedForward::new(&copy)?)?.into_any());
-        }
         py.import(intern!(py, "copy"))?
             .call_method1(intern!(py, "deepcopy"), (self.inner(py)?, memo))
     }
@@ -303,55 +279,18 @@ impl StandIn {
         self.bound && self.owner.is_some()
     }
 
-    /// The module's copy that `memo` (deepcopy's) holds, where this
-    /// stands in for the module's own `forward` and the module had no
-    /// `forward` attribute of its own (`previous` is timed.py's `_MISSING`).
-    fn copy_without_own_forward<'py>(
-        &self,
-        memo: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let py = memo.py();
-        let (true, Some(owner)) = (self.bound, &self.owner) else {
-            return Ok(None);
-        };
-        let Some(module) = owner.bind(py).upgrade() else {
-            return Ok(None);
-        };
-        if !self.had_none_of_its_own(py)? {
-            return Ok(None);
-        }
-        let copy = memo.call_method1(intern!(py, "get"), (module.as_ptr() as usize,))?;
-        Ok((!copy.is_none()).then_some(copy))
-    }
-
-    /// Whether the module had no attribute of this name of its own before
-    /// this (`previous` is timed.py's `_MISSING`).
-    fn had_none_of_its_own(&self, py: Python<'_>) -> PyResult<bool> {
-        let Some(previous) = &self.previous else {
-            return Ok(false);
-        };
-        let missing = py
-            .import(intern!(py, "rankscope._probe.torch.timed"))?
-            .getattr(intern!(py, "_MISSING"))?;
-        Ok(previous.bind(py).is(&missing))
-    }
-
     /// The inner forward as the program would see it: bound to its module
     /// again where only its function is held.
     fn inner<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let wrapped = self.wrapped.bind(py);
         match (&self.owner, self.bound) {
             (Some(owner), true) => {
                 // What was there: a method of this function on the module
                 // (whatever the function is, as types.MethodType took it).
                 let module = alive(owner.bind(py))?;
-                let function = if self.follow {
-                    class_forward(&module, self.wrapped.clone_ref(py))?
-                } else {
-                    self.wrapped.clone_ref(py)
-                };
-                method_type(py)?.call1((function, module))
+                method_type(py)?.call1((wrapped, module))
             }
-            _ => Ok(self.wrapped.bind(py).clone()),
+            _ => Ok(wrapped.clone()),
         }
     }
 
@@ -414,17 +353,6 @@ fn call_inner<'py>(
     }
 }
 
-/// The module's class `forward` now, where it is a function as the one
-/// stood in for was; else that one.
-fn class_forward(module: &Bound<'_, PyAny>, function: Py<PyAny>) -> PyResult<Py<PyAny>> {
-    let py = module.py();
-    let now = module.get_type().getattr(intern!(py, "forward"))?;
-    if now.is(&function) || !now.get_type().is(function.bind(py).get_type()) {
-        return Ok(function);
-    }
-    Ok(now.unbind())
-}
-
 fn calls_so_far(acc: &Bound<'_, PyList>, at: usize) -> PyResult<i64> {
     acc.get_item(at)?.extract()
 }
@@ -440,99 +368,4 @@ fn in_backward(py: Python<'_>) -> PyResult<bool> {
 fn add(acc: &Bound<'_, PyList>, at: usize, value: i64) -> PyResult<()> {
     let now: i64 = acc.get_item(at)?.extract()?;
     acc.set_item(at, now + value)
-}
-
-/// What a module's deepcopy holds as its `forward` where the original had
-/// a stand-in and no `forward` of its own: the copy should have none
-/// either, but deepcopy sets every key of the state it copies. So this
-/// takes itself out of the copy's `__dict__` the first time it is used,
-/// and calls the class's `forward` (as it is then: a class the program
-/// patches later is followed). It holds the copy weakly, so the copy is
-/// freed by reference counting alone, as without rankscope (a copy's own
-/// bound `forward` in its `__dict__` was a cycle, left to the collector).
-#[pyclass(module = "rankscope._native", weakref, frozen)]
-pub struct CopiedForward {
-    module: Py<PyWeakrefReference>,
-}
-
-impl CopiedForward {
-    fn new(module: &Bound<'_, PyAny>) -> PyResult<Self> {
-        Ok(CopiedForward {
-            module: PyWeakrefReference::new(module)?.unbind(),
-        })
-    }
-
-    /// The copy's class `forward`, bound to it; with `leave`, once this
-    /// is out of its `__dict__` (at a call only: anything else may come
-    /// while that dict is being gone through, by `repr` or `pickle`).
-    fn resolve<'py>(slf: &Bound<'py, Self>, leave: bool) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        let Some(module) = slf.get().module.bind(py).upgrade() else {
-            return Err(PyReferenceError::new_err(
-                "the module this forward belongs to no longer exists",
-            ));
-        };
-        if leave {
-            if let Ok(attrs) = module.getattr(intern!(py, "__dict__")) {
-                if let Ok(attrs) = attrs.cast::<PyDict>() {
-                    let name = intern!(py, "forward");
-                    if attrs.get_item(name)?.is_some_and(|v| v.is(slf)) {
-                        attrs.del_item(name)?;
-                    }
-                }
-            }
-        }
-        // From the class: an instance attribute set since (a stand-in on
-        // the copy, whose inner forward is this) would call back here.
-        let class = module.get_type();
-        class
-            .getattr(intern!(py, "forward"))?
-            .call_method1(intern!(py, "__get__"), (&module, class))
-    }
-}
-
-#[pymethods]
-impl CopiedForward {
-    #[pyo3(signature = (*args, **kwargs))]
-    fn __call__<'py>(
-        slf: &Bound<'py, Self>,
-        args: &Bound<'py, PyTuple>,
-        kwargs: Option<&Bound<'py, PyDict>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        Self::resolve(slf, true)?.call(args, kwargs)
-    }
-
-    fn __getattr__<'py>(
-        slf: &Bound<'py, Self>,
-        name: &Bound<'py, PyString>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        Self::resolve(slf, false)?.getattr(name)
-    }
-
-    /// A copy of the copy has no `forward` of its own either.
-    fn __deepcopy__<'py>(
-        slf: &Bound<'py, Self>,
-        memo: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        if let Some(module) = slf.get().module.bind(py).upgrade() {
-            let copy = memo.call_method1(intern!(py, "get"), (module.as_ptr() as usize,))?;
-            if !copy.is_none() {
-                return Ok(Bound::new(py, CopiedForward::new(&copy)?)?.into_any());
-            }
-        }
-        py.import(intern!(py, "copy"))?
-            .call_method1(intern!(py, "deepcopy"), (Self::resolve(slf, false)?, memo))
-    }
-
-    fn __reduce_ex__<'py>(
-        slf: &Bound<'py, Self>,
-        protocol: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        Self::resolve(slf, false)?.call_method1(intern!(slf.py(), "__reduce_ex__"), (protocol,))
-    }
-
-    fn __repr__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyString>> {
-        Self::resolve(slf, false)?.repr()
-    }
 }

@@ -226,6 +226,18 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
     for entry in entries {
         jobs.entry(job_of(&entry)).or_default().push(entry);
     }
+    // `--run DIR` names the jobs registered there (every live probe here is
+    // read too, and may belong to another job).
+    if let Some(dir) = &explicit_run {
+        let in_dir = |ranks: &Vec<RankEntry>| {
+            ranks
+                .iter()
+                .any(|r| r.run_dir.as_deref() == Some(dir.as_path()))
+        };
+        if jobs.values().any(in_dir) {
+            jobs.retain(|_, ranks| in_dir(ranks));
+        }
+    }
     let chosen = match job {
         Some(id) => jobs.remove_entry(id).ok_or_else(|| {
             Hinted::new(
@@ -234,7 +246,7 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
             )
         })?,
         None => {
-            let mut live: Vec<String> = jobs
+            let live: Vec<String> = jobs
                 .iter()
                 .filter(|(_, ranks)| {
                     ranks
@@ -243,22 +255,7 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
                 })
                 .map(|(id, _)| id.clone())
                 .collect();
-            // `--run DIR` names the job whose registry is there, among those
-            // running (every live probe here is read too).
-            if let Some(dir) = &explicit_run {
-                let in_dir: Vec<String> = live
-                    .iter()
-                    .filter(|id| {
-                        jobs[id.as_str()]
-                            .iter()
-                            .any(|r| r.run_dir.as_deref() == Some(dir.as_path()))
-                    })
-                    .cloned()
-                    .collect();
-                if !in_dir.is_empty() {
-                    live = in_dir;
-                }
-            }
+
             let latest = || {
                 jobs.iter()
                     .max_by(|a, b| newest(a.1).total_cmp(&newest(b.1)))

@@ -488,10 +488,17 @@ pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result
         vanished(run.clone())
     };
     let (entries, several) = collect(run)?;
-    // One that exited with a record says why itself.
+    // One that exited with a record says why itself; another job's ranks
+    // (a run directory that jobs share) are not this one's to name.
     let gone: Vec<Vanished> = gone
         .into_iter()
         .filter(|v| v.exit_code.is_none() || !entries.iter().any(|e| e.pid() == Some(v.pid)))
+        .filter(|v| {
+            select
+                .keep
+                .as_ref()
+                .is_none_or(|keep| keep(Some(v.pid), f64::NAN))
+        })
         .collect();
     // Ids are positions among every entry, launcher's included, so an id
     // means the same with and without --all.

@@ -63,18 +63,30 @@ def discover(objects: list | None = None) -> tuple[list, list, list]:
 
 
 def _without_parts(models: list) -> list:
-    """The models less any whose parameters are all another's: a module
-    that is part of a model without being its submodule (the eager original
-    of a ``torch.jit.script``ed child, which jit keeps alive, and whose
-    parameters the scripted one shares) is no model of its own."""
+    """The models less any that another holds under another name: a module
+    whose parameters are exactly those of another model's submodule (the
+    eager original of a ``torch.jit.script``ed child, which jit keeps alive,
+    and whose parameters the scripted child shares) is no model of its own.
+    Two models that share some weights (a tied embedding and head made
+    apart) are both kept."""
     if len(models) < 2:
         return models
     owned = [{id(p) for p in model.parameters()} for model in models]
-    return [
-        model
-        for i, model in enumerate(models)
-        if not any(j != i and owned[i] < other for j, other in enumerate(owned))
-    ]
+    parts = []
+    for i, model in enumerate(models):
+        first = next(iter(owned[i]), None)
+        for j, other in enumerate(models):
+            if j == i or first not in owned[j] or not owned[i] < owned[j]:
+                continue
+            # A submodule of the other with these very parameters.
+            if any(
+                {id(p) for p in sub.parameters()} == owned[i]
+                for sub in other.modules()
+                if sub is not other and any(id(p) == first for p in sub.parameters())
+            ):
+                parts.append(model)
+                break
+    return [model for model in models if not any(model is part for part in parts)]
 
 
 # id(model) -> the label its modules' names start with, where the program
