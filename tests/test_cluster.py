@@ -359,6 +359,13 @@ def test_a_rank_that_exits_with_a_status_says_it_in_the_list(default_python, spa
     assert crashes.returncode == 0, crashes.stderr
     assert f"rank 1 (pid {targets[1].pid}) exited with status 3 and no crash record" in crashes.stdout, crashes.stdout
     assert "rank 2" not in crashes.stdout, crashes.stdout
+    # Another job in the same run directory is not told of it.
+    other = f"job-{uuid.uuid4().hex[:8]}"
+    for r in range(2):
+        spawn(default_python, EXITING_RANK, env={"RANK": str(r + 2), "WORLD_SIZE": "3", "TORCHELASTIC_RUN_ID": other, "RANKSCOPE_RUN_DIR": str(run)})
+    theirs = cli("cluster", "crashes", "--run", run, "--job", other)
+    assert theirs.returncode == 0, theirs.stderr
+    assert "exited with status" not in theirs.stdout, theirs.stdout
 
 
 def _crash_and_finish(default_python, spawn, job_id, message, env):

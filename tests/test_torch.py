@@ -290,6 +290,27 @@ def test_a_scripted_childs_eager_original_is_not_a_second_model(torch_python, sp
     assert "a" in rows and "head" in rows and not any(name.startswith("net.") for name in rows), rows
 
 
+TIED_APART = """
+import time
+import torch
+from torch import nn
+
+emb = nn.Embedding(10, 4)
+head = nn.Linear(4, 10)
+emb.weight = head.weight  # tied, though neither is part of the other
+optimizer = torch.optim.SGD([*emb.parameters(), head.bias], lr=0.1)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_two_models_made_apart_that_share_weights_are_both_models(torch_python, spawn, cli):
+    target = spawn(torch_python, TIED_APART)
+    status = torch_json(cli, target.pid)
+    assert sorted(m["name"] for m in status["models"]) == ["emb", "head"], status["models"]
+
+
 def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_python, spawn, cli, tmp_path):
     target = spawn(torch_python, TRAIN)
     on = cli(target.pid, "torch", "trace", "on", "--every", "2")
