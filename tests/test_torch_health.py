@@ -1721,3 +1721,89 @@ def test_a_nan_a_grad_scaler_skips_step_after_step_is_found_while_the_job_runs(t
     assert "GradScaler skipped" in shown, shown
     rows = query_json(cli, target.pid, "SELECT step, stage FROM python.nan_events")
     assert [(r["step"], r["stage"]) for r in rows] == [(5, "input")], rows
+
+
+# A program that skips the step itself where its loss or gradient norm is
+# not finite (as large-model trainers do), so the optimizer's pre-hook,
+# where the watch checks, never sees step 5. The batch of step 5 makes a
+# value above 50 after the first layer; `Trap` turns it into NaN there
+# ("forward": the program sees a non-finite loss and skips the backward)
+# or sends NaN back from it ("backward": the gradient norm is NaN). Its
+# gradients are cleared by the optimizer's or the model's `zero_grad`, at
+# the top of the next step, or after the next forward ("late").
+SKIPPING = """
+import sys
+import torch
+from torch import nn
+
+MODE, ZERO = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+
+
+class Spike(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (h,) = ctx.saved_tensors
+        return g * torch.where(h > 50, float("nan"), 1.0)
+
+
+class Trap(nn.Module):
+    def forward(self, h):
+        if MODE == "forward":
+            return torch.where(h > 50, float("nan"), h)
+        return Spike.apply(h)
+
+
+model = nn.Sequential(nn.Linear(8, 16), Trap(), nn.Tanh(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+criterion = nn.MSELoss()
+data = torch.Generator().manual_seed(1)
+clear = model.zero_grad if ZERO == "model" else optimizer.zero_grad
+for step in range(10):
+    x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+    if MODE != "none" and step == 5:
+        x[0] = 1e4
+    if ZERO != "late":
+        clear()
+    loss = criterion(model(x), y) if MODE == "forward" else nn.functional.mse_loss(model(x), y)
+    if ZERO == "late":
+        clear()
+    if not torch.isfinite(loss):
+        print(step, "skipped: loss", flush=True)
+        continue
+    loss.backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    if not torch.isfinite(norm):
+        print(step, "skipped: gradient norm", flush=True)
+        continue
+    optimizer.step()
+    print(step, loss.item().hex(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode,zero", [("forward", "optimizer"), ("backward", "optimizer"), ("backward", "model"),
+                                       ("backward", "late"), ("none", "optimizer"), ("none", "late")])
+def test_a_nan_in_a_step_the_program_skipped_itself_is_named_at_that_step(torch_python, endpoint_dir, tmp_path, cli, mode, zero):
+    source = SKIPPING.replace("sys.argv[1], sys.argv[2]", f"{mode!r}, {zero!r}")
+    bare, watched, run_dir = run_without_and_with_the_watch(torch_python, source, endpoint_dir, tmp_path)
+    assert bare[0] == 0, bare
+    lines = bare[1].splitlines()
+    assert len(lines) == 10 and all("skipped" not in line for line in lines[:5] + lines[6:]), lines
+    assert watched == bare
+    events = nan_events_on_disk(cli, run_dir)
+    if mode == "none":
+        assert lines[5].split()[1] != "skipped:", lines
+        assert events == [], events
+        return
+    assert lines[5] == f"5 skipped: {'loss' if mode == 'forward' else 'gradient norm'}", lines  # the premise
+    # Step 5 (the clock counts the optimizer's steps, and five came
+    # before), in the module that made it, found while the weights were
+    # still the ones it ran with: no event at exit, none named from the
+    # gradients.
+    assert [(e["step"], e["stage"], e["module"]) for e in events] == [(5, mode, "1")], events
+    assert "no optimizer step" in events[0]["detail"] or "no optimizer step used" in events[0]["detail"], events

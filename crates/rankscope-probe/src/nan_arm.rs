@@ -23,8 +23,9 @@
 use pyo3::exceptions::{PyAttributeError, PyException};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::types::{PyDict, PyTuple, PyType, PyWeakrefReference};
 use pyo3::PyTraverseError;
+use std::collections::HashMap;
 
 use crate::finite::FiniteCheck;
 
@@ -185,6 +186,66 @@ pub struct NanArm {
     /// replaces, so that a second forward with no optimizer step between
     /// tells a step the scaler skipped from gradient accumulation.
     scaler: Option<Py<PyAny>>,
+    /// The sentinels' gradients as the last optimizer check saw them:
+    /// parameter's address -> (a weak reference to its gradient, the
+    /// gradient's version). A `zero_grad` that finds another (nan.py,
+    /// `_before_zero_grad`) clears gradients that no optimizer step used:
+    /// a step the program skipped itself.
+    applied: HashMap<usize, Seen>,
+}
+
+/// A sentinel's gradient as a check saw it (None: it had none).
+type Seen = Option<(Py<PyWeakrefReference>, i64)>;
+
+/// At most this many sentinels remembered (one a model): a program that
+/// makes models without end does not grow the map.
+const MAX_APPLIED: usize = 256;
+
+/// Each parameter's gradient as it is now, with its version.
+#[allow(clippy::type_complexity)]
+fn grads_now<'py>(
+    params: &Bound<'py, PyAny>,
+) -> PyResult<Vec<(usize, Option<(Bound<'py, PyAny>, i64)>)>> {
+    let py = params.py();
+    let mut out = Vec::new();
+    for param in params.try_iter()? {
+        let param = param?;
+        let grad = param.getattr(pyo3::intern!(py, "grad"))?;
+        let seen = if grad.is_none() {
+            None
+        } else {
+            let version: i64 = grad.getattr(pyo3::intern!(py, "_version"))?.extract()?;
+            Some((grad, version))
+        };
+        out.push((param.as_ptr() as usize, seen));
+    }
+    Ok(out)
+}
+
+/// Remembers what a check saw of these parameters' gradients (what the
+/// step about to run applies).
+pub(crate) fn note_applied(arm: &Bound<'_, NanArm>, params: &Bound<'_, PyAny>) -> PyResult<()> {
+    let mut seen = Vec::new();
+    for (at, now) in grads_now(params)? {
+        let now = match now {
+            Some((grad, version)) => Some((PyWeakrefReference::new(&grad)?.unbind(), version)),
+            None => None,
+        };
+        seen.push((at, now));
+    }
+    let mut replaced = Vec::new();
+    {
+        let mut held = arm.try_borrow_mut()?;
+        if held.applied.len() + seen.len() > MAX_APPLIED {
+            replaced.extend(held.applied.drain().map(|(_, v)| v));
+        }
+        for (at, now) in seen {
+            replaced.push(held.applied.insert(at, now).flatten());
+        }
+    }
+    // Weak references let go of after the borrow, as everything here.
+    drop(replaced);
+    Ok(())
 }
 
 #[pymethods]
@@ -216,7 +277,41 @@ impl NanArm {
             any_autocast,
             autocast_now,
             scaler: None,
+            applied: HashMap::new(),
         })
+    }
+
+    /// What a check saw of these parameters' gradients (see `applied`).
+    fn noted(slf: &Bound<'_, Self>, params: &Bound<'_, PyAny>) -> PyResult<()> {
+        note_applied(slf, params)
+    }
+
+    /// Whether one of these parameters has a gradient that no optimizer
+    /// check saw: made by a backward since the last optimizer step. A
+    /// parameter never checked counts only before any check was made (a
+    /// program that skipped every step so far); after that it is none of
+    /// the watch's sentinels.
+    fn unapplied(slf: &Bound<'_, Self>, params: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let py = slf.py();
+        let now = grads_now(params)?;
+        let held = slf.try_borrow()?;
+        for (at, seen) in &now {
+            let Some((grad, version)) = seen else {
+                continue;
+            };
+            let fresh = match held.applied.get(at) {
+                None => held.checked_steps == 0,
+                Some(None) => true,
+                Some(Some((before, before_version))) => {
+                    !(before_version == version
+                        && before.bind(py).upgrade().is_some_and(|g| g.is(grad)))
+                }
+            };
+            if fresh {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// One check made, of step `step`.
@@ -269,6 +364,9 @@ impl NanArm {
         visit.call(&self.any_autocast)?;
         visit.call(&self.autocast_now)?;
         visit.call(&self.scaler)?;
+        for (weak, _) in self.applied.values().flatten() {
+            visit.call(weak)?;
+        }
         Ok(())
     }
 
@@ -276,6 +374,7 @@ impl NanArm {
         self.sentinel_params = None;
         self.models_seen = None;
         self.scaler = None;
+        self.applied.clear();
     }
 }
 
@@ -469,6 +568,7 @@ pub(crate) fn check_sentinels(
     };
     held.count(step_number);
     drop(held);
+    note_applied(arm, &params)?;
     // Where the step's own clear cannot take its borrow, the boundary's
     // does it.
     let released = if primary()? {

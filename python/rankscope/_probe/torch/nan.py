@@ -29,6 +29,13 @@ random forward, an output that may hold the loss, new models, a second
 forward in a step (where a step a GradScaler skipped is told from
 gradient accumulation: ``_repeated``).
 
+A step that never reaches the optimizer is checked too. A GradScaler's
+skips are told at the next forward (`_repeated`). A program that skips
+the step itself, on a non-finite loss or gradient norm, is checked where
+it clears the gradients no step used (a stand-in for `zero_grad`, see
+`_watch_zero_grad`), or, where it skipped the backward too, at the next
+forward by the loss it kept (a CPU's).
+
 On a trip, the step is searched while its weights are still the ones it
 ran with (the optimizer's pre-hook, before the update):
 
@@ -248,6 +255,10 @@ class NanWatch:
         # was `skip_mark`.
         self.scaler_searched = False
         self.skips, self.skip_mark = 0, -1
+        # The `zero_grad` stand-ins while armed: (class, its own, ours).
+        self.zero_grads: list = []
+        # id(optimizer or root model) -> (a weak reference to it, its sentinels).
+        self.sentinels_of: dict = {}
 
     # ---- on and off (probe thread)
 
@@ -257,6 +268,7 @@ class NanWatch:
         self.tripped_at = None
         TRACER.add_listener(self)
         self._hook_roots()
+        self._watch_zero_grad()
         self.armed = True
         TRACER.nan_arm = self._arm
         if not self.exit_check:
@@ -274,6 +286,7 @@ class NanWatch:
         for entry in handles:
             timed.take_off(entry)
         self._unwatch_first_forward()
+        self._unwatch_zero_grad()
         TRACER.remove_listener(self)
         self.step = _Step()
         return {} if quiet else self.describe()
@@ -292,6 +305,7 @@ class NanWatch:
         self.models_seen = TRACER.models
         self.sentinels = set()
         self.sentinel_params = None
+        self.sentinels_of = {}
         for model in TRACER.live_models():
             # The smallest trainable parameter of the first module with
             # parameters (upstream of everything after it), or of the next
@@ -516,8 +530,25 @@ class NanWatch:
         if self.tripped_at is not None:
             return
         scaler = self._find_scaler()
+        if scaler is None:
+            # A program that skips the backward of a non-finite loss (and
+            # with it the step) clears no gradient that `_before_zero_grad`
+            # would see: the loss the step kept is read here, where that
+            # costs no wait (a CPU's; a GPU's is left to the next step).
+            # Not under gradient accumulation (a backward made gradients
+            # since the last optimizer step): the step's check sees them.
+            loss = step.loss
+            if loss is not None:
+                loss = _local(loss)
+                if loss.device.type == "cpu" and not math.isfinite(float(loss)) and not self._backward_since():
+                    self._trip(TRACER.step if TRACER.step is not None else 0, step,
+                               lambda: [p for opt in list(TRACER.known_optimizers)
+                                        for p in models.params_with_grads(opt)],
+                               unapplied="found at the model's next forward: the loss was not finite, and no "
+                                         "optimizer step came after it")
+            return
         states = step.scaler_states
-        if scaler is None or states is None or getattr(scaler, "_per_optimizer_states", states) is states:
+        if states is None or getattr(scaler, "_per_optimizer_states", states) is states:
             return
         if self.skip_mark != self.checked_steps:
             # An optimizer step was checked since the last skip.
@@ -630,6 +661,90 @@ class NanWatch:
         except Exception as exc:  # noqa: BLE001
             self.failed(f"the loss hook failed: {type(exc).__name__}: {exc}")
 
+    # ---- a step the program skipped itself
+
+    def _watch_zero_grad(self):
+        """A stand-in for `Optimizer.zero_grad` and `Module.zero_grad`:
+        a program that finds a non-finite loss or gradient norm and skips
+        `optimizer.step()` itself (as large-model trainers do) never
+        reaches the pre-hook's check, so the NaN would never be located.
+        Every training loop clears its gradients between two backwards;
+        where the gradients it clears were made since the last optimizer
+        step, no step used them, and they are checked then, while the
+        weights are still the ones they were made with. The usual step
+        costs one native comparison of the sentinel's gradient (`unapplied`,
+        nan_arm.rs). On the class, not the instance: nothing is added to
+        the program's objects, and a subclass with its own `zero_grad`
+        (which most do not have) is not watched."""
+        optim = sys.modules.get("torch.optim")
+        for owner, of_optimizer in ((getattr(optim, "Optimizer", None), True), (torch.nn.Module, False)):
+            if not isinstance(owner, type):
+                continue
+            own = owner.__dict__.get("zero_grad")
+            if own is None or getattr(own, _ZERO_GRAD_WATCHED, None) is not None:
+                continue
+            stand_in = _zero_grad_stand_in(self, own, of_optimizer)
+            setattr(owner, "zero_grad", stand_in)
+            self.zero_grads.append((owner, own, stand_in))
+
+    def _unwatch_zero_grad(self):
+        watched, self.zero_grads = self.zero_grads, []
+        for owner, own, stand_in in watched:
+            # Only where it is still ours: a program that replaced it since
+            # keeps its own (ours then passes the call through, disarmed).
+            if owner.__dict__.get("zero_grad") is stand_in:
+                setattr(owner, "zero_grad", own)
+
+    def _sentinels_for(self, owner, of_optimizer) -> list:
+        """The sentinels among an optimizer's parameters, or a watched
+        model's; none for any other module (a submodule's own zero_grad)."""
+        known = self.sentinels_of.get(id(owner))
+        if known is not None and known[0]() is owner:
+            return known[1]
+        if of_optimizer:
+            mine = [p for group in owner.param_groups for p in group["params"] if id(p) in self.sentinels]
+        elif id(owner) in self.hooked:
+            mine = [p for p in owner.parameters() if id(p) in self.sentinels]
+        else:
+            mine = []
+        if len(self.sentinels_of) > 64:
+            self.sentinels_of = {}
+        self.sentinels_of[id(owner)] = (weakref.ref(owner), mine)
+        return mine
+
+    def _backward_since(self) -> bool:
+        """Whether a backward made gradients since the last optimizer step."""
+        mine = [p for optimizer in list(TRACER.known_optimizers) for p in self._sentinels_for(optimizer, True)]
+        return bool(mine) and self._arm.unapplied(mine)
+
+    def _before_zero_grad(self, owner, of_optimizer):
+        try:
+            if self.searching or self.tripped_at is not None or not self.sentinels:
+                return
+            mine = self._sentinels_for(owner, of_optimizer)
+            if not mine or not self._arm.unapplied(mine):
+                return
+            step = self.step
+            model = step.model() if step.model is not None else None
+            if step.args is None or model is None:
+                return
+            # A GradScaler skips the steps whose scaled gradients overflowed,
+            # by design: its skips are `_repeated`'s to judge.
+            if self._find_scaler() is not None:
+                return
+            params = (models.params_with_grads(owner) if of_optimizer
+                      else [p for p in owner.parameters() if p.grad is not None])
+            self._arm.noted(mine)
+            with torch.no_grad():
+                finite = _finite_now([p.grad for p in params], step.loss)
+            if not finite:
+                self._trip(TRACER.step if TRACER.step is not None else 0, step, params,
+                           unapplied="found as the program cleared gradients that no optimizer step used (it skipped "
+                                     "the step)",
+                           forwards=True)
+        except Exception as exc:  # noqa: BLE001 - the watch goes off, the program goes on
+            self.failed(f"the check at zero_grad failed: {type(exc).__name__}: {exc}")
+
     def optimizer_pre(self, optimizer, step_number):
         if not self.armed:
             return
@@ -645,6 +760,7 @@ class NanWatch:
     def _check_step(self, optimizer, step_number):
         if self.checked_steps % FULL_EVERY == 0 or not self.sentinels:
             params = models.params_with_grads(optimizer)
+            self._arm.noted([p for p in params if id(p) in self.sentinels])
             self._check(step_number, params, [p.grad for p in params])
             return
         # Most steps: the sentinels' gradients only, and no list of every
@@ -655,6 +771,7 @@ class NanWatch:
             # Forgotten with the optimizer: the parameters are the program's.
             cached = self.sentinel_params = (weakref.ref(optimizer, self._forget_sentinels), mine)
         step = self.step
+        self._arm.noted(cached[1])
         # On a CPU, read in place in one call (see finite.rs).
         finite = _finite_check().check_grads(cached[1], step.loss)
         if finite is not None:
@@ -725,6 +842,7 @@ class NanWatch:
             # No optimizer marks the step: the gradients are checked here
             # (the program has applied them already).
             params = [p for model in TRACER.live_models() for p in model.parameters() if p.grad is not None]
+            self._arm.noted([p for p in params if id(p) in self.sentinels])
             full = self.checked_steps % FULL_EVERY == 0 or not self.sentinels
             grads = [p.grad for p in params if full or id(p) in self.sentinels]
             self._check(step_number - 1 if step_number else 0, params, grads)
@@ -784,7 +902,7 @@ class NanWatch:
 
     # ---- the search, on a trip only
 
-    def _trip(self, step_number, step, params, unapplied=False):
+    def _trip(self, step_number, step, params, unapplied=False, forwards=None):
         """`unapplied`: a step whose update never ran, found at exit (see
         `check_at_exit`; or the detail to give, for a step a GradScaler
         skipped, see `_repeated`): recorded only where the replay names an
@@ -797,7 +915,7 @@ class NanWatch:
         # stand-ins count during it is taken back.
         held = TRACER.held()
         try:
-            event = self._search(step, params)
+            event = self._search(step, params, forwards)
         except Exception as exc:  # noqa: BLE001 - the event is still recorded, with why the search stopped
             event = {"stage": "unknown", "module": None, "what": f"the search failed: {type(exc).__name__}: {exc}"}
         finally:
@@ -859,25 +977,26 @@ class NanWatch:
         except Exception:  # noqa: BLE001 - the program is exiting: nothing of ours may change how
             pass
 
-    def _search(self, step, params) -> dict:
+    def _search(self, step, params, forwards=None) -> dict:
         """The step's search; under gradient accumulation, on the micro-batch
         that made the non-finite value: the first whose loss was non-finite,
         else the last, else the first earlier one whose replay names an
         origin. The weights are the same for all of them: no optimizer
-        step came between."""
+        step came between. `forwards`: the forwards kept are not known to
+        be micro-batches (see `_before_zero_grad`)."""
         earlier = [m for m in (step.earlier or ()) if m is not None]
         if not earlier:
             return self._search_one(step, params)
         count = len(step.earlier) + 1
         for micro in earlier:
             if micro.loss is not None and not math.isfinite(float(_local(micro.loss))):
-                return _in_micro(self._search_one(micro, params), micro.index, count)
+                return _in_micro(self._search_one(micro, params), micro.index, count, forwards)
         event = self._search_one(step, params)
         if event.get("unfound") or event.get("stage") == "unknown":
             for micro in earlier:
                 found = self._search_one(micro, params)
                 if not found.get("unfound") and found.get("stage") != "unknown":
-                    return _in_micro(found, micro.index, count)
+                    return _in_micro(found, micro.index, count, forwards)
         if None in step.earlier:
             note = f"the step had {count} micro-batches; only the first {len(earlier)} and the last were kept (RANKSCOPE_NAN_KEEP_MB)"
             event["detail"] = f"{event['detail']}; {note}" if event.get("detail") else note
@@ -1092,6 +1211,42 @@ class NanWatch:
 _FINITE = []
 
 
+_ZERO_GRAD_WATCHED = "_rankscope_nan_watched"
+
+
+def _zero_grad_stand_in(watch, own, of_optimizer):
+    """`zero_grad` as the class had it, the watch told first while armed."""
+    arm = watch._arm
+
+    @functools.wraps(own)
+    def zero_grad(self, *args, **kwargs):
+        if arm.armed and not _compiling():
+            watch._before_zero_grad(self, of_optimizer)
+        return own(self, *args, **kwargs)
+
+    setattr(zero_grad, _ZERO_GRAD_WATCHED, own)
+    return zero_grad
+
+
+def _finite_now(grads, loss) -> bool:
+    """Whether these gradients and the loss are all finite, read now (on a
+    GPU, waiting for the device: only where a step was skipped)."""
+    values = [*grads, loss] if loss is not None else list(grads)
+    if not values:
+        return True
+    finite = _finite_check().check(values)
+    if finite is not None:
+        return finite
+    norms = list(_norms([_local(g) for g in grads])) if grads else []
+    if loss is not None:
+        norms.append(_local(loss))
+    if norms[0].device.type == "cpu":
+        return all(math.isfinite(v.item()) for v in norms)
+    if capturing():
+        return True
+    return _wait_for_gpu_flag(torch.isfinite(_gathered(norms, norms[0].device)).all())
+
+
 def _finite_check():
     if not _FINITE:
         _FINITE.append(_native.FiniteCheck(FLOATS))
@@ -1199,9 +1354,10 @@ def _no_collectives():
     return NoCollectives()
 
 
-def _in_micro(event, index, count):
+def _in_micro(event, index, count, forwards=False):
     """An event found in an earlier micro-batch, said so."""
-    note = f"in micro-batch {index + 1} of {count} of the step (gradient accumulation)"
+    note = (f"in the model's forward {index + 1} of {count} since its last optimizer step" if forwards
+            else f"in micro-batch {index + 1} of {count} of the step (gradient accumulation)")
     event["detail"] = f"{note}; {event['detail']}" if event.get("detail") else note
     return event
 
