@@ -12,6 +12,17 @@
 //! through it to torch's own collective (its remapping of `dist.all_reduce`
 //! to a functional collective goes by the function).
 //!
+//! A call's row is kept as fixed-size fields (`Call`), its texts by their
+//! place in a table of texts made once (the op, the group, a shape, a call
+//! site, a thread's name), and its cells are made only when the store asks
+//! (`Shared::feed`: before a read of the table, and before each write to
+//! disk, on the store's own thread). Right after a gloo call returns, all
+//! the recording touches is cold; made at each call, the row's cells, its
+//! copy for the calls in flight and the store's maps cost 3.7-3.8 us there
+//! on this machine (25-29 us on another), against 2.5-2.6 us now, the same
+//! as warm (docs/performance.md, "Recorded collectives, their rows made
+//! later").
+//!
 //! Nothing of the program's changes: the call gets the program's arguments
 //! as given, its result or its exception comes back untouched, and a
 //! failure to record leaves the call unrecorded (counted in `errors`).
@@ -34,16 +45,16 @@
 //! the group's ranks.
 
 use std::cell::Cell as Flag;
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use pyo3::exceptions::PyException;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple, PyType, PyWeakrefReference};
-use rankscope_store::Cell;
+use rankscope_store::{Cell, Store};
 
 use crate::store;
 
@@ -56,9 +67,21 @@ const DURATION: usize = 12;
 /// A point-to-point call's peer.
 const PEER: usize = 16;
 /// Caps on what is kept to make the next row cheaper: a program with more
-/// call sites or shapes than this still gets every row, made the long way.
+/// call sites, shapes or thread names than this still gets every row, its
+/// text its own.
 const MAX_SITES: usize = 4096;
 const MAX_SHAPES: usize = 1024;
+const MAX_THREADS: usize = 1024;
+const MAX_TEXTS: usize = 1 << 16;
+/// Finished calls kept before they go to the store: the spill thread is
+/// woken at half, and past all of them the calling thread hands them over
+/// itself (a process without a run directory, or a spill thread that
+/// cannot keep up).
+const MAX_DONE: usize = 1024;
+/// A call in flight this long (seconds) goes to the store as an open row
+/// at its next write to disk, which keeps it in the in-flight folder (a
+/// hung job's collective, read after it was killed).
+const GIVE_AFTER_S: f64 = 0.5;
 
 thread_local! {
     /// Inside a recorded call on this thread: torch's `send` calls its
@@ -104,6 +127,8 @@ struct Group {
     of: Held,
     name: String,
     members: String,
+    name_text: Text,
+    members_text: Text,
     size: i64,
     rank: i64,
     seq: i64,
@@ -117,11 +142,248 @@ struct Group {
     p2p_in_seq: Option<bool>,
 }
 
-/// A row in flight: its cells as opened (the finished row is written
-/// whole from them where the store had to drop the open one).
-struct InFlight {
+/// A text of a recorded call: by its place in `Shared::texts` (made once,
+/// shared by every call that has it), or its own (a list's shapes that
+/// change from call to call, a call site past `MAX_SITES`).
+#[derive(Clone, Default)]
+enum Text {
+    #[default]
+    Null,
+    At(u32),
+    Own(Box<str>),
+}
+
+impl Text {
+    fn cell(&self, texts: &[Box<str>]) -> Cell {
+        match self {
+            Text::Null => Cell::Null,
+            Text::At(at) => texts
+                .get(*at as usize)
+                .map_or(Cell::Null, |t| Cell::Str(t.to_string())),
+            Text::Own(text) => Cell::Str(text.to_string()),
+        }
+    }
+
+    fn text(&self, texts: &[Box<str>]) -> Option<String> {
+        match self.cell(texts) {
+            Cell::Str(text) => Some(text),
+            _ => None,
+        }
+    }
+}
+
+/// A recorded call, as fixed-size fields: its row's cells are made only
+/// when the store asks for them (`feed`), off the calling thread where
+/// the store spills.
+#[derive(Clone)]
+struct Call {
     ts: f64,
-    cells: Vec<Cell>,
+    seq: Option<i64>,
+    op: Text,
+    group: Text,
+    size: i64,
+    rank: i64,
+    members: Text,
+    state: &'static str,
+    shapes: Text,
+    dtype: Text,
+    bytes: Option<i64>,
+    asynchronous: bool,
+    end_us: Option<i64>,
+    duration_ms: Option<f64>,
+    caller: Text,
+    thread: Text,
+    step: Option<i64>,
+    peer: Option<i64>,
+    tag: Option<i64>,
+    /// Handed to the store as an open row (a read came while it was in
+    /// flight): its end goes there as the cells that changed.
+    given: bool,
+}
+
+impl Call {
+    /// The row's cells, in the table's order (after ts).
+    fn cells(&self, texts: &[Box<str>]) -> Vec<Cell> {
+        let int = |v: Option<i64>| v.map_or(Cell::Null, Cell::Int);
+        vec![
+            int(self.seq),
+            self.op.cell(texts),
+            self.group.cell(texts),
+            Cell::Int(self.size),
+            Cell::Int(self.rank),
+            self.members.cell(texts),
+            Cell::Str(self.state.to_string()),
+            self.shapes.cell(texts),
+            self.dtype.cell(texts),
+            int(self.bytes),
+            Cell::Bool(self.asynchronous),
+            int(self.end_us),
+            self.duration_ms.map_or(Cell::Null, Cell::Float),
+            self.caller.cell(texts),
+            self.thread.cell(texts),
+            int(self.step),
+            int(self.peer),
+            int(self.tag),
+        ]
+    }
+
+    /// The cells that may have changed since the row was opened.
+    fn changes(&self) -> Vec<(usize, Cell)> {
+        let int = |v: Option<i64>| v.map_or(Cell::Null, Cell::Int);
+        vec![
+            (0, int(self.seq)),
+            (STATE, Cell::Str(self.state.to_string())),
+            (END_TS, int(self.end_us)),
+            (DURATION, self.duration_ms.map_or(Cell::Null, Cell::Float)),
+            (PEER, int(self.peer)),
+        ]
+    }
+}
+
+#[derive(Default)]
+struct Calls {
+    /// The process these calls are of: a child after fork (a DataLoader
+    /// worker) starts with none, not its parent's (see `Shared::calls`).
+    pid: u32,
+    open: HashMap<u64, Call>,
+    done: Vec<(u64, Call)>,
+    /// The buffer `done` is swapped with when the store takes the calls,
+    /// its room kept: no allocation on the calling thread once warm.
+    spare: Vec<(u64, Call)>,
+}
+
+/// What the recording shares with the store's spill thread, which makes
+/// the rows: nothing of Python's, so that it is read without the GIL.
+#[derive(Default)]
+struct Shared {
+    /// Append-only: a `Text::At` stays valid.
+    texts: RwLock<Vec<Box<str>>>,
+    calls: Mutex<Calls>,
+    /// One hand-over at a time: a call opened in the store by a read must
+    /// not be finished there by another hand-over before it is opened.
+    feeding: Mutex<()>,
+    errors: AtomicU64,
+}
+
+/// Every log's shared part (one in a process, but tests and benches make more).
+static LOGS: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
+/// The process that started the store's spill thread for these rows (a
+/// child after fork has a store of its own).
+static FED_IN: AtomicU32 = AtomicU32::new(0);
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    fn calls(&self) -> std::sync::MutexGuard<'_, Calls> {
+        let mut calls = locked(&self.calls);
+        let pid = store::this_pid();
+        if calls.pid != pid {
+            calls.pid = pid;
+            calls.open.clear();
+            calls.done.clear();
+        }
+        calls
+    }
+
+    fn text(&self, text: &str) -> Text {
+        let mut texts = self.texts.write().unwrap_or_else(|e| e.into_inner());
+        if texts.len() >= MAX_TEXTS {
+            return Text::Own(text.into());
+        }
+        texts.push(text.into());
+        Text::At((texts.len() - 1) as u32)
+    }
+
+    /// Hands the finished calls to the store, and, where `reading`, the
+    /// ones in flight as open rows.
+    fn feed(&self, store: &Arc<Store>, reading: bool) {
+        let _one = locked(&self.feeding);
+        let (mut done, opened) = {
+            let mut calls = self.calls();
+            let spare = std::mem::take(&mut calls.spare);
+            let done = std::mem::replace(&mut calls.done, spare);
+            // A read shows every call in flight; the disk gets the ones
+            // in flight for a while (a hang), as the store writes them.
+            let before = if reading {
+                f64::INFINITY
+            } else {
+                now_s() - GIVE_AFTER_S
+            };
+            let opened: Vec<(u64, Call)> = if calls.open.is_empty() {
+                Vec::new()
+            } else {
+                calls
+                    .open
+                    .iter_mut()
+                    .filter(|(_, c)| !c.given && c.ts <= before)
+                    .map(|(key, call)| {
+                        call.given = true;
+                        (*key, call.clone())
+                    })
+                    .collect()
+            };
+            (done, opened)
+        };
+        if done.is_empty() && opened.is_empty() {
+            return;
+        }
+        let mut rows = Vec::with_capacity(done.len());
+        {
+            let texts = self.texts.read().unwrap_or_else(|e| e.into_inner());
+            for (key, call) in done.drain(..) {
+                if call.given {
+                    match store.finish_row(TABLE, key, call.changes()) {
+                        Ok(true) => continue,
+                        // Dropped from the store's open rows (thousands in
+                        // flight at once): the row goes in whole.
+                        Ok(false) => {}
+                        Err(_) => {
+                            self.errors.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                    }
+                }
+                rows.push((call.ts, call.cells(&texts)));
+            }
+            let mut opened = opened;
+            opened.sort_by_key(|(key, _)| *key);
+            for (key, call) in opened {
+                if store
+                    .open_row(TABLE, key, call.ts, call.cells(&texts))
+                    .is_err()
+                {
+                    self.errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        let count = rows.len() as u64;
+        if !rows.is_empty() && store.append_rows(TABLE, rows).is_err() {
+            self.errors.fetch_add(count, Ordering::Relaxed);
+        }
+        // The emptied buffer, its room kept, is the next spare.
+        let mut calls = self.calls();
+        if calls.spare.capacity() < done.capacity() {
+            calls.spare = done;
+        }
+    }
+}
+
+/// The store's `Feed` (store.rs sets it): every log's calls, for a read
+/// of `python.collectives` or a write to disk.
+pub(crate) fn feed_all(store: &Arc<Store>, table: Option<&'static str>, reading: bool) {
+    if table.is_some_and(|t| t != TABLE) {
+        return;
+    }
+    let logs: Vec<Arc<Shared>> = {
+        let mut logs = locked(&LOGS);
+        logs.retain(|l| l.strong_count() > 0);
+        logs.iter().filter_map(Weak::upgrade).collect()
+    };
+    for log in logs {
+        log.feed(store, reading);
+    }
 }
 
 #[derive(Default)]
@@ -132,8 +394,10 @@ struct State {
     order: Vec<usize>,
     /// (code object's address, instruction) -> "func (file:line)"; the
     /// code object is kept, so that its address is not reused.
-    sites: HashMap<(usize, i64), (Py<PyAny>, String)>,
-    in_flight: BTreeMap<u64, InFlight>,
+    sites: HashMap<(usize, i64), (Py<PyAny>, Text)>,
+    /// A thread's name (the str object `threading` keeps, held so that its
+    /// address is not reused) -> its text.
+    threads: HashMap<usize, (Py<PyAny>, Text)>,
     /// How many groups each name was given to: torch names a default group
     /// made again (after `destroy_process_group`) "0" again, and numbers
     /// its collectives from 1 again.
@@ -171,13 +435,15 @@ pub struct CollectiveLog {
     shape_of: Py<PyAny>,
     thread_name: Py<PyAny>,
     step: Py<PyAny>,
-    /// (shape, dtype) -> (shapes, dtype, bytes an item).
+    /// (shape, dtype) -> (shapes' text, dtype's text, bytes an item), the
+    /// texts by their place in `shared.texts` (-1: none).
     shapes: Py<PyDict>,
     /// Set by `start`: `distributed_c10d.GroupMember` (whose `WORLD` is the
     /// default group) and `torch.Tensor`.
     /// (The same two objects for the process's life: set once.)
     torch: OnceLock<(Py<PyAny>, Py<PyType>)>,
     state: Mutex<State>,
+    shared: Arc<Shared>,
 }
 
 fn now_s() -> f64 {
@@ -185,10 +451,6 @@ fn now_s() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0)
-}
-
-fn text(value: Option<String>) -> Cell {
-    value.map(Cell::Str).unwrap_or(Cell::Null)
 }
 
 impl CollectiveLog {
@@ -238,6 +500,8 @@ impl CollectiveLog {
             } else {
                 name
             };
+            let name_text = self.shared.text(&name);
+            let members_text = self.shared.text(&members);
             state.order.retain(|&a| a != at);
             state.order.push(at);
             let old = state.groups.insert(
@@ -246,6 +510,8 @@ impl CollectiveLog {
                     of,
                     name,
                     members,
+                    name_text,
+                    members_text,
                     size,
                     rank,
                     seq: 0,
@@ -269,47 +535,56 @@ impl CollectiveLog {
         py: Python<'py>,
         first: Option<Bound<'py, PyAny>>,
         tensor: &Bound<'py, PyType>,
-    ) -> PyResult<(Cell, Cell, Cell)> {
+    ) -> PyResult<(Text, Text, Option<i64>)> {
         let Some(first) = first else {
-            return Ok((Cell::Null, Cell::Null, Cell::Null));
+            return Ok((Text::Null, Text::Null, None));
         };
         // type(), not isinstance(): an object list's items may be anything.
-        let described = if first.get_type().is_subclass(tensor)? {
-            let key = PyTuple::new(
-                py,
-                [
-                    first.getattr(intern!(py, "shape"))?,
-                    first.getattr(intern!(py, "dtype"))?,
-                ],
-            )?;
-            let shapes = self.shapes.bind(py);
-            let known = match shapes.get_item(&key)? {
-                Some(known) => known,
-                None => {
-                    // A loop sends the same shape again and again: its text is kept.
-                    let known = self.shape_of.bind(py).call1((&first,))?;
+        if !first.get_type().is_subclass(tensor)? {
+            let (shapes, dtype, size): (Option<String>, Option<String>, Option<i64>) =
+                self.tensors.bind(py).call1((&first,))?.extract()?;
+            let own = |t: Option<String>| t.map_or(Text::Null, |t| Text::Own(t.into()));
+            return Ok((own(shapes), own(dtype), size));
+        }
+        let key = PyTuple::new(
+            py,
+            [
+                first.getattr(intern!(py, "shape"))?,
+                first.getattr(intern!(py, "dtype"))?,
+            ],
+        )?;
+        let shapes = self.shapes.bind(py);
+        let at = |i: i64| u32::try_from(i).map_or(Text::Null, Text::At);
+        let (shape_text, dtype_text, item) = match shapes.get_item(&key)? {
+            Some(known) => {
+                let (shape, dtype, item): (i64, i64, i64) = known.extract()?;
+                (at(shape), at(dtype), item)
+            }
+            None => {
+                // A loop sends the same shape again and again: its texts are
+                // made once.
+                let (text, dtype, item): (Option<String>, Option<String>, i64) =
+                    self.shape_of.bind(py).call1((&first,))?.extract()?;
+                let text = text.map_or(Text::Null, |t| self.shared.text(&t));
+                let dtype = dtype.map_or(Text::Null, |t| self.shared.text(&t));
+                let place = |t: &Text| match t {
+                    Text::At(at) => Some(i64::from(*at)),
+                    _ => None,
+                };
+                if let (Some(shape_at), Some(dtype_at)) = (place(&text), place(&dtype)) {
                     if shapes.len() < MAX_SHAPES {
-                        shapes.set_item(&key, &known)?;
+                        shapes.set_item(&key, (shape_at, dtype_at, item))?;
                     }
-                    known
                 }
-            };
-            let (text, dtype, item): (Option<String>, Option<String>, i64) = known.extract()?;
-            let numel: i64 = first.call_method0(intern!(py, "numel"))?.extract()?;
-            (text, dtype, Some(numel * item))
-        } else {
-            self.tensors.bind(py).call1((&first,))?.extract()?
+                (text, dtype, item)
+            }
         };
-        let (text_of, dtype, size) = described;
-        Ok((
-            text(text_of),
-            text(dtype),
-            size.map(Cell::Int).unwrap_or(Cell::Null),
-        ))
+        let numel: i64 = first.call_method0(intern!(py, "numel"))?.extract()?;
+        Ok((shape_text, dtype_text, Some(numel * item)))
     }
 
     /// "func (file:line)" of the program's line that called the wrapper.
-    fn caller(&self, py: Python<'_>) -> PyResult<Option<String>> {
+    fn caller(&self, py: Python<'_>) -> PyResult<Text> {
         // SAFETY: the GIL is held; the frame is borrowed, and owned (with
         // a new reference) before anything else runs.
         let wrapper = unsafe {
@@ -324,7 +599,7 @@ impl CollectiveLog {
             .transpose()?
             .filter(|f| !f.is_none())
         else {
-            return Ok(None);
+            return Ok(Text::Null);
         };
         let code = frame.getattr(intern!(py, "f_code"))?;
         // By instruction, not line: a line number is looked up in the
@@ -332,7 +607,7 @@ impl CollectiveLog {
         let lasti: i64 = frame.getattr(intern!(py, "f_lasti"))?.extract()?;
         let key = (code.as_ptr() as usize, lasti);
         if let Some((_, site)) = self.state().sites.get(&key) {
-            return Ok(Some(site.clone()));
+            return Ok(site.clone());
         }
         // Lossy: a file name that is not valid UTF-8 (a directory named in
         // latin-1) still gives a row.
@@ -352,11 +627,38 @@ impl CollectiveLog {
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or(file);
         let site = format!("{name} ({base}:{line})");
-        let mut state = self.state();
-        if state.sites.len() < MAX_SITES {
-            state.sites.insert(key, (code.unbind(), site.clone()));
+        if self.state().sites.len() >= MAX_SITES {
+            return Ok(Text::Own(site.into()));
         }
-        Ok(Some(site))
+        let text = self.shared.text(&site);
+        self.state()
+            .sites
+            .insert(key, (code.unbind(), text.clone()));
+        Ok(text)
+    }
+
+    /// The calling thread's name, as `threading` has it now: the same str
+    /// object call after call, so that its text is made once.
+    fn thread(&self, py: Python<'_>) -> PyResult<Text> {
+        let name = self.thread_name.bind(py).call0()?;
+        if name.is_none() {
+            return Ok(Text::Null);
+        }
+        let at = name.as_ptr() as usize;
+        if let Some((_, text)) = self.state().threads.get(&at) {
+            return Ok(text.clone());
+        }
+        let Ok(text) = name.extract::<String>() else {
+            return Ok(Text::Null);
+        };
+        if self.state().threads.len() >= MAX_THREADS {
+            return Ok(Text::Own(text.into()));
+        }
+        let text = self.shared.text(&text);
+        self.state()
+            .threads
+            .insert(at, (name.unbind(), text.clone()));
+        Ok(text)
     }
 
     /// Opens the call's row: its key and start, the group, and torch's
@@ -365,7 +667,7 @@ impl CollectiveLog {
     fn enter<'py>(
         &self,
         py: Python<'py>,
-        op: &str,
+        op: (&str, &Text),
         group: Option<Bound<'py, PyAny>>,
         asynchronous: bool,
         first: Option<Bound<'py, PyAny>>,
@@ -382,16 +684,14 @@ impl CollectiveLog {
             Err(e) if e.is_instance_of::<PyException>(py) => None,
             Err(e) => return Err(e),
         };
-        let (shapes, dtype, size) = self.sizes(py, first, tensor.bind(py))?;
+        let (shapes, dtype, bytes) = self.sizes(py, first, tensor.bind(py))?;
         let caller = self.caller(py)?;
-        // None is told apart first: a failed extract makes an error, with its message.
-        let thread = self.thread_name.bind(py).call0()?;
-        let thread: Option<String> = (!thread.is_none()).then(|| thread.extract().ok()).flatten();
+        let thread = self.thread(py)?;
         let step = self.step.bind(py).call0()?;
         let step: Option<i64> = (!step.is_none()).then(|| step.extract().ok()).flatten();
         let key = self.keys.fetch_add(1, Ordering::Relaxed);
         let ts = now_s();
-        let cells = {
+        let call = {
             let mut state = self.state();
             let Some(info) = state.groups.get_mut(&at) else {
                 return Err(PyException::new_err("collectives: group forgotten"));
@@ -406,11 +706,7 @@ impl CollectiveLog {
                     });
                     let count = info.p2p.entry((call.way, peer, call.tag)).or_insert(0);
                     *count += 1;
-                    (
-                        *count,
-                        peer.map(Cell::Int).unwrap_or(Cell::Null),
-                        Cell::Int(call.tag),
-                    )
+                    (*count, peer, Some(call.tag))
                 }
                 None => {
                     // Point-to-point calls the backend counted, on this rank
@@ -422,45 +718,36 @@ impl CollectiveLog {
                         0
                     };
                     info.seq = torch_seq.map(|s| s + 1 - p2p).unwrap_or(info.seq + 1);
-                    if info.last_op.as_deref() != Some(op) {
-                        info.last_op = Some(op.to_string());
+                    if info.last_op.as_deref() != Some(op.0) {
+                        info.last_op = Some(op.0.to_string());
                     }
-                    (info.seq, Cell::Null, Cell::Null)
+                    (info.seq, None, None)
                 }
             };
-            let cells = vec![
-                Cell::Int(seq),
-                Cell::Str(op.to_string()),
-                Cell::Str(info.name.clone()),
-                Cell::Int(info.size),
-                Cell::Int(info.rank),
-                Cell::Str(info.members.clone()),
-                Cell::Str("in flight".to_string()),
+            Call {
+                ts,
+                seq: Some(seq),
+                op: op.1.clone(),
+                group: info.name_text.clone(),
+                size: info.size,
+                rank: info.rank,
+                members: info.members_text.clone(),
+                state: "in flight",
                 shapes,
                 dtype,
-                size,
-                Cell::Bool(asynchronous),
-                Cell::Null,
-                Cell::Null,
-                text(caller),
-                text(thread),
-                step.map(Cell::Int).unwrap_or(Cell::Null),
+                bytes,
+                asynchronous,
+                end_us: None,
+                duration_ms: None,
+                caller,
+                thread,
+                step,
                 peer,
                 tag,
-            ];
-            state.in_flight.insert(
-                key,
-                InFlight {
-                    ts,
-                    cells: cells.clone(),
-                },
-            );
-            cells
+                given: false,
+            }
         };
-        if let Err(e) = store::open_row(TABLE, key, ts, cells) {
-            self.state().in_flight.remove(&key);
-            return Err(PyException::new_err(e));
-        }
+        self.shared.calls().open.insert(key, call);
         Ok((key, Instant::now(), group, torch_seq))
     }
 
@@ -490,67 +777,86 @@ impl CollectiveLog {
         }
     }
 
-    fn close(&self, key: u64, began: Instant, state: &str) {
-        self.close_with(key, began, state, Vec::new());
+    fn close(&self, key: u64, began: Instant, state: &'static str) {
+        self.close_with(key, began, state, |_| {});
     }
 
     /// A receive from any rank (`recv(t)` with no `src`) returned `src`:
     /// its row is numbered among the receives from that rank (it was among
-    /// those from none), so that it pairs with the send it took. Returns
-    /// its cells that change (seq and peer).
-    fn received_from(
-        &self,
-        group: &Bound<'_, PyAny>,
-        key: u64,
-        src: i64,
-        tag: i64,
-    ) -> Vec<(usize, Cell)> {
+    /// those from none), so that it pairs with the send it took.
+    fn received_from(&self, group: &Bound<'_, PyAny>, key: u64, src: i64, tag: i64) {
         let at = group.as_ptr() as usize;
-        let mut state = self.state();
-        let Some(info) = state.groups.get_mut(&at) else {
-            return Vec::new();
-        };
-        if let Some(unknown) = info.p2p.get_mut(&(Way::Recv, None, tag)) {
-            *unknown = unknown.saturating_sub(1);
-        }
-        let count = info.p2p.entry((Way::Recv, Some(src), tag)).or_insert(0);
-        *count += 1;
-        let changes = vec![(0, Cell::Int(*count)), (PEER, Cell::Int(src))];
-        if let Some(flying) = state.in_flight.get_mut(&key) {
-            for (at, cell) in &changes {
-                flying.cells[*at] = cell.clone();
+        let count = {
+            let mut state = self.state();
+            let Some(info) = state.groups.get_mut(&at) else {
+                return;
+            };
+            if let Some(unknown) = info.p2p.get_mut(&(Way::Recv, None, tag)) {
+                *unknown = unknown.saturating_sub(1);
             }
+            let count = info.p2p.entry((Way::Recv, Some(src), tag)).or_insert(0);
+            *count += 1;
+            *count
+        };
+        if let Some(call) = self.shared.calls().open.get_mut(&key) {
+            call.seq = Some(count);
+            call.peer = Some(src);
         }
-        changes
     }
 
-    fn close_with(&self, key: u64, began: Instant, state: &str, extra: Vec<(usize, Cell)>) {
+    /// The call `key` ended (`state`), `change` made to its row: it goes to
+    /// the finished ones, which the store takes in a batch.
+    fn close_with(
+        &self,
+        key: u64,
+        began: Instant,
+        state: &'static str,
+        change: impl FnOnce(&mut Call),
+    ) {
         let end_us = (now_s() * 1e6).round() as i64;
-        let mut changes = vec![
-            (STATE, Cell::Str(state.to_string())),
-            (END_TS, Cell::Int(end_us)),
-            (DURATION, Cell::Float(began.elapsed().as_secs_f64() * 1e3)),
-        ];
-        changes.extend(extra);
-        let row = self.state().in_flight.remove(&key);
-        match store::finish_row(TABLE, key, changes.clone()) {
-            Ok(true) => {}
-            Ok(false) => {
-                // Dropped from the store's open rows (thousands in flight
-                // at once): the finished row still goes in, whole.
-                if let Some(InFlight { ts, mut cells }) = row {
-                    for (at, value) in changes {
-                        cells[at] = value;
-                    }
-                    if store::append_row(TABLE, ts, cells).is_err() {
-                        self.errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+        let duration_ms = began.elapsed().as_secs_f64() * 1e3;
+        let waiting = {
+            let mut calls = self.shared.calls();
+            let Some(mut call) = calls.open.remove(&key) else {
+                return;
+            };
+            call.state = state;
+            call.end_us = Some(end_us);
+            call.duration_ms = Some(duration_ms);
+            change(&mut call);
+            if calls.done.capacity() == 0 {
+                calls.done.reserve(MAX_DONE);
             }
-            Err(_) => {
-                self.errors.fetch_add(1, Ordering::Relaxed);
-            }
+            calls.done.push((key, call));
+            calls.done.len()
+        };
+        if waiting == MAX_DONE / 2
+            || waiting >= MAX_DONE
+            || FED_IN.load(Ordering::Relaxed) != store::this_pid()
+        {
+            self.hand_over(waiting);
         }
+    }
+
+    /// The finished calls go to the store: the spill thread is woken to
+    /// take them (at half the room, or the first time in this process,
+    /// which starts that thread); with no spill thread, or none that kept
+    /// up, this thread hands them over itself.
+    fn hand_over(&self, waiting: usize) {
+        let store = store::store();
+        let pid = store::this_pid();
+        let first = FED_IN.swap(pid, Ordering::Relaxed) != pid;
+        if waiting >= MAX_DONE || !store.spills() {
+            if waiting >= MAX_DONE {
+                self.shared.feed(&store, false);
+            }
+            return;
+        }
+        store.spill_soon(if first {
+            std::time::Duration::from_secs(1)
+        } else {
+            std::time::Duration::ZERO
+        });
     }
 
     /// After the call returned: an `async_op` call is closed when its
@@ -629,6 +935,11 @@ impl CollectiveLog {
             shapes: PyDict::new(py).unbind(),
             torch: OnceLock::new(),
             state: Mutex::new(State::default()),
+            shared: {
+                let shared = Arc::new(Shared::default());
+                locked(&LOGS).push(Arc::downgrade(&shared));
+                shared
+            },
         }
     }
 
@@ -651,7 +962,7 @@ impl CollectiveLog {
 
     #[getter]
     fn errors(&self) -> u64 {
-        self.errors.load(Ordering::Relaxed)
+        self.errors.load(Ordering::Relaxed) + self.shared.errors.load(Ordering::Relaxed)
     }
 
     /// Each group seen: (name, size, rank, members, count, last seq, last op).
@@ -675,30 +986,27 @@ impl CollectiveLog {
             .collect()
     }
 
-    /// Each call in flight: (group, op, seq, start ts, caller, peer).
+    /// Each call in flight: (group, op, seq, start ts, caller, peer), the
+    /// oldest first.
     fn in_flight(&self) -> Vec<Flying> {
-        let str_at = |cells: &[Cell], at: usize| match &cells[at] {
-            Cell::Str(s) => Some(s.clone()),
-            _ => None,
-        };
-        self.state()
-            .in_flight
-            .values()
-            .map(|f| {
-                let seq = match f.cells[0] {
-                    Cell::Int(i) => Some(i),
-                    _ => None,
-                };
+        let mut open: Vec<(u64, Call)> = self
+            .shared
+            .calls()
+            .open
+            .iter()
+            .map(|(key, call)| (*key, call.clone()))
+            .collect();
+        open.sort_by_key(|(key, _)| *key);
+        let texts = self.shared.texts.read().unwrap_or_else(|e| e.into_inner());
+        open.into_iter()
+            .map(|(_, c)| {
                 (
-                    str_at(&f.cells, 2),
-                    str_at(&f.cells, 1),
-                    seq,
-                    f.ts,
-                    str_at(&f.cells, 13),
-                    match f.cells[PEER] {
-                        Cell::Int(i) => Some(i),
-                        _ => None,
-                    },
+                    c.group.text(&texts),
+                    c.op.text(&texts),
+                    c.seq,
+                    c.ts,
+                    c.caller.text(&texts),
+                    c.peer,
                 )
             })
             .collect()
@@ -712,6 +1020,8 @@ impl CollectiveLog {
 pub struct CollectiveCall {
     log: Py<CollectiveLog>,
     op: String,
+    /// The op's text in the log's.
+    op_text: Text,
     original: Py<PyAny>,
     group_at: Option<usize>,
     async_at: Option<usize>,
@@ -774,9 +1084,11 @@ impl CollectiveCall {
                 tag: (tag.0, name(&tag.1)),
             }),
         };
+        let op_text = log.bind(py).get().shared.text(&op);
         Ok(CollectiveCall {
             log,
             op,
+            op_text,
             original,
             group_at,
             async_at,
@@ -823,10 +1135,14 @@ impl CollectiveCall {
                                 && c.group_peer.is_none()
                         })
                         .map(|c| c.tag);
-                    match log
-                        .get()
-                        .enter(py, &self.op, group, asynchronous, first, p2p)
-                    {
+                    match log.get().enter(
+                        py,
+                        (&self.op, &self.op_text),
+                        group,
+                        asynchronous,
+                        first,
+                        p2p,
+                    ) {
                         Ok(opened) => Some((opened, asynchronous, any_source)),
                         Err(e) if e.is_instance_of::<PyException>(py) => None,
                         Err(e) => return Err(e),
@@ -855,8 +1171,8 @@ impl CollectiveCall {
                     }
                     match (any_source, out.extract::<i64>()) {
                         (Some(tag), Ok(src)) => {
-                            let extra = log.get().received_from(&group, key, src, tag);
-                            log.get().close_with(key, began, "done", extra);
+                            log.get().received_from(&group, key, src, tag);
+                            log.get().close(key, began, "done");
                         }
                         _ => CollectiveLog::leave(log, key, began, asynchronous, out)?,
                     }
@@ -872,12 +1188,11 @@ impl CollectiveCall {
                             .and_then(|s| s.extract::<i64>())
                             .ok()
                             == before;
-                    let extra = if unmoved {
-                        vec![(0, Cell::Null)]
-                    } else {
-                        Vec::new()
-                    };
-                    log.get().close_with(key, began, "failed", extra);
+                    log.get().close_with(key, began, "failed", |call| {
+                        if unmoved {
+                            call.seq = None;
+                        }
+                    });
                 }
             }
         }

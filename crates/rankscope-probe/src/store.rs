@@ -22,7 +22,7 @@ fn env_number(name: &str) -> Option<u64> {
 /// through `store()`, which tells a child after fork (that must start a
 /// store of its own) by its pid, and `getpid` is a system call, about
 /// 140 ns here, twice for each collective recorded.
-fn this_pid() -> u32 {
+pub(crate) fn this_pid() -> u32 {
     // A flag, not a `Once`: a fork while another thread registers would
     // leave the child a `Once` that never completes.
     static FORK_HOOK: AtomicBool = AtomicBool::new(false);
@@ -46,7 +46,7 @@ static PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// The store of this process; made with the first row. A child after
 /// `fork` gets a fresh one: the parent's rows and thread are not its own.
-fn store() -> Arc<Store> {
+pub(crate) fn store() -> Arc<Store> {
     if let Some(store) = existing() {
         return store;
     }
@@ -83,6 +83,7 @@ fn store() -> Arc<Store> {
     }
     let store = Store::new(config);
     store.set_rank(rank);
+    store.set_feed(Arc::new(crate::collective::feed_all));
     *slot = Some(store.clone());
     store
 }
@@ -375,27 +376,6 @@ pub fn close() {
     if let Some(store) = existing() {
         store.close();
     }
-}
-
-/// A row that is still changing (a collective in flight, collective.rs),
-/// shown to every read under `key` until `finish_row` gives its last cells.
-pub(crate) fn open_row(name: &str, key: u64, ts: f64, cells: Vec<Cell>) -> Result<(), String> {
-    store()
-        .open_row(name, key, ts, cells)
-        .map_err(|e| e.to_string())
-}
-
-/// The open row `key` is done and only the cells in `changes` (counted
-/// after ts) changed: its other cells are not made again. False: the row
-/// was no longer open.
-pub(crate) fn finish_row(
-    name: &str,
-    key: u64,
-    changes: Vec<(usize, Cell)>,
-) -> Result<bool, String> {
-    store()
-        .finish_row(name, key, changes)
-        .map_err(|e| e.to_string())
 }
 
 /// A row from Rust (the memory sampler), without the GIL.

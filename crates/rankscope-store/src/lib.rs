@@ -156,8 +156,17 @@ struct State {
     soon: Option<Instant>,
 }
 
+/// A producer that keeps its rows its own way until they are read or
+/// spilled, asked for them (`feed`) before each read of its table (with
+/// `reading` true: the rows still changing too) and before each write to
+/// disk. The probe's collectives are one: recording a call must touch as
+/// little memory as it can on the program's thread (collective.rs).
+/// Called without any lock of the store's held.
+pub type Feed = Arc<dyn Fn(&Arc<Store>, Option<&'static str>, bool) + Send + Sync>;
+
 pub struct Store {
     config: StoreConfig,
+    feed: Mutex<Option<Feed>>,
     state: Mutex<State>,
     wake: Condvar,
     rank: AtomicI64,
@@ -192,6 +201,7 @@ impl Store {
         );
         Arc::new(Store {
             config,
+            feed: Mutex::new(None),
             state: Mutex::new(State {
                 tables: BTreeMap::new(),
                 waiting: 0,
@@ -207,6 +217,25 @@ impl Store {
 
     pub fn pid(&self) -> u32 {
         self.config.pid
+    }
+
+    /// Whether rows go to a run directory (a spill thread takes them).
+    pub fn spills(&self) -> bool {
+        self.config.run_dir.is_some()
+    }
+
+    /// Sets the producer asked for its rows before reads and writes (see `Feed`).
+    pub fn set_feed(&self, feed: Feed) {
+        *lock(&self.feed) = Some(feed);
+    }
+
+    /// Asks the producer for its rows: those of `table` (None: all) and,
+    /// where `reading`, those still changing.
+    fn fed(self: &Arc<Self>, table: Option<&'static str>, reading: bool) {
+        let feed = lock(&self.feed).clone();
+        if let Some(feed) = feed {
+            feed(self, table, reading);
+        }
     }
 
     pub fn set_rank(&self, rank: Option<i64>) {
@@ -477,7 +506,8 @@ impl Store {
     }
 
     /// Writes what is waiting now, on the caller's thread (at exit).
-    pub fn flush(&self) {
+    pub fn flush(self: &Arc<Self>) {
+        self.fed(None, false);
         let mut spill = lock(&self.spill);
         for (def, rows, dropped) in self.take_unspilled() {
             spill.write(def, &rows, dropped);
@@ -488,7 +518,7 @@ impl Store {
     }
 
     /// Flushes and stops the thread (at exit, or when the probe stops).
-    pub fn close(&self) {
+    pub fn close(self: &Arc<Self>) {
         lock(&self.state).stopping = true;
         self.wake.notify_one();
         if let Some(thread) = lock(&self.thread).take() {
@@ -498,7 +528,8 @@ impl Store {
     }
 
     /// Rows in memory per table, and the spill's state.
-    pub fn describe(&self) -> Value {
+    pub fn describe(self: &Arc<Self>) -> Value {
+        self.fed(None, false);
         let state = lock(&self.state);
         let rows: serde_json::Map<String, Value> = PROBE_TABLES
             .iter()
@@ -528,13 +559,14 @@ impl Store {
     /// those meeting every `[column, op, value]` filter, with the named
     /// columns only (the others null); or just how many with `count`.
     pub fn read_json(
-        &self,
+        self: &Arc<Self>,
         table: &str,
         columns: Option<&[String]>,
         filters: &[(String, String, Value)],
         count: bool,
     ) -> Result<Value, StoreError> {
         let def = store_table(table).ok_or_else(|| StoreError::UnknownTable(table.to_string()))?;
+        self.fed(Some(def.name), true);
         let names: Vec<&str> = std::iter::once("ts")
             .chain(def.columns.iter().map(|c| c.name))
             .collect();
@@ -680,7 +712,7 @@ mod tests {
         assert_eq!(steps_in(&store), vec![2, 3, 4, 5]);
     }
 
-    fn steps_in(store: &Store) -> Vec<i64> {
+    fn steps_in(store: &Arc<Store>) -> Vec<i64> {
         let all = store.read_json("torch_steps", None, &[], false).unwrap();
         all["rows"]
             .as_array()
@@ -739,7 +771,7 @@ mod tests {
         let store = Store::new(config(Some(dir.path().to_path_buf())));
         store.append("torch_steps", 1.0, step_row(1)).unwrap();
         store.open_row("torch_steps", 7, 2.0, step_row(2)).unwrap();
-        let steps = |store: &Store| steps_in(store);
+        let steps = |store: &Arc<Store>| steps_in(store);
         assert_eq!(steps(&store), vec![1, 2]);
         store.flush();
         let on_disk = |dir: &std::path::Path| -> usize {
@@ -756,6 +788,38 @@ mod tests {
         assert_eq!(steps(&store), vec![1, 3], "finished: a row like any other");
         store.flush();
         assert_eq!(on_disk(dir.path()), 2);
+    }
+
+    /// A producer with its own buffer (`set_feed`) is asked for its rows
+    /// before a read (with the rows still changing) and before a write.
+    #[test]
+    fn a_feed_gives_its_rows_before_each_read_and_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(config(Some(dir.path().to_path_buf())));
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let seen = asked.clone();
+        store.set_feed(Arc::new(move |store: &Arc<Store>, table, reading| {
+            let mut asked = lock(&seen);
+            asked.push((table, reading));
+            let step = asked.len() as i64;
+            drop(asked);
+            store.append("torch_steps", 1.0, step_row(step)).unwrap();
+            if reading {
+                store
+                    .open_row("torch_steps", 9, 2.0, step_row(100))
+                    .unwrap();
+            }
+        }));
+        assert_eq!(steps_in(&store), vec![1, 100]);
+        assert_eq!(lock(&asked).clone(), vec![(Some("torch_steps"), true)]);
+        store.flush();
+        assert_eq!(lock(&asked).last().copied(), Some((None, false)));
+        let on_disk: usize = read_table(&[dir.path().to_path_buf()], &TORCH_STEPS, None)
+            .unwrap()
+            .iter()
+            .map(|b| b.num_rows())
+            .sum();
+        assert_eq!(on_disk, 2, "both rows fed so far, not the open one");
     }
 
     /// A collective open past `in_flight_after` (a hang) is written once

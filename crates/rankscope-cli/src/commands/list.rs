@@ -173,6 +173,13 @@ pub fn run(format: ListFormat) -> Result<u8> {
     Ok(0)
 }
 
+/// A process's rank where it is one of a job's: a lone program, a
+/// launcher (torchrun's own process) or an `mp.spawn` parent has none,
+/// whatever its metadata's default says.
+fn rank_of(meta: &ProcessMeta) -> Option<i64> {
+    (meta.world_size > 1 || meta.job_id.is_some()).then_some(meta.rank)
+}
+
 #[cfg(test)]
 mod tests {
     use super::human_duration;
@@ -204,11 +211,4 @@ mod tests {
         assert_eq!(human_duration(125.0), "2m05s");
         assert_eq!(human_duration(7300.0), "2h01m");
     }
-}
-
-/// A process's rank where it is one of a job's: a lone program, a
-/// launcher (torchrun's own process) or an `mp.spawn` parent has none,
-/// whatever its metadata's default says.
-fn rank_of(meta: &ProcessMeta) -> Option<i64> {
-    (meta.world_size > 1 || meta.job_id.is_some()).then_some(meta.rank)
 }
