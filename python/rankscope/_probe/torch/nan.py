@@ -1220,8 +1220,13 @@ def _zero_grad_stand_in(watch, own, of_optimizer):
 
     @functools.wraps(own)
     def zero_grad(self, *args, **kwargs):
-        if arm.armed and not _compiling():
-            watch._before_zero_grad(self, of_optimizer)
+        # Compiling first: dynamo folds it, and traces nothing of ours.
+        if not _compiling() and arm.armed:
+            # The usual step: the sentinels' gradients are the ones the
+            # last check saw, or the owner has none (a submodule).
+            known = watch.sentinels_of.get(id(self))
+            if known is None or known[0]() is not self or (known[1] and arm.unapplied(known[1])):
+                watch._before_zero_grad(self, of_optimizer)
         return own(self, *args, **kwargs)
 
     setattr(zero_grad, _ZERO_GRAD_WATCHED, own)
