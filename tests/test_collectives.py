@@ -528,3 +528,40 @@ def test_object_collectives_any_source_receives_refused_calls_and_a_group_made_a
     finally:
         kill_tree(proc.pid)
         proc.wait()
+
+
+# Rank 1 never makes the job's first collective; no other table has rows
+# (the memory sampler off), so the store is made by the collective itself.
+FIRST_HANGS = """
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "marks", f"rank{rank}"), "w").close()
+if rank == 1:
+    while True:
+        time.sleep(0.05)
+dist.all_reduce(torch.ones(4))
+"""
+
+
+def test_a_first_collective_that_hangs_is_read_in_flight(default_python, cli, endpoint_dir, tmp_path):
+    require_torch(default_python)
+    proc = start_marked(default_python, tmp_path, endpoint_dir, FIRST_HANGS, "first.py", 2, env={"RANKSCOPE_MEMORY_INTERVAL_S": "0"})
+    run = tmp_path / "run"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            flying = cli("cluster", "query", "--run", run, "SELECT rank, seq, op, state FROM python.collectives ORDER BY rank", "--format", "json")
+            assert flying.returncode == 0, flying.stderr
+            rows = json.loads(flying.stdout or "[]")
+            if rows:
+                break
+            assert time.monotonic() < deadline, "no row of the first collective"
+            time.sleep(0.3)
+        assert [(r["rank"], r["seq"], r["op"], r["state"]) for r in rows] == [(0, 1, "all_reduce", "in flight")], rows
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()

@@ -354,3 +354,68 @@ def test_a_second_trace_on_keeps_the_running_clocks_step_numbers(python, spawn, 
     # `trace on`. The step it came in is not seen whole, so has no row.
     assert steps == sorted(set(steps)) and steps[-1] == 13, steps
     assert 9 not in steps and {10, 11, 12} <= set(steps), steps
+
+
+# A loss made by a function (no loss module, a model that returns logits)
+# is the scalar the program calls backward on: as it is, or, under a
+# GradScaler, divided by the scaler's own scale. The program prints each
+# step's loss and its final weights' bits, run with and without the trace.
+FUNCTIONAL = """
+import json, sys, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODE = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if MODE == "scaler" else None
+data = torch.Generator().manual_seed(1)
+losses = []
+for it in range(12):
+    x, y = torch.randn(16, 8, generator=data), torch.randint(0, 4, (16,), generator=data)
+    optimizer.zero_grad()
+    logits = model(x)
+    if MODE == "arithmetic":
+        loss = (logits - F.one_hot(y, 4)).pow(2).mean()
+    else:
+        loss = F.cross_entropy(logits, y)
+    losses.append(loss.item())
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+bits = [p.detach().numpy().tobytes().hex() for p in model.parameters()]
+print("RESULT " + json.dumps({"losses": losses, "bits": bits}), flush=True)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("mode", ["cross_entropy", "arithmetic", "scaler"])
+def test_a_loss_made_by_a_function_is_the_one_backward_was_called_on(python, spawn, cli, mode):
+    require_torch(python)
+    import subprocess
+
+    if mode == "scaler" and subprocess.run([python, "-c", "import torch; torch.amp.GradScaler('cpu')"], capture_output=True).returncode != 0:
+        pytest.skip("this torch has no GradScaler for the CPU")
+    bare = spawn(python, FUNCTIONAL, args=[mode], wait=False)
+    without = json.loads(bare.wait_for_line("RESULT").split(" ", 1)[1])
+    quiet = {"PYTHONWARNINGS": "error::UserWarning:rankscope._probe.torch.trace"}
+    target = spawn(python, FUNCTIONAL, args=[mode], env={"RANKSCOPE_TORCH": "trace,every=1", **quiet}, wait=False)
+    program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    # Nothing the program computes changed.
+    assert program == without
+    rows = query(cli, target.pid, "SELECT step, loss FROM python.torch_steps ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(12)), rows
+    # (Step 0 ran before the probe had seen the model; step 1's forward
+    # came before the stand-in went on.)
+    for r in rows[2:]:
+        assert r["loss"] == program["losses"][r["step"]], (r, program["losses"])
+    assert json.loads(cli(target.pid, "torch", "--format", "json").stdout)["trace"]["errors"] == 0

@@ -747,6 +747,11 @@ impl CollectiveLog {
                 given: false,
             }
         };
+        if FED_IN.load(Ordering::Relaxed) != store::this_pid() {
+            // The first call of this process: the store made now, with its
+            // feed, so that a first call that hangs is read as in flight.
+            self.begin();
+        }
         self.shared.calls().open.insert(key, call);
         Ok((key, Instant::now(), group, torch_seq))
     }
@@ -830,33 +835,33 @@ impl CollectiveLog {
             calls.done.push((key, call));
             calls.done.len()
         };
-        if waiting == MAX_DONE / 2
-            || waiting >= MAX_DONE
-            || FED_IN.load(Ordering::Relaxed) != store::this_pid()
-        {
+        if waiting == MAX_DONE / 2 || waiting >= MAX_DONE {
             self.hand_over(waiting);
         }
     }
 
+    /// The store of this process made (with its feed), and its spill
+    /// thread started, which takes the calls from then on.
+    fn begin(&self) {
+        let store = store::store();
+        FED_IN.store(store::this_pid(), Ordering::Relaxed);
+        if store.spills() {
+            store.spill_soon(std::time::Duration::from_secs(1));
+        }
+    }
+
     /// The finished calls go to the store: the spill thread is woken to
-    /// take them (at half the room, or the first time in this process,
-    /// which starts that thread); with no spill thread, or none that kept
-    /// up, this thread hands them over itself.
+    /// take them at half the room; with no spill thread, or none that
+    /// kept up, this thread hands them over itself.
     fn hand_over(&self, waiting: usize) {
         let store = store::store();
-        let pid = store::this_pid();
-        let first = FED_IN.swap(pid, Ordering::Relaxed) != pid;
         if waiting >= MAX_DONE || !store.spills() {
             if waiting >= MAX_DONE {
                 self.shared.feed(&store, false);
             }
             return;
         }
-        store.spill_soon(if first {
-            std::time::Duration::from_secs(1)
-        } else {
-            std::time::Duration::ZERO
-        });
+        store.spill_soon(std::time::Duration::ZERO);
     }
 
     /// After the call returned: an `async_op` call is closed when its

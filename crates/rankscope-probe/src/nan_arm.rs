@@ -248,6 +248,34 @@ pub(crate) fn note_applied(arm: &Bound<'_, NanArm>, params: &Bound<'_, PyAny>) -
     Ok(())
 }
 
+/// After an optimizer's step: its sentinels' gradients noted again, as the
+/// step left them. Only for the optimizer whose sentinels are cached (the
+/// one that marks steps, usually); nothing here may fail the step.
+pub(crate) fn note_stepped(arm: &Bound<'_, NanArm>, optimizer: &Bound<'_, PyAny>) {
+    let py = arm.py();
+    let cached = match arm.try_borrow() {
+        Ok(held) if held.armed && !held.searching => {
+            held.sentinel_params.as_ref().map(|c| c.clone_ref(py))
+        }
+        _ => None,
+    };
+    let Some(cached) = cached else {
+        return;
+    };
+    let Ok(cached) = cached.bind(py).cast::<PyTuple>().cloned() else {
+        return;
+    };
+    let mine = cached
+        .get_item(0)
+        .and_then(|weak| weak.call0())
+        .is_ok_and(|o| o.is(optimizer));
+    if mine {
+        if let Ok(params) = cached.get_item(1) {
+            let _ = note_applied(arm, &params);
+        }
+    }
+}
+
 #[pymethods]
 impl NanArm {
     #[new]

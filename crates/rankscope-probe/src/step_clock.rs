@@ -378,6 +378,13 @@ impl StepClock {
         _kwargs: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let now = perf_ns();
+        let arm = slf.borrow().nan_arm.as_ref().map(|a| a.clone_ref(slf.py()));
+        if let Some(arm) = arm {
+            // The gradients as the step left them (an optimizer may change
+            // them in place: SGD's Nesterov momentum does): what a later
+            // `zero_grad` compares with (nan_arm.rs, `applied`).
+            nan_arm::note_stepped(arm.bind(slf.py()), optimizer);
+        }
         if slf.borrow().on {
             let result = post_on(slf, optimizer, now);
             guard(slf.as_any(), "the optimizer step hook", result)?;

@@ -445,6 +445,11 @@ impl Store {
     }
 
     fn ensure_thread(self: &Arc<Self>) {
+        if NO_WRITER.with(|n| n.get()) {
+            // The writer itself (its feed adds rows while `close` waits for
+            // it, holding the lock below), or `close`'s own last flush.
+            return;
+        }
         let mut thread = lock(&self.thread);
         if thread.is_some() {
             return;
@@ -519,8 +524,13 @@ impl Store {
 
     /// Flushes and stops the thread (at exit, or when the probe stops).
     pub fn close(self: &Arc<Self>) {
+        // The rows a feed hands over here (the last flush) start no writer.
+        let _quiet = NoWriter::enter();
         lock(&self.state).stopping = true;
         self.wake.notify_one();
+        // The lock is held while the thread ends, so that a row added
+        // meanwhile starts no other writer; the thread itself never takes
+        // it (its feed's rows: see `ensure_thread`).
         if let Some(thread) = lock(&self.thread).take() {
             let _ = thread.join();
         }
@@ -624,7 +634,29 @@ impl Store {
     }
 }
 
+thread_local! {
+    /// Set on the writer's thread, and while `close` runs: rows added there
+    /// start no writer.
+    static NO_WRITER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `NO_WRITER` set until dropped (as it was before).
+struct NoWriter(bool);
+
+impl NoWriter {
+    fn enter() -> NoWriter {
+        NoWriter(NO_WRITER.with(|n| n.replace(true)))
+    }
+}
+
+impl Drop for NoWriter {
+    fn drop(&mut self) {
+        NO_WRITER.with(|n| n.set(self.0));
+    }
+}
+
 fn spill_loop(store: std::sync::Weak<Store>) {
+    let _writer = NoWriter::enter();
     loop {
         let Some(store) = store.upgrade() else { return };
         {
@@ -820,6 +852,34 @@ mod tests {
             .map(|b| b.num_rows())
             .sum();
         assert_eq!(on_disk, 2, "both rows fed so far, not the open one");
+    }
+
+    /// A feed that adds rows on the writer's thread while `close` waits
+    /// for that thread: `close` returns (it held the thread's lock while
+    /// the writer's rows asked for it).
+    #[test]
+    fn close_returns_while_the_writer_feeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(Some(dir.path().to_path_buf()));
+        c.flush_every = Duration::from_millis(5);
+        let store = Store::new(c);
+        store.set_feed(Arc::new(|store: &Arc<Store>, _table, _reading| {
+            std::thread::sleep(Duration::from_millis(30));
+            store.append("torch_steps", 1.0, step_row(1)).unwrap();
+        }));
+        store.append("torch_steps", 1.0, step_row(0)).unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+        let (done, closed) = std::sync::mpsc::channel();
+        let closing = store.clone();
+        std::thread::spawn(move || {
+            closing.close();
+            let _ = done.send(());
+        });
+        assert!(
+            closed.recv_timeout(Duration::from_secs(5)).is_ok(),
+            "close never returned"
+        );
+        assert!(lock(&store.thread).is_none(), "no writer started again");
     }
 
     /// A collective open past `in_flight_after` (a hang) is written once

@@ -301,3 +301,54 @@ def root_name(model) -> str:
     if is_compiled(model):
         return type(getattr(model, "_orig_mod", model)).__name__
     return type(model).__name__
+
+
+def find_grad_scaler(frame, frames: int, objects: int):
+    """The program's GradScaler: in the locals of `frame` and the frames
+    that called it (the training loop), and in the attributes of the
+    objects they hold, two deep (a trainer's `scaler`, its
+    accelerator's); None where there is none. At most `frames` frames
+    and `objects` objects are looked at."""
+    # torch.cuda.amp's (older torch's, or a subclass of torch.amp's)
+    # only where the program imported it: asked for, it warns.
+    cuda_amp = sys.modules.get("torch.cuda.amp")
+    kinds = tuple(k for k in (getattr(torch.amp, "GradScaler", None), getattr(cuda_amp, "GradScaler", None))
+                  if isinstance(k, type))
+    if not kinds:
+        return None
+    seen, budget = set(), [objects]
+
+    def look(value, depth):
+        if budget[0] <= 0 or id(value) in seen:
+            return None
+        seen.add(id(value))
+        budget[0] -= 1
+        # By its type, not isinstance: that asks a proxy's `__class__`,
+        # which may be the program's code.
+        kind = type(value)
+        if issubclass(kind, kinds):
+            return value
+        if depth == 0 or issubclass(kind, (type, type(sys))):
+            return None
+        try:
+            attrs = object.__getattribute__(value, "__dict__")
+        except AttributeError:
+            return None
+        if not isinstance(attrs, dict):
+            return None
+        for inner in list(attrs.values()):
+            found = look(inner, depth - 1)
+            if found is not None:
+                return found
+        return None
+
+    for _ in range(frames):
+        if frame is None:
+            break
+        for value in list(frame.f_locals.values()):
+            found = look(value, 2)
+            if found is not None:
+                return found
+        frame = frame.f_back
+    return None
+

@@ -536,9 +536,12 @@ class NanWatch:
             # would see: the loss the step kept is read here, where that
             # costs no wait (a CPU's; a GPU's is left to the next step).
             # Not under gradient accumulation (a backward made gradients
-            # since the last optimizer step): the step's check sees them.
+            # since the last optimizer step): the step's check sees them;
+            # nor for a model in eval mode (a validation pass that left
+            # grad on: its metric may be inf by design).
             loss = step.loss
-            if loss is not None:
+            model = step.model() if step.model is not None else None
+            if loss is not None and model is not None and model.training:
                 loss = _local(loss)
                 if loss.device.type == "cpu" and not math.isfinite(float(loss)) and not self._backward_since():
                     self._trip(TRACER.step if TRACER.step is not None else 0, step,
@@ -584,50 +587,10 @@ class NanWatch:
         if self.scaler_searched:
             return None
         self.scaler_searched = True
-        # torch.cuda.amp's (older torch's, or a subclass of torch.amp's)
-        # only where the program imported it: asked for, it warns.
-        cuda_amp = sys.modules.get("torch.cuda.amp")
-        kinds = tuple(k for k in (getattr(torch.amp, "GradScaler", None), getattr(cuda_amp, "GradScaler", None))
-                      if isinstance(k, type))
-        if not kinds:
-            return None
-        seen, budget = set(), [SCALER_OBJECTS]
-
-        def look(value, depth):
-            if budget[0] <= 0 or id(value) in seen:
-                return None
-            seen.add(id(value))
-            budget[0] -= 1
-            # By its type, not isinstance: that asks a proxy's `__class__`,
-            # which may be the program's code.
-            kind = type(value)
-            if issubclass(kind, kinds):
-                return value
-            if depth == 0 or issubclass(kind, (type, type(sys))):
-                return None
-            try:
-                attrs = object.__getattribute__(value, "__dict__")
-            except AttributeError:
-                return None
-            if not isinstance(attrs, dict):
-                return None
-            for inner in list(attrs.values()):
-                found = look(inner, depth - 1)
-                if found is not None:
-                    return found
-            return None
-
-        frame = sys._getframe(1)
-        for _ in range(SCALER_FRAMES):
-            if frame is None:
-                break
-            for value in list(frame.f_locals.values()):
-                found = look(value, 2)
-                if found is not None:
-                    self._arm.scaler = weakref.ref(found)
-                    return found
-            frame = frame.f_back
-        return None
+        found = models.find_grad_scaler(sys._getframe(1), SCALER_FRAMES, SCALER_OBJECTS)
+        if found is not None:
+            self._arm.scaler = weakref.ref(found)
+        return found
 
     def _root_post(self, args, output):
         try:
@@ -730,7 +693,8 @@ class NanWatch:
                 return
             # A GradScaler skips the steps whose scaled gradients overflowed,
             # by design: its skips are `_repeated`'s to judge.
-            if self._find_scaler() is not None:
+            scaler = self._find_scaler()
+            if scaler is not None and getattr(scaler, "_enabled", True):
                 return
             params = (models.params_with_grads(owner) if of_optimizer
                       else [p for p in owner.parameters() if p.grad is not None])
@@ -1221,13 +1185,21 @@ def _zero_grad_stand_in(watch, own, of_optimizer):
     @functools.wraps(own)
     def zero_grad(self, *args, **kwargs):
         # Compiling first: dynamo folds it, and traces nothing of ours.
-        if not _compiling() and arm.armed:
-            # The usual step: the sentinels' gradients are the ones the
-            # last check saw, or the owner has none (a submodule).
+        if _compiling() or not arm.armed:
+            return own(self, *args, **kwargs)
+        # The usual step: the sentinels' gradients are the ones the
+        # last check saw, or the owner has none (a submodule).
+        known = watch.sentinels_of.get(id(self))
+        if known is None or known[0]() is not self or (known[1] and arm.unapplied(known[1])):
+            watch._before_zero_grad(self, of_optimizer)
             known = watch.sentinels_of.get(id(self))
-            if known is None or known[0]() is not self or (known[1] and arm.unapplied(known[1])):
-                watch._before_zero_grad(self, of_optimizer)
-        return own(self, *args, **kwargs)
+        out = own(self, *args, **kwargs)
+        if known is not None and known[1] and (args[:1] == (False,) or kwargs.get("set_to_none") is False):
+            # Zeroed in place: a new version of the same gradients, which
+            # the next zero_grad (the model's, then the optimizer's) must
+            # not take for a backward's.
+            arm.noted(known[1])
+        return out
 
     setattr(zero_grad, _ZERO_GRAD_WATCHED, own)
     return zero_grad

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import functools
 import sys
 import time
 import weakref
@@ -272,6 +273,12 @@ def _tensors(value, depth=0):
 MAX_LOSSES = 1024
 
 
+_LOSS_WATCHED = "_rankscope_loss_watched"
+# Whether dynamo is tracing the code that asks (torch 2.3 on; an older
+# torch's stand-ins are traced as they are).
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+
 def _scalar_loss(output):
     """The loss in a root module's output: a 0-dim floating tensor, or the
     ``loss`` of a model output that carries one (Hugging Face's)."""
@@ -340,6 +347,11 @@ class Tracer(_native.StepClock):
         self.step_told = 0
         self.sampling = False  # stand-ins are on for the step in progress
         self.sampled_steps = 0
+        # A stand-in on `torch.Tensor.backward` (class, its own, ours), put
+        # on where a sampled step's root gave no loss and no loss module is
+        # known: the loss is then what the program calls backward on.
+        self.backward_watch = None
+        self.grad_scaler = None  # weakref to the program's GradScaler, or False: none found
         self.slots: list = []
         self.hooked = 0  # slots with a stand-in on now
         self.full: list = []  # the slots with more than a time to reset each step
@@ -502,6 +514,7 @@ class Tracer(_native.StepClock):
             removed = self._traced_modules() if was_on else 0
             self._detach()
             self.lean_clear()
+            self._unwatch_backward()
             idle = not self.listeners
         done = self._stop_clock(wait_s) if idle else True
         try:
@@ -949,6 +962,8 @@ class Tracer(_native.StepClock):
                     loss = _scalar_loss(output)
                     if loss is not None:
                         tracer._take_loss(loss)
+                    elif tracer.backward_watch is None and not tracer.losses and torch.is_grad_enabled():
+                        tracer._watch_backward()
                 if backward:
                     for tensor in _tensors(output):
                         if tensor.requires_grad:
@@ -975,12 +990,78 @@ class Tracer(_native.StepClock):
             elif not self.samples_trained:
                 self.samples += first.shape[0]
 
-    def _take_loss(self, loss):
+    def _watch_backward(self):
+        """The loss of a program whose model returns none and that calls no
+        loss module (``F.cross_entropy(model(x), y)``, or plain tensor
+        arithmetic) is the scalar it calls ``backward()`` on: a stand-in
+        on ``torch.Tensor.backward``, on the class (nothing is added to a
+        tensor), keeps it in a sampled step. In another step it costs a
+        test (the step's first forward is None there). Under gradient
+        accumulation it is each micro-batch's tensor as the program gives
+        it (divided by their number, where the program divides)."""
+        own = torch.Tensor.__dict__.get("backward")
+        if own is None or getattr(own, _LOSS_WATCHED, None) is not None:
+            return
+        tracer = self
+
+        @functools.wraps(own)
+        def backward(self, *args, **kwargs):
+            # Compiling first: dynamo folds it, and traces nothing of ours.
+            if not _compiling() and tracer.first_fwd is not None:
+                tracer._backward_loss(self)
+            return own(self, *args, **kwargs)
+
+        setattr(backward, _LOSS_WATCHED, own)
+        torch.Tensor.backward = backward
+        self.backward_watch = (own, backward)
+
+    def _unwatch_backward(self):
+        watch, self.backward_watch = self.backward_watch, None
+        # Only where it is still ours (a program that replaced it since keeps its own).
+        if watch is not None and torch.Tensor.__dict__.get("backward") is watch[1]:
+            torch.Tensor.backward = watch[0]
+
+    def _backward_loss(self, tensor):
+        try:
+            if self.losses or tensor.dim() != 0 or not tensor.requires_grad or not tensor.is_floating_point():
+                return
+            grad_fn = tensor.grad_fn
+            scale = None
+            if grad_fn is not None and type(grad_fn).__name__ == "MulBackward0":
+                scale = self._grad_scale(grad_fn)
+            if scale is None:
+                self._take_loss(tensor.detach(), trained=True)
+                return
+            with torch.no_grad():
+                self._take_loss(tensor.detach() / scale, trained=True)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("the trace's loss at backward", exc)
+
+    def _grad_scale(self, grad_fn):
+        """The GradScaler's scale where the tensor is a loss it scaled
+        (``scaler.scale(loss)``: a product with the scaler's own scale
+        tensor, `grad_fn` its MulBackward0): the loss is the product
+        divided by it. None otherwise."""
+        other = getattr(grad_fn, "_saved_other", None)
+        if not isinstance(other, torch.Tensor) or other.numel() != 1:
+            return None
+        if self.grad_scaler is None:
+            # Looked for once, from the frame that called backward().
+            found = models.find_grad_scaler(sys._getframe(3), 12, 2000)
+            self.grad_scaler = weakref.ref(found) if found is not None else False
+        scaler = self.grad_scaler() if self.grad_scaler else None
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor) and scale.device == other.device and scale.data_ptr() == other.data_ptr():
+            return other
+        return None
+
+    def _take_loss(self, loss, trained=None):
         """Keeps a loss of the sampled step: its row has the mean of them
         all, which under gradient accumulation is the micro-batches' mean
-        (the batch's loss), not the last micro-batch's."""
+        (the batch's loss), not the last micro-batch's. `trained`: whether
+        it needs grad, where `loss` was detached already."""
         loss = _local(loss)
-        trained = loss.requires_grad
+        trained = loss.requires_grad if trained is None else trained
         if trained != self.loss_trained:
             if not trained and self.loss is not None:
                 return  # a validation loss, in a step that has trained ones
