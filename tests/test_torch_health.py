@@ -1807,3 +1807,47 @@ def test_a_nan_in_a_step_the_program_skipped_itself_is_named_at_that_step(torch_
     # gradients.
     assert [(e["step"], e["stage"], e["module"]) for e in events] == [(5, mode, "1")], events
     assert "no optimizer step" in events[0]["detail"] or "no optimizer step used" in events[0]["detail"], events
+
+
+# A healthy loop that clears its gradients after the forward (PyTorch's
+# quickstart order) or in place, with an optimizer that changes the
+# gradients in place (SGD's Nesterov momentum, foreach): no zero_grad
+# finds gradients that no step used, so none is checked there.
+ORDERS = """
+import sys, time
+import torch
+from torch import nn
+
+ORDER, OPT = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+if OPT == "nesterov":
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, nesterov=True, foreach=True)
+else:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+data = torch.Generator().manual_seed(1)
+for step in range(30):
+    x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+    if ORDER == "top":
+        optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    if ORDER == "after-forward":
+        optimizer.zero_grad()
+    elif ORDER == "in-place":
+        model.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    optimizer.step()
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("order,opt", [("top", "adam"), ("after-forward", "adam"), ("after-forward", "nesterov"), ("in-place", "nesterov")])
+def test_a_healthy_loop_has_no_gradients_checked_at_zero_grad(torch_python, spawn, cli, order, opt):
+    target = spawn(torch_python, ORDERS, args=[order, opt], env={"RANKSCOPE_TORCH": "nan"}, wait=False)
+    target.wait_for_line("READY")
+    shown = json.loads(cli(target.pid, "torch", "--format", "json").stdout)["features"]["nan"]
+    assert shown["checked_steps"] >= 25 and shown["events"] == [], shown
+    assert shown["unstepped_checks"] == 0, shown

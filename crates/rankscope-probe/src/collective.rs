@@ -565,16 +565,21 @@ impl CollectiveLog {
                 // made once.
                 let (text, dtype, item): (Option<String>, Option<String>, i64) =
                     self.shape_of.bind(py).call1((&first,))?.extract()?;
-                let text = text.map_or(Text::Null, |t| self.shared.text(&t));
-                let dtype = dtype.map_or(Text::Null, |t| self.shared.text(&t));
+                // Past the cap the texts are the call's own: made again at
+                // each call, they would fill the table of texts.
+                let keep = shapes.len() < MAX_SHAPES;
+                let made = |t: Option<String>| match t {
+                    None => Text::Null,
+                    Some(t) if keep => self.shared.text(&t),
+                    Some(t) => Text::Own(t.into()),
+                };
+                let (text, dtype) = (made(text), made(dtype));
                 let place = |t: &Text| match t {
                     Text::At(at) => Some(i64::from(*at)),
                     _ => None,
                 };
                 if let (Some(shape_at), Some(dtype_at)) = (place(&text), place(&dtype)) {
-                    if shapes.len() < MAX_SHAPES {
-                        shapes.set_item(&key, (shape_at, dtype_at, item))?;
-                    }
+                    shapes.set_item(&key, (shape_at, dtype_at, item))?;
                 }
                 (text, dtype, item)
             }

@@ -239,6 +239,7 @@ class NanWatch:
         self.events: list = []
         self.disabled = None
         self.gpu_waits = 0  # checks that waited for a GPU (`torch nan` says so)
+        self.unstepped_checks = 0
         self.handles: list = []
         self.tripped_at = None
         self.hooked: set = set()
@@ -699,6 +700,7 @@ class NanWatch:
             params = (models.params_with_grads(owner) if of_optimizer
                       else [p for p in owner.parameters() if p.grad is not None])
             self._arm.noted(mine)
+            self.unstepped_checks += 1
             with torch.no_grad():
                 finite = _finite_now([p.grad for p in params], step.loss)
             if not finite:
@@ -1165,6 +1167,8 @@ class NanWatch:
             "armed": self.armed,
             "checked_steps": self._arm.steps_seen,
             "gpu_waits": self.gpu_waits,
+            # Gradients a zero_grad found that no optimizer step used, checked.
+            "unstepped_checks": self.unstepped_checks,
             "tripped_at": self.tripped_at,
             "events": self.events,
             "disabled": self.disabled,
