@@ -232,6 +232,10 @@ class GradStats:
             params = [p for p in params if id(p) not in taken]
         if not params:
             return
+        if len(self.read_at) >= 64:
+            # Optimizers the program made and dropped (one per phase, or
+            # per run of a sweep) are not kept track of for ever.
+            self.read_at = {k: v for k, v in self.read_at.items() if v[0]() is not None}
         self.read_at[id(optimizer)] = (weakref.ref(optimizer), step)
         if any(id(p) not in self.names for p in params):
             self._name_unknown(params)
