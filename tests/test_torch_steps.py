@@ -389,7 +389,7 @@ for it in range(12):
     else:
         loss.backward()
         optimizer.step()
-bits = [p.detach().numpy().tobytes().hex() for p in model.parameters()]
+bits = [[v.hex() for v in p.detach().flatten().tolist()] for p in model.parameters()]
 print("RESULT " + json.dumps({"losses": losses, "bits": bits}), flush=True)
 print("READY", flush=True)
 while True:
