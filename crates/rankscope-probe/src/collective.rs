@@ -386,6 +386,9 @@ pub(crate) fn feed_all(store: &Arc<Store>, table: Option<&'static str>, reading:
     }
 }
 
+/// A cache of texts, each with the object it came from held.
+type Kept<K> = HashMap<K, (Py<PyAny>, Text)>;
+
 #[derive(Default)]
 struct State {
     groups: HashMap<usize, Group>,
@@ -394,10 +397,10 @@ struct State {
     order: Vec<usize>,
     /// (code object's address, instruction) -> "func (file:line)"; the
     /// code object is kept, so that its address is not reused.
-    sites: HashMap<(usize, i64), (Py<PyAny>, Text)>,
+    sites: Kept<(usize, i64)>,
     /// A thread's name (the str object `threading` keeps, held so that its
     /// address is not reused) -> its text.
-    threads: HashMap<usize, (Py<PyAny>, Text)>,
+    threads: Kept<usize>,
     /// How many groups each name was given to: torch names a default group
     /// made again (after `destroy_process_group`) "0" again, and numbers
     /// its collectives from 1 again.
@@ -632,14 +635,26 @@ impl CollectiveLog {
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or(file);
         let site = format!("{name} ({base}:{line})");
-        if self.state().sites.len() >= MAX_SITES {
-            return Ok(Text::Own(site.into()));
+        Ok(self.keep(|s| &mut s.sites, MAX_SITES, key, code.unbind(), &site))
+    }
+
+    /// `text` made once and kept under `key` in the cache `of` picks, with
+    /// the object it came from held (so that its address is not reused);
+    /// past `cap` entries, the call's own.
+    fn keep<K: std::hash::Hash + Eq>(
+        &self,
+        of: fn(&mut State) -> &mut Kept<K>,
+        cap: usize,
+        key: K,
+        held: Py<PyAny>,
+        text: &str,
+    ) -> Text {
+        if of(&mut self.state()).len() >= cap {
+            return Text::Own(text.into());
         }
-        let text = self.shared.text(&site);
-        self.state()
-            .sites
-            .insert(key, (code.unbind(), text.clone()));
-        Ok(text)
+        let made = self.shared.text(text);
+        of(&mut self.state()).insert(key, (held, made.clone()));
+        made
     }
 
     /// The calling thread's name, as `threading` has it now: the same str
@@ -656,14 +671,7 @@ impl CollectiveLog {
         let Ok(text) = name.extract::<String>() else {
             return Ok(Text::Null);
         };
-        if self.state().threads.len() >= MAX_THREADS {
-            return Ok(Text::Own(text.into()));
-        }
-        let text = self.shared.text(&text);
-        self.state()
-            .threads
-            .insert(at, (name.unbind(), text.clone()));
-        Ok(text)
+        Ok(self.keep(|s| &mut s.threads, MAX_THREADS, at, name.unbind(), &text))
     }
 
     /// Opens the call's row: its key and start, the group, and torch's
