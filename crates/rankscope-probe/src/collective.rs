@@ -47,7 +47,7 @@
 use std::cell::Cell as Flag;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockWriteGuard, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use pyo3::exceptions::PyException;
@@ -273,6 +273,50 @@ static FED_IN: AtomicU32 = AtomicU32::new(0);
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The recording's locks, held across a fork (`store::hold_across_fork`):
+/// a child has only the thread that forked, so a lock the spill thread
+/// held in the middle of a feed would stay held in it for good, and the
+/// child's first collective, or its store's first feed, would wait forever.
+pub(crate) struct ForkHold {
+    // Dropped in this order: the logs' locks, then the list's.
+    _held: Vec<HeldLog>,
+    _logs: MutexGuard<'static, Vec<Weak<Shared>>>,
+}
+
+struct HeldLog {
+    // Declared before `_shared`, so dropped while what they borrow lives.
+    _feeding: MutexGuard<'static, ()>,
+    _calls: MutexGuard<'static, Calls>,
+    _texts: RwLockWriteGuard<'static, Vec<Box<str>>>,
+    _shared: Arc<Shared>,
+}
+
+/// Takes every log's locks in the order the feed takes them (the list,
+/// then each log's `feeding`, `calls`, `texts`); no holder of one of them
+/// waits for the GIL, which the forking thread may hold.
+pub(crate) fn hold_for_fork() -> ForkHold {
+    let logs = locked(&LOGS);
+    let held = logs
+        .iter()
+        .filter_map(Weak::upgrade)
+        .map(|shared| {
+            // SAFETY: the `Shared` lives while `_shared` does, and the
+            // guards that borrow it are dropped before `_shared` is.
+            let at: &'static Shared = unsafe { &*Arc::as_ptr(&shared) };
+            HeldLog {
+                _feeding: locked(&at.feeding),
+                _calls: locked(&at.calls),
+                _texts: at.texts.write().unwrap_or_else(|e| e.into_inner()),
+                _shared: shared,
+            }
+        })
+        .collect();
+    ForkHold {
+        _held: held,
+        _logs: logs,
+    }
 }
 
 impl Shared {

@@ -27,6 +27,7 @@ pub(crate) fn this_pid() -> u32 {
     // leave the child a `Once` that never completes.
     static FORK_HOOK: AtomicBool = AtomicBool::new(false);
     extern "C" fn forked() {
+        let_go_after_fork();
         PID.store(0, Ordering::Relaxed);
     }
     let pid = PID.load(Ordering::Relaxed);
@@ -34,15 +35,61 @@ pub(crate) fn this_pid() -> u32 {
         return pid;
     }
     if !FORK_HOOK.swap(true, Ordering::AcqRel) {
-        // SAFETY: registers a handler that only stores to an atomic, which
-        // is async-signal-safe, as a child's handler after fork must be.
-        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+        // SAFETY: the handlers take and release this crate's own locks and
+        // store to an atomic; they call into no Python.
+        unsafe {
+            libc::pthread_atfork(
+                Some(hold_across_fork),
+                Some(let_go_after_fork),
+                Some(forked),
+            )
+        };
     }
     let pid = std::process::id();
     PID.store(pid, Ordering::Relaxed);
     pid
 }
 static PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// What a fork holds, from just before it to just after, on the forking
+/// thread (the child's only thread is that thread's copy, with its
+/// thread-locals).
+struct ForkHold {
+    // Dropped in this order, the reverse of taking.
+    _logs: crate::collective::ForkHold,
+    _store: std::sync::MutexGuard<'static, Option<Arc<Store>>>,
+}
+
+thread_local! {
+    static FORK_HOLD: std::cell::RefCell<Option<ForkHold>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Before a fork: the locks that the store's spill thread and the probe's
+/// readers take without the GIL are taken here, so that no thread holds
+/// one when the child is made (it would hold it in the child for good: a
+/// DataLoader worker or a `multiprocessing` child then hangs at its first
+/// row, collective or exit). They are held for microseconds at a time, so
+/// a fork waits for one at most that long. Locks taken only with the GIL
+/// held need nothing: the forking thread holds it.
+extern "C" fn hold_across_fork() {
+    let store = STORE.lock().unwrap_or_else(|e| e.into_inner());
+    let logs = crate::collective::hold_for_fork();
+    let taken = ForkHold {
+        _logs: logs,
+        _store: store,
+    };
+    // (A thread past its thread-locals' end forks unguarded: nothing here may panic.)
+    let _ = FORK_HOLD.try_with(|hold| {
+        if let Ok(mut hold) = hold.try_borrow_mut() {
+            *hold = Some(taken);
+        }
+    });
+}
+
+/// After a fork, in the parent and in the child: what `hold_across_fork` took goes.
+extern "C" fn let_go_after_fork() {
+    let _ = FORK_HOLD.try_with(|hold| hold.try_borrow_mut().map(|mut h| h.take()));
+}
 
 /// The store of this process; made with the first row. A child after
 /// `fork` gets a fresh one: the parent's rows and thread are not its own.
