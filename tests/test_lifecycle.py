@@ -102,3 +102,54 @@ def test_the_probe_ends_cleanly_with_the_process(python, spawn, endpoint_dir):
     assert target.proc.stderr.read() == b""
     assert not Path(endpoint_dir, f"{target.pid}.sock").exists()
     assert not Path(endpoint_dir, f"{target.pid}.json").exists()
+
+
+# The probe's Python locks that its own threads take (turning torch
+# features on and off, a reader's hand-over of rows, breakpoints, the
+# debugger, pauses), each held by another thread while the program forks:
+# the child, which has only the forking thread, must find every one free.
+HELD_ACROSS_FORK = """
+import json, os, threading
+import torch
+from rankscope._probe import breakpoints, debugger, pause
+from rankscope._probe.torch import tables, trace
+
+locks = {"trace": trace.TRACER.lock, "tables": tables._outbox_lock, "breakpoints": breakpoints._lock,
+         "debugger": debugger._lock, "pause": pause._lock}
+hooks = breakpoints._line_hooks()
+if hasattr(hooks, "_lock"):  # 3.11's line hooks (3.12 and later use sys.monitoring)
+    locks["linehooks"] = hooks._lock
+held, done = threading.Event(), threading.Event()
+
+def hold():
+    for lock in locks.values():
+        lock.acquire()
+    held.set()
+    done.wait()
+    for lock in locks.values():
+        lock.release()
+
+threading.Thread(target=hold).start()
+held.wait()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    free = {name: lock.acquire(timeout=2) for name, lock in locks.items()}
+    os.write(write, json.dumps(free).encode())
+    os._exit(0)
+os.close(write)
+os.waitpid(pid, 0)
+done.set()
+print("READY " + os.read(read, 4096).decode(), flush=True)
+"""
+
+
+def test_a_forked_child_finds_the_probes_locks_free(python, spawn):
+    import json
+
+    from conftest import require_torch
+
+    require_torch(python)
+    target = spawn(python, HELD_ACROSS_FORK)
+    free = json.loads(target.output[-1].split(" ", 1)[1])
+    assert len(free) >= 5 and all(free.values()), free

@@ -36,6 +36,9 @@ from rankscope._probe.saferepr import Budget, safe_repr, type_name
 MAX_ERRORS = 5
 
 _lock = threading.RLock()
+# A probe thread may hold it when the program forks: the child, which has
+# only the forking thread, gets it free.
+os.register_at_fork(after_in_child=_lock._at_fork_reinit)
 _ids = itertools.count(1)
 # Breakpoints and watches by id; both are "handlers" of lines.
 _handlers: dict[int, "Breakpoint | Watch"] = {}

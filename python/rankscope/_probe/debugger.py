@@ -34,6 +34,9 @@ from rankscope._probe import breakpoints, stacks
 from rankscope._probe.saferepr import Budget, safe_repr, type_name
 
 _lock = threading.RLock()
+# A probe thread may hold it when the program forks: the child, which has
+# only the forking thread, gets it free.
+os.register_at_fork(after_in_child=_lock._at_fork_reinit)
 _session_ids = itertools.count(1)
 _session: "Session | None" = None
 MAX_EVENTS = 2000

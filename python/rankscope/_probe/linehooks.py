@@ -22,6 +22,7 @@ with the *original* code object.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import types
@@ -134,6 +135,8 @@ class Instrumented:
         # One state list per traced thread: [active, callback, frame, ...].
         self._traces: list[list] = []
         self._lock = threading.RLock()
+        # (A probe thread may hold it when the program forks: free in the child.)
+        os.register_at_fork(after_in_child=self._lock._at_fork_reinit)
 
     def original(self, code: types.CodeType) -> types.CodeType:
         return self._original_of.get(code, code)

@@ -27,6 +27,9 @@ from rankscope._probe import private_socket
 DEFAULT_TIMEOUT_S = 300.0
 _ids = itertools.count(1)
 _lock = threading.Lock()
+# A probe thread may hold it when the program forks: the child, which has
+# only the forking thread, gets it free.
+os.register_at_fork(after_in_child=_lock._at_fork_reinit)
 # session id -> what `attach` needs to find it
 _paused: dict[int, dict] = {}
 # threads in a session: a breakpoint they hit again only records

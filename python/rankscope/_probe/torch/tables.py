@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import os
 import sys
 import threading
 import time
@@ -63,6 +64,8 @@ NEVER = 1 << 62
 due = NEVER
 # A reader's hand-over runs on a probe thread while the training thread may post.
 _outbox_lock = _thread.allocate_lock()
+# A reader's hand-over may hold it when the program forks: free in the child.
+os.register_at_fork(after_in_child=_outbox_lock._at_fork_reinit)
 # Half the store's own spill interval (1 s): a batch of a few hundred rows
 # costs the training thread about what a batch of 30 did.
 HAND_OVER_NS = 250_000_000

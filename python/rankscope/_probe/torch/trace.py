@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import os
 import functools
 import sys
 import time
@@ -318,6 +319,8 @@ class Tracer(_native.StepClock):
 
     def __init__(self):
         self.lock = _thread.RLock()
+        # Turning features on or off may hold it when the program forks: free in the child.
+        os.register_at_fork(after_in_child=self.lock._at_fork_reinit)
         self.on = False
         self.tracing = False
         # Features that hear of each optimizer step and step boundary:
