@@ -1207,6 +1207,11 @@ def test_a_nan_from_one_ddp_rank_is_traced_to_it_and_the_job_goes_on_as_without_
         assert after.returncode == 0, after.stdout + after.stderr
         assert "no rank of this job is running" in after.stdout, after.stdout
         assert "job: the first non-finite value began on rank 1, at step 5 (input, in DistributedDataParallel)" in after.stdout, after.stdout
+        # So does `cluster query`, from every rank's files.
+        read = cli("cluster", "query", "--run", where / "run", "SELECT rank, step FROM python.nan_events ORDER BY rank", "--format", "json")
+        assert read.returncode == 0, read.stderr
+        assert [(r["rank"], r["step"]) for r in json.loads(read.stdout)] == [(0, 5), (1, 5)], read.stdout
+        assert "no rank of this job is running" in read.stderr, read.stderr
     finally:
         (where / "stop").touch()
         kill_tree(proc.pid)

@@ -1352,7 +1352,25 @@ pub fn query(
     format: QueryFormat,
     all_frames: bool,
 ) -> Result<u8> {
-    let job = find_job(job, run)?;
+    let job = match (find_job(job, run.clone()), &run) {
+        (Ok(job), _) => job,
+        // The job is over: its rows are in its run store, every rank's.
+        (Err(_), Some(dir)) => {
+            if ranks.is_some() {
+                return Err(Hinted::new(
+                    "no rank of this job is running, so --ranks has no ranks to ask",
+                    "the run store holds every rank's rows: filter them with WHERE rank IN (...)",
+                )
+                .into());
+            }
+            eprintln!(
+                "note: no rank of this job is running: read from its run store ({})",
+                dir.display()
+            );
+            return super::query::run_offline(Some(dir.clone()), false, sql, format);
+        }
+        (Err(e), None) => return Err(e),
+    };
     let selected = job.selected(ranks)?;
     let here = rankscope_core::host::hostname();
     let mut probes: Vec<Box<dyn RowSource>> = Vec::new();
