@@ -448,3 +448,46 @@ def test_each_thread_keeps_its_own_name_where_its_id_was_another_threads(python,
     assert len({next(iter(names)) for names in workers.values()}) == len(workers), workers
     # A thread being started is not a sample of the main thread with no frame.
     assert not [s for s in counts if s.count(";") == 1], [s for s in counts if s.count(";") == 1]
+
+
+# Steps of about a millisecond, every tenth with 50 ms in `marker`: the
+# samples taken in `marker` carry that slow step's number, the one
+# `python.torch_steps` gives it (not the step last told, up to ten back).
+SLOW_EVERY_TENTH = """
+import time
+import torch
+from torch import nn
+
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+def marker():
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.05:
+        pass
+
+print("READY", flush=True)
+it = 0
+while True:
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    if it % 10 == 0:
+        marker()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    it += 1
+"""
+
+
+def test_samples_carry_the_step_they_were_taken_in(python, spawn, cli):
+    require_torch(python)
+    target = spawn(python, SLOW_EVERY_TENTH, env={"RANKSCOPE_TORCH": "trace,every=1000"})
+    profile(cli, target.pid, "--top", "1")
+    slow = {r["step"] for r in json.loads(cli(target.pid, "query", "SELECT step FROM python.torch_steps WHERE step_ms > 30", "--format", "json").stdout)}
+    tagged = json.loads(cli(target.pid, "query", "SELECT step, sum(samples) AS n FROM python.profile WHERE func = 'marker' GROUP BY step", "--format", "json").stdout)
+    total = sum(r["n"] for r in tagged)
+    assert total >= 50 and slow, (tagged, slow)
+    # (A sample read across a boundary may carry the step before.)
+    inside = sum(r["n"] for r in tagged if r["step"] in slow)
+    assert inside >= 0.9 * total, (tagged, sorted(slow)[-10:])

@@ -1008,3 +1008,47 @@ def test_cluster_trace_on_in_a_job_of_one_rank_says_nothing_of_numbering(default
         (tmp_path / "stop").touch()
         kill_tree(proc.pid)
         proc.wait()
+
+
+# A module that hands its input on as its output (nn.Identity, a drop
+# path turned off, as in timm's blocks): the gradient reaches its input
+# when it reaches its output, so its backward takes no time of its own.
+PASS_THROUGH = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
+        self.drop_path = nn.Identity()
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.head(self.drop_path(self.body(x)))
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(8):
+    x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+print("READY", flush=True)
+import time
+time.sleep(600)
+"""
+
+
+def test_a_pass_through_module_has_no_backward_time_of_its_own(torch_python, spawn, cli):
+    target = spawn(torch_python, PASS_THROUGH, env={"RANKSCOPE_TORCH": "trace,backward"})
+    rows = query_json(
+        cli, target.pid, "SELECT module, sum(duration_ms) AS ms, count(*) AS n FROM python.torch_trace WHERE stage = 'backward' GROUP BY module"
+    )
+    ms = {r["module"]: r["ms"] for r in rows}
+    assert {"body", "drop_path", "head"} <= set(ms), rows
+    # It was charged with the rest of the pass: the body's whole backward.
+    assert ms["drop_path"] < 0.05 * ms["body"], rows

@@ -358,7 +358,10 @@ def test_a_second_trace_on_keeps_the_running_clocks_step_numbers(python, spawn, 
 
 # A loss made by a function (no loss module, a model that returns logits)
 # is the scalar the program calls backward on: as it is, or, under a
-# GradScaler, divided by the scaler's own scale. The program prints each
+# GradScaler, divided by the scaler's own scale. A loss module used only
+# for validation (without grad) does not stand in for it; under gradient
+# accumulation with each micro-batch's loss divided by their number, the
+# step's loss is their sum, as the program logs it. The program prints each
 # step's loss and its final weights' bits, run with and without the trace.
 FUNCTIONAL = """
 import json, sys, time
@@ -373,7 +376,19 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if MODE == "scaler" else None
 data = torch.Generator().manual_seed(1)
 losses = []
+criterion = nn.CrossEntropyLoss()
 for it in range(12):
+    if MODE == "accumulation":
+        optimizer.zero_grad()
+        total = 0.0
+        for micro in range(4):
+            x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+            loss = F.cross_entropy(model(x), y) / 4
+            total += loss.item()
+            loss.backward()
+        losses.append(total)
+        optimizer.step()
+        continue
     x, y = torch.randn(16, 8, generator=data), torch.randint(0, 4, (16,), generator=data)
     optimizer.zero_grad()
     logits = model(x)
@@ -389,6 +404,9 @@ for it in range(12):
     else:
         loss.backward()
         optimizer.step()
+    if MODE == "validation" and it % 2:
+        with torch.no_grad():
+            criterion(model(x), y)
 bits = [[v.hex() for v in p.detach().flatten().tolist()] for p in model.parameters()]
 print("RESULT " + json.dumps({"losses": losses, "bits": bits}), flush=True)
 print("READY", flush=True)
@@ -397,7 +415,7 @@ while True:
 """
 
 
-@pytest.mark.parametrize("mode", ["cross_entropy", "arithmetic", "scaler"])
+@pytest.mark.parametrize("mode", ["cross_entropy", "arithmetic", "scaler", "validation", "accumulation"])
 def test_a_loss_made_by_a_function_is_the_one_backward_was_called_on(python, spawn, cli, mode):
     require_torch(python)
     import subprocess

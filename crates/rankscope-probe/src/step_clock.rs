@@ -839,8 +839,11 @@ fn boundary_at(
             }
         }
     }
+    // At every boundary (an atomic store): a profile reads it at each
+    // sample, and a step told only every `step_told_ns` tagged a slow step's
+    // samples with the step of the last one told, up to ten steps back.
+    crate::memory::set_step(step + 1);
     if let Some(step_row) = step_row {
-        crate::memory::set_step(step + 1);
         step_row.bind(py).call1((now,))?;
     }
     if let Some(calls) = calls {
@@ -905,6 +908,18 @@ fn lean_turn(
     if sampled_now {
         if !tracer.getattr(intern!(py, "loss_event"))?.is_none() {
             return Ok(None); // a loss on its way from a GPU
+        }
+        // A loss that `_loss_into` reads otherwise than `float(loss)`: the
+        // parts of an accumulated batch's loss (divided by their number),
+        // or a validation loss in a step that trained on one not seen.
+        if tracer.getattr(intern!(py, "loss_divisor"))?.is_truthy()?
+            || (tracer
+                .getattr(intern!(py, "samples_trained"))?
+                .is_truthy()?
+                && !tracer.getattr(intern!(py, "loss_trained"))?.is_truthy()?
+                && !tracer.getattr(intern!(py, "loss"))?.is_none())
+        {
+            return Ok(None);
         }
         // Stand-ins that stay on (every step sampled) with a module gone (a
         // model the program dropped, maybe for another): the long way's,

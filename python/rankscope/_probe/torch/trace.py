@@ -52,10 +52,11 @@ _perf = time.perf_counter_ns
 EDIT_WAIT_S = 2.0
 # Without an optimizer, models are looked for again at steps 1, 2, 4, ...
 MAX_REDISCOVERY_INTERVAL = 1024
-# The memory timeline's rows carry the step (``_native.set_step``), told at
-# most this often: a call into the probe per step is a cost of its own.
-# Where CUDA is in use, telling the step also gives the timeline a row with
-# CUDA's figures (``memory.step_row``, itself at most every 100 ms).
+# The step is set at every boundary (``_native.set_step``, an atomic that
+# the memory timeline's rows and a profile's samples read); the timeline's
+# Python is told at most this often, a call per step being a cost of its
+# own: where CUDA is in use it adds a row with CUDA's figures
+# (``memory.step_row``, itself at most every 100 ms).
 STEP_TOLD_NS = 20_000_000
 # What a listener (the NaN watch, gradient and activation statistics) may
 # hear of: optimizer_pre(optimizer, step), optimizer_post(optimizer, step)
@@ -223,6 +224,21 @@ def _gpu_ms(pairs):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _divisor(grad_fn, made_by):
+    """What a loss made by dividing by a number (``loss / accum``, or
+    ``loss * (1 / accum)``) was divided by; None for any other product or
+    quotient (by a tensor that trains, or by more than one number)."""
+    other = getattr(grad_fn, "_saved_other", None)
+    if not isinstance(other, torch.Tensor) or other.numel() != 1 or other.requires_grad or other.is_cuda:
+        return None
+    value = float(other)
+    if made_by == "MulBackward0":
+        value = 1 / value if value else 0.0
+    rounded = round(value)
+    # Only a whole number can be a count of micro-batches.
+    return rounded if rounded >= 1 and abs(value - rounded) < 1e-6 * rounded else None
+
+
 def _local(tensor):
     """A DTensor's own shard (an FSDP2 or tensor-parallel parameter, its
     gradient, a sharded output); any other tensor as it is. The probe reads
@@ -382,6 +398,11 @@ class Tracer(_native.StepClock):
         self.loss_n = None  # (how many, their sum) where `loss` is their mean, a float
         self.loss_trained = False  # `loss` is of losses that need grad
         self.samples_trained = False  # `samples` counts calls made with grad
+        # What every loss taken at backward was divided by, alike for all
+        # (None: none divided; False: not alike), and whether a loss
+        # module's trained loss waits for its backward.
+        self.loss_divisor = None
+        self.module_loss = False
 
     # ---- turning on and off (probe thread, or the env at torch's import)
 
@@ -667,11 +688,11 @@ class Tracer(_native.StepClock):
         loss, event = self.loss, self.loss_event
         return (list(self.acc), self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples,
                 list(loss) if type(loss) is list else loss, list(event) if type(event) is list else event,
-                self.loss_n, self.loss_trained, self.samples_trained, slots)
+                self.loss_n, self.loss_trained, self.samples_trained, self.loss_divisor, self.module_loss, slots)
 
     def restore(self, held: tuple) -> None:
         (acc, self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples, self.loss, self.loss_event, self.loss_n,
-         self.loss_trained, self.samples_trained, slots) = held
+         self.loss_trained, self.samples_trained, self.loss_divisor, self.module_loss, slots) = held
         if len(acc) == len(self.acc):
             self.acc[:] = acc
         for slot, open_events, events, mem_starts, *rest in slots:
@@ -741,8 +762,8 @@ class Tracer(_native.StepClock):
             if completed is None:
                 completed = 1 if self.step is None else self.step + 1
             self.step = completed
+            _native.set_step(completed)  # (what a profile's samples are tagged with)
             if now - self.step_told >= STEP_TOLD_NS:
-                _native.set_step(completed)
                 self.step_told = now
                 _timeline.step_row(now)
             self.last_end = now
@@ -805,10 +826,16 @@ class Tracer(_native.StepClock):
         """Puts the loss in `row` now (CPU), or returns how to read it
         later without a device sync (CUDA)."""
         loss, events = self.loss, self.loss_event
-        if loss is None:
+        if loss is None or (self.samples_trained and not self.loss_trained):
+            # (A validation loss, in a step that trained on a loss not seen.)
             return ()
+        # Under gradient accumulation a program that divides each micro-
+        # batch's loss by their number backs the parts of the batch's
+        # loss: their sum, the mean of the losses as a loss module gives.
+        taken = len(loss) if type(loss) is list else (self.loss_n[0] if self.loss_n else 1)
+        undo = taken if self.loss_divisor and self.loss_divisor == taken else 1
         if events is None:
-            row[index] = float(loss)
+            row[index] = float(loss) * undo
             return ()
 
         def resolve():
@@ -818,7 +845,7 @@ class Tracer(_native.StepClock):
             total = 0.0
             for copy in loss:
                 total += float(copy)
-            return total / len(loss)
+            return total / len(loss) * undo
 
         return [(index, resolve)]
 
@@ -965,7 +992,7 @@ class Tracer(_native.StepClock):
                     loss = _scalar_loss(output)
                     if loss is not None:
                         tracer._take_loss(loss)
-                    elif tracer.backward_watch is None and not tracer.losses and torch.is_grad_enabled():
+                    elif tracer.backward_watch is None and torch.is_grad_enabled():
                         tracer._watch_backward()
                 if backward:
                     for tensor in _tensors(output):
@@ -980,7 +1007,8 @@ class Tracer(_native.StepClock):
         if self.first_fwd is None:
             # The step's first call (the step's figures were taken and reset).
             self.first_fwd = now
-            self.samples_trained = False
+            self.samples_trained = self.module_loss = False
+            self.loss_divisor = None
         first = args[0] if args else next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
         if isinstance(first, torch.Tensor) and first.dim() > 0:
             # The batches the step trained on: a call without grad (a
@@ -1000,8 +1028,9 @@ class Tracer(_native.StepClock):
         on ``torch.Tensor.backward``, on the class (nothing is added to a
         tensor), keeps it in a sampled step. In another step it costs a
         test (the step's first forward is None there). Under gradient
-        accumulation it is each micro-batch's tensor as the program gives
-        it (divided by their number, where the program divides)."""
+        accumulation the step's loss is the micro-batches' mean, or, where
+        the program divides each by their number, their sum (`_loss_into`).
+        A loss module's trained loss is the one its backward takes."""
         own = torch.Tensor.__dict__.get("backward")
         if own is None or getattr(own, _LOSS_WATCHED, None) is not None:
             return
@@ -1026,14 +1055,22 @@ class Tracer(_native.StepClock):
 
     def _backward_loss(self, tensor):
         try:
-            if self.losses or tensor.dim() != 0 or not tensor.requires_grad or not tensor.is_floating_point():
+            if self.module_loss:
+                # A loss module took this backward's loss (its output, or
+                # a sum the program made of it).
+                self.module_loss = False
+                return
+            if tensor.dim() != 0 or not tensor.requires_grad or not tensor.is_floating_point():
                 return
             grad_fn = tensor.grad_fn
-            scale = None
-            if grad_fn is not None and type(grad_fn).__name__ == "MulBackward0":
+            scale = divisor = None
+            made_by = type(grad_fn).__name__ if grad_fn is not None else None
+            if made_by == "MulBackward0":
                 scale = self._grad_scale(grad_fn)
+            if scale is None and made_by in ("DivBackward0", "MulBackward0"):
+                divisor = _divisor(grad_fn, made_by)
             if scale is None:
-                self._take_loss(tensor.detach(), trained=True)
+                self._take_loss(tensor.detach(), trained=True, divisor=divisor)
                 return
             with torch.no_grad():
                 self._take_loss(tensor.detach() / scale, trained=True)
@@ -1058,7 +1095,7 @@ class Tracer(_native.StepClock):
             return other
         return None
 
-    def _take_loss(self, loss, trained=None):
+    def _take_loss(self, loss, trained=None, divisor=None):
         """Keeps a loss of the sampled step: its row has the mean of them
         all, which under gradient accumulation is the micro-batches' mean
         (the batch's loss), not the last micro-batch's. `trained`: whether
@@ -1070,9 +1107,13 @@ class Tracer(_native.StepClock):
                 return  # a validation loss, in a step that has trained ones
             # The step's first loss that trains: those without grad before
             # it (a validation pass) are not the step's.
-            self.loss = self.loss_event = self.loss_n = None
+            self.loss = self.loss_event = self.loss_n = self.loss_divisor = None
             self.loss_trained = trained
         held = self.loss
+        if held is None:
+            self.loss_divisor = divisor
+        elif self.loss_divisor != divisor:
+            self.loss_divisor = False
         if loss.is_cuda:
             if torch.cuda.is_current_stream_capturing():
                 return  # (a copy and an event would be nodes of the graph)
@@ -1100,6 +1141,8 @@ class Tracer(_native.StepClock):
         try:
             if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
                 self._take_loss(output)
+                if output.requires_grad:
+                    self.module_loss = True
         except Exception as exc:  # noqa: BLE001
             self._fail("the trace's end of the loss module", exc)
 
@@ -1111,7 +1154,12 @@ class Tracer(_native.StepClock):
             try:
                 if tracer.sampling:
                     now = perf()
-                    if slot.bwd_start is None:
+                    if slot.bwd_start is None and slot.bwd_end is not None:
+                        # Its input's gradient came first: the output is
+                        # one of its inputs (nn.Identity, a disabled drop
+                        # path), so the module has no backward of its own.
+                        slot.bwd_start = slot.bwd_end
+                    elif slot.bwd_start is None:
                         slot.bwd_start = now
                         if slot.cuda is not None and not capturing():
                             # On autograd's thread for the device, whose
