@@ -199,3 +199,15 @@ def test_bad_arguments_get_one_line_and_a_hint(job, cli, tmp_path, args, message
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
     assert "hint:" in result.stderr, result.stderr
+
+
+def test_inside_has_each_rank_sample_itself(job, cli, tmp_path):
+    run, _ = job
+    done = cluster_profile(cli, run, "--inside", "--diff", "2", "--no-lines")
+    assert "ranks 0-3 are sampled by their own probes (--inside)" in done.stderr, done.stderr
+    rows = done.stdout.splitlines()
+    assert re.match(r"\s+\d+\.\d% \s+0\.0% \s+\+\d+\.\d%  odd_loop \(target\.py\)$", rows[2]), done.stdout
+    # Each probe kept its own profile in the run store (once, not again by the CLI).
+    result = cli("query", "--run", run, "SELECT rank, count(DISTINCT ts) AS profiles FROM python.profile GROUP BY rank ORDER BY rank", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"rank": r, "profiles": 1} for r in range(4)], result.stdout

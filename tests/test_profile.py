@@ -491,3 +491,33 @@ def test_samples_carry_the_step_they_were_taken_in(python, spawn, cli):
     # (A sample read across a boundary may carry the step before.)
     inside = sum(r["n"] for r in tagged if r["step"] in slow)
     assert inside >= 0.9 * total, (tagged, sorted(slow)[-10:])
+
+
+# A target that ends while its own probe samples it: the profile is what
+# was taken until then, written, not lost with the connection.
+ENDS_SOON = """
+import time
+
+def burn(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(i * i for i in range(500))
+
+print("READY", flush=True)
+burn(1.5)
+"""
+
+
+def test_a_target_that_exits_while_it_samples_itself_still_gives_its_profile(python, spawn, cli, tmp_path):
+    target = spawn(python, ENDS_SOON)
+    out = tmp_path / "ended.folded"
+    started = time.monotonic()
+    done = cli(target.pid, "profile", "--inside", "--duration", "30", "-o", out, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 20, "the sampling went on after the process ended"
+    counts = {}
+    for line in out.read_text().splitlines():
+        stack, n = line.rsplit(" ", 1)
+        counts[stack] = int(n)
+    assert sum(n for s, n in counts.items() if "burn" in s) >= 20, counts
+    assert target.proc.wait(timeout=30) == 0

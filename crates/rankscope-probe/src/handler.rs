@@ -61,10 +61,14 @@ impl Handler for ProbeHandler {
         match (request.method.as_str(), request.path.as_str()) {
             // A sampling ends when its client hangs up (a CLI killed): it
             // would sample for nobody, on a thread of the program's process.
-            ("POST", "/v1/profile") if self.meta().is_some() => http::write_response(
-                out,
-                &crate::profile_self::handle(&request.body, self.meta(), gone),
-            ),
+            ("POST", "/v1/profile") if self.meta().is_some() => {
+                // Until the answer is written: a probe that stops waits for it.
+                let _answering = crate::profile_self::answering();
+                http::write_response(
+                    out,
+                    &crate::profile_self::handle(&request.body, self.meta(), gone),
+                )
+            }
             _ => self.respond(request, out),
         }
     }

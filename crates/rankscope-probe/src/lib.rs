@@ -196,6 +196,9 @@ fn stop(py: Python<'_>) -> bool {
         server, dir, pid, ..
     } = running;
     py.detach(move || {
+        // A profile being taken answers with what it has (its sampler
+        // needs no GIL), before the connection goes with the process.
+        profile_self::end_all(std::time::Duration::from_millis(1500));
         registry::leave();
         server.stop();
         paths::remove_endpoint_files(&dir, pid);

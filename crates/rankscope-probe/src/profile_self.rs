@@ -6,7 +6,7 @@
 //! stops, and the GIL is never taken). It runs on the connection's own
 //! thread, which the sampler leaves out as one of rankscope's.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -26,9 +26,39 @@ fn refuse(message: String, hint: &str) -> Response {
     answer(json!({"error": message, "hint": hint}))
 }
 
-/// Samplings in progress that a requester named (its `id`), with the flag
-/// that ends each early.
-static RUNNING: Mutex<Vec<(u64, Arc<AtomicBool>)>> = Mutex::new(Vec::new());
+/// Samplings in progress, by the `id` their requester gave them (if any),
+/// with the flag that ends each early.
+type Samplings = Vec<(Option<u64>, Arc<AtomicBool>)>;
+static RUNNING: Mutex<Samplings> = Mutex::new(Vec::new());
+/// Samplings whose answer is not written yet (see `Answering`).
+static ANSWERING: AtomicUsize = AtomicUsize::new(0);
+
+/// Held from a sampling's request until its answer is written.
+pub struct Answering;
+
+pub fn answering() -> Answering {
+    ANSWERING.fetch_add(1, Ordering::SeqCst);
+    Answering
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        ANSWERING.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The probe stops (the program exits, or `rankscope.stop()`): each
+/// sampling ends at its next tick and answers with what it has, within
+/// `wait`, rather than its requester losing it all with the connection.
+pub fn end_all(wait: Duration) {
+    for (_, stop) in lock_running().iter() {
+        stop.store(true, Ordering::SeqCst);
+    }
+    let deadline = std::time::Instant::now() + wait;
+    while ANSWERING.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
 
 /// One sampling's place in `RUNNING`, taken out when it ends.
 struct Running {
@@ -39,22 +69,18 @@ struct Running {
 impl Running {
     fn new(id: Option<u64>) -> Running {
         let stop = Arc::new(AtomicBool::new(false));
-        if let Some(id) = id {
-            lock_running().push((id, stop.clone()));
-        }
+        lock_running().push((id, stop.clone()));
         Running { id, stop }
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        if let Some(id) = self.id {
-            lock_running().retain(|(i, stop)| !(*i == id && Arc::ptr_eq(stop, &self.stop)));
-        }
+        lock_running().retain(|(i, stop)| !(*i == self.id && Arc::ptr_eq(stop, &self.stop)));
     }
 }
 
-fn lock_running() -> std::sync::MutexGuard<'static, Vec<(u64, Arc<AtomicBool>)>> {
+fn lock_running() -> std::sync::MutexGuard<'static, Samplings> {
     RUNNING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -68,7 +94,7 @@ pub fn stop(body: &[u8]) -> Response {
         return Response::error(400, "a stop request is JSON: {\"id\": N}");
     };
     let mut stopped = false;
-    for (_, stop) in lock_running().iter().filter(|(i, _)| *i == id) {
+    for (_, stop) in lock_running().iter().filter(|(i, _)| *i == Some(id)) {
         stop.store(true, Ordering::SeqCst);
         stopped = true;
     }
@@ -76,6 +102,7 @@ pub fn stop(body: &[u8]) -> Response {
 }
 
 pub fn handle(body: &[u8], meta: Option<String>, gone: &dyn Fn() -> bool) -> Response {
+    let _answering = answering();
     let Ok(request) = serde_json::from_slice::<Value>(body) else {
         return Response::error(
             400,

@@ -163,6 +163,11 @@ pub(crate) fn flame_graph(
     title: String,
     subtitle: Option<String>,
 ) -> Result<Vec<u8>, ProfileError> {
+    if folded.trim().is_empty() {
+        // inferno draws no graph of nothing; the other formats write an
+        // empty profile, and so does this one: a page that says so.
+        return Ok(no_samples_svg(&title, subtitle.as_deref()));
+    }
     let mut flame = inferno::flamegraph::Options::default();
     flame.title = title;
     flame.subtitle = subtitle;
@@ -172,6 +177,28 @@ pub(crate) fn flame_graph(
     inferno::flamegraph::from_lines(&mut flame, folded.lines(), &mut out)
         .map_err(|e| ProfileError::FlameGraph(e.to_string()))?;
     Ok(out)
+}
+
+fn no_samples_svg(title: &str, subtitle: Option<&str>) -> Vec<u8> {
+    let escape = |s: &str| {
+        s.replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+            .replace('"', "&quot;")
+    };
+    let line = |y: u32, size: u32, text: &str| {
+        format!(
+            "<text x=\"600\" y=\"{y}\" text-anchor=\"middle\" font-family=\"Verdana\" font-size=\"{size}\">{}</text>",
+            escape(text)
+        )
+    };
+    format!(
+        "<?xml version=\"1.0\" standalone=\"no\"?>\n<svg version=\"1.1\" width=\"1200\" height=\"90\" xmlns=\"http://www.w3.org/2000/svg\">{}{}{}</svg>\n",
+        line(24, 17, title),
+        subtitle.map(|s| line(46, 12, s)).unwrap_or_default(),
+        line(70, 12, "no samples to draw")
+    )
+    .into_bytes()
 }
 
 /// speedscope's file format: one sampled profile per thread, then one
@@ -397,14 +424,15 @@ impl Tally {
             let stack = &p.stacks[key.stack];
             let mut seen = HashSet::new();
             for &f in stack {
-                let name = p.frames[f].label(false);
+                // One line a row in the table, as in the folded lines.
+                let name = clean(&p.frames[f].label(false));
                 if seen.insert(name.clone()) {
                     on_stack(&name);
                     *self.inside.entry(name).or_default() += count;
                 }
             }
             if let Some(&last) = stack.last() {
-                let mut name = p.frames[last].label(false);
+                let mut name = clean(&p.frames[last].label(false));
                 if key.idle {
                     name.push_str(IDLE);
                     on_stack(&name);
@@ -608,6 +636,25 @@ mod tests {
         assert_eq!(spans.len(), 3, "{spans:?}");
         assert!(spans.windows(2).all(|w| w[0].2 <= w[1].1), "{spans:?}");
         assert_eq!(spans[2], (3, 0.031, 0.041));
+    }
+
+    #[test]
+    fn a_profile_with_no_samples_is_an_svg_that_says_so_and_names_stay_on_one_line() {
+        let empty = Profile::new(42, 100.0, 1000.0);
+        let svg = String::from_utf8(svg(&empty, &WriteOptions::default()).unwrap()).unwrap();
+        assert!(
+            svg.starts_with("<?xml") && svg.trim_end().ends_with("</svg>"),
+            "{svg}"
+        );
+        assert!(svg.contains("no samples to draw"), "{svg}");
+
+        let mut p = Profile::new(42, 100.0, 1000.0);
+        let t = p.thread(1, "MainThread");
+        let odd = f(&mut p, "gen\nerated", 3);
+        p.add(t, vec![odd], false, true, 0.0);
+        let text = top(&p, &WriteOptions::default());
+        assert!(text.contains("gen erated"), "{text}");
+        assert_eq!(text.lines().count(), 3, "{text}");
     }
 
     #[test]

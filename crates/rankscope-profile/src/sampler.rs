@@ -157,7 +157,7 @@ pub fn sample(
                     profile.add_sample(thread, &frames, !trace.active, trace.owns_gil, at);
                 }
             }
-            Err(_) if !std::path::Path::new(&format!("/proc/{pid}")).exists() => break,
+            Err(_) if gone(pid) => break,
             Err(_) => profile.errors += 1,
         }
         if last_progress.elapsed() >= Duration::from_millis(200) {
@@ -170,9 +170,41 @@ pub fn sample(
     Ok(profile)
 }
 
+/// Whether the process has ended: no `/proc/PID`, or a zombie (it exited
+/// and its parent has not reaped it yet), whose entry stays.
+fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command's closing parenthesis.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| matches!(state, 'Z' | 'X')),
+        Err(_) => true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::is_own_frame;
+    use super::{gone, is_own_frame};
+
+    #[test]
+    fn a_process_that_exited_is_gone_before_it_is_reaped() {
+        assert!(!gone(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // Not reaped yet: a zombie, whose /proc entry stays.
+        while !gone(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never ended"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+        child.wait().unwrap();
+        assert!(gone(pid));
+    }
 
     #[test]
     fn the_probes_python_and_native_frames_are_its_own() {

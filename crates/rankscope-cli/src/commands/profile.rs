@@ -510,6 +510,12 @@ pub fn cluster(
             }
         );
     }
+    if args.inside && !found.here.is_empty() {
+        eprintln!(
+            "note: ranks {} are sampled by their own probes (--inside)",
+            rankscope_core::ranks::compress(found.here.iter().map(|(r, _)| *r)),
+        );
+    }
     let tty = std::io::stderr().is_terminal();
     let options = args.sample_options();
     let ticks: Vec<AtomicU64> = found.here.iter().map(|_| AtomicU64::new(0)).collect();
@@ -536,12 +542,31 @@ pub fn cluster(
             .enumerate()
             .map(|(at, &(rank, pid))| {
                 let (options, ticks) = (&options, &ticks);
-                scope.spawn(move || {
+                let inside = args.inside;
+                scope.spawn(move || -> Result<(Profile, bool)> {
+                    // Sampled by the rank's own probe (`--inside`, or where
+                    // reading it from outside is not allowed), which keeps
+                    // the profile in its run store itself.
+                    let by_its_probe = || -> Result<(Profile, bool)> {
+                        let probe = Probe::locate(pid)?;
+                        let answer = probe.profile(
+                            options.duration.as_secs_f64(),
+                            options.rate_hz,
+                            &SIGINT_SEEN,
+                        )?;
+                        let mut profile = rankscope_profile::wire::from_json(&answer)?;
+                        profile.rank = Some(rank);
+                        Ok((profile, true))
+                    };
+                    if inside {
+                        return by_its_probe();
+                    }
+                    let meta = probe_meta(pid);
                     let options = SampleOptions {
-                        step_address: probe_meta(pid).and_then(|m| m.step_address),
+                        step_address: meta.as_ref().and_then(|m| m.step_address),
                         ..options.clone()
                     };
-                    let mut profile = sample(pid, &options, &SIGINT_SEEN, |n, elapsed| {
+                    let sampled = sample(pid, &options, &SIGINT_SEEN, |n, elapsed| {
                         ticks[at].store(n, Ordering::Relaxed);
                         // One line for the job, drawn by the first rank's sampler.
                         if tty && at == 0 {
@@ -553,14 +578,18 @@ pub fn cluster(
                             );
                             let _ = std::io::stderr().flush();
                         }
-                    })
-                    .map_err(|e| explain(pid, e))?;
+                    });
+                    let mut profile = match sampled {
+                        Ok(profile) => profile,
+                        Err(e) if refused(&e) && meta.is_some() => return by_its_probe(),
+                        Err(e) => return Err(explain(pid, e)),
+                    };
                     profile.rank = Some(rank);
-                    Ok(profile)
+                    Ok((profile, false))
                 })
             })
             .collect();
-        let local: Vec<Result<Profile>> = handles
+        let local: Vec<Result<(Profile, bool)>> = handles
             .into_iter()
             .map(|h| h.join().expect("a rank's sampler panicked"))
             .collect();
@@ -578,11 +607,13 @@ pub fn cluster(
     let mut before = 0;
     for ((rank, _), result) in found.here.iter().zip(results) {
         match result {
-            Ok(mut profile) => {
+            Ok((mut profile, kept)) => {
                 before += profile.total();
                 args.filter(&mut profile);
-                if let Err(e) = keep(&profile) {
-                    eprintln!("note: rank {rank}: {e}");
+                if !kept {
+                    if let Err(e) = keep(&profile) {
+                        eprintln!("note: rank {rank}: {e}");
+                    }
                 }
                 job.profiles.push(profile);
             }
