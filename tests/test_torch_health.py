@@ -1856,3 +1856,61 @@ def test_a_healthy_loop_has_no_gradients_checked_at_zero_grad(torch_python, spaw
     shown = json.loads(cli(target.pid, "torch", "--format", "json").stdout)["features"]["nan"]
     assert shown["checked_steps"] >= 25 and shown["events"] == [], shown
     assert shown["unstepped_checks"] == 0, shown
+
+
+# A forward that draws its own random numbers (random key dropping, with
+# torch.rand in the module's code, no dropout module or rate in sight):
+# when every key of a sample is dropped, softmax makes NaN. The replay
+# must draw what the step drew, or it is finite and names nothing.
+RANDOM_MASK = """
+import json, time
+import torch, torch.nn as nn, torch.nn.functional as F
+
+torch.manual_seed(0)
+B, T, D = 8, 8, 16
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        keep = torch.rand(x.shape[0], 1, T) > 0.55
+        s = (self.q(x) @ self.k(x).transpose(1, 2)).masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, -1) @ self.v(x)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn, self.head = nn.Linear(4, D), Attn(), nn.Linear(D, 1)
+
+    def forward(self, x):
+        return self.head(self.attn(self.emb(x))).mean(1)
+
+model = Net()
+optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+first = None
+for step in range(40):
+    x, y = torch.randn(B, T, 4), torch.randn(B, 1)
+    loss = F.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    if not torch.isfinite(loss):
+        first = step if first is None else first
+        optimizer.zero_grad()
+        continue
+    optimizer.step()
+print("RESULT " + json.dumps(first), flush=True)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_nan_from_a_forward_that_draws_its_own_random_numbers_is_named(torch_python, spawn, cli):
+    target = spawn(torch_python, RANDOM_MASK, env={"RANKSCOPE_TORCH": "nan"}, wait=False)
+    first = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    assert first is not None  # the premise: some step drops every key of a sample
+    text = on(cli, target.pid, "nan")
+    assert f"step {first}: first non-finite in forward, module attn (Attn): its output" in text, text

@@ -90,6 +90,7 @@ import math
 import os
 import sys
 import time
+import types
 import weakref
 
 import torch
@@ -1263,14 +1264,58 @@ def _has_params(module) -> bool:
 def _stochastic(model) -> bool:
     """Whether the model's forward draws random numbers, as far as its
     modules tell: dropout of any kind, RReLU, stochastic depth (timm's
-    DropPath), or a module that keeps a dropout rate. A forward that draws
-    them in its own code otherwise is replayed with other draws (the
+    DropPath), a module that keeps a dropout rate, or one whose class's
+    own code calls a random function by name (``torch.rand`` for a random
+    mask, ``F.dropout``: `_draws_in_code`). A forward that draws them only
+    in a function of its own elsewhere is replayed with other draws (the
     program's own RNG state is put back after a replay all the same). A
     module that cannot be asked counts as random."""
     try:
         return _draws(model)
     except Exception:  # noqa: BLE001 - a property of the program's that raises
         return True
+
+
+# Names whose call draws from torch's generators, as a class's code names them.
+_RANDOM_NAMES = frozenset(
+    "rand randn randint rand_like randn_like randint_like randperm bernoulli bernoulli_ multinomial "
+    "normal normal_ uniform_ exponential_ geometric_ cauchy_ log_normal_ random_ poisson "
+    "dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout native_dropout "
+    "rrelu rrelu_ gumbel_softmax".split()
+)
+# Per module class: whether its own code names one (looked at once a class).
+_random_classes: dict = {}
+# How deep the search goes into functions nested in a method's code.
+_CODE_DEPTH = 3
+
+
+def _names_random(code, depth=0) -> bool:
+    if not _RANDOM_NAMES.isdisjoint(code.co_names):
+        return True
+    if depth < _CODE_DEPTH:
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType) and _names_random(const, depth + 1):
+                return True
+    return False
+
+
+def _draws_in_code(cls) -> bool:
+    known = _random_classes.get(cls)
+    if known is None:
+        known = False
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("torch."):
+                break  # torch's own classes are told apart by type above
+            for value in vars(klass).values():
+                code = getattr(getattr(value, "__func__", value), "__code__", None)
+                if isinstance(code, types.CodeType) and _names_random(code):
+                    known = True
+                    break
+            if known:
+                break
+        if len(_random_classes) < 4096:
+            _random_classes[cls] = known
+    return known
 
 
 def _draws(model) -> bool:
@@ -1284,6 +1329,8 @@ def _draws(model) -> bool:
             value = getattr(module, attr, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 return True
+        if _draws_in_code(type(module)):
+            return True
     return False
 
 
