@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import line_of
 from test_errors import assert_hinted_error
 
 CRASH = """
@@ -646,3 +647,29 @@ def test_a_cuda_oom_record_describes_the_device_its_message_names(python):
     result = subprocess.run([python, "-c", OOM_DEVICE], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [1, 0, 0, None]
+
+
+# A rank that aborts in C with the GIL let go (as gloo's C++ exception in
+# a collective does), while another thread waits (as a DataLoader's feeder
+# thread does): faulthandler marks no thread as current. The record names
+# the rank from its registry entry, the main thread's own line, and the
+# rank is not also said to have vanished without a record.
+ABORTS = """
+import ctypes, threading, time
+threading.Thread(target=threading.Event().wait, daemon=True, name="feeder").start()
+print("READY", flush=True)
+time.sleep(0.3)
+ctypes.CDLL(None).abort()  # @abort
+"""
+
+
+def test_an_abort_with_the_gil_let_go_is_the_ranks_record(python, spawn, cli):
+    target = spawn(python, ABORTS, env={"RANK": "1", "WORLD_SIZE": "2"})
+    assert target.proc.wait(timeout=30) != 0
+    run_dir = target.script.parent / "run"
+    listed = cli("crashes", "--run", run_dir)
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()[1:]]
+    assert len(rows) == 1 and "vanished" not in listed.stdout, listed.stdout
+    assert rows[0][3:5] == ["1", str(target.pid)], listed.stdout
+    assert rows[0][-1] == f"{target.script}:{line_of(ABORTS, 'abort')}", listed.stdout

@@ -21,7 +21,12 @@ use crate::ListFormat;
 
 enum Kind {
     Exception(Box<CrashRecord>),
-    Native { pid: Option<u32>, text: String },
+    /// `rank`: the rank its process registered as in the run directory.
+    Native {
+        pid: Option<u32>,
+        rank: Option<i64>,
+        text: String,
+    },
 }
 
 struct Entry {
@@ -36,7 +41,7 @@ impl Entry {
     fn rank(&self) -> Option<i64> {
         match &self.kind {
             Kind::Exception(r) => r.rank,
-            Kind::Native { .. } => None,
+            Kind::Native { rank, .. } => *rank,
         }
     }
 
@@ -147,14 +152,41 @@ fn native_frames(text: &str) -> impl Iterator<Item = (&str, &str)> {
 }
 
 /// The block of faulthandler's dump for the thread that crashed ("Current
-/// thread ..."), else the first block with frames.
+/// thread ..."). A thread that aborts with the GIL let go (a C++ exception
+/// in a collective, gloo's "enforce fail") is not marked current: then the
+/// last block with a frame of the user's own code, which is the main
+/// thread's where it has one (faulthandler lists the newest thread first),
+/// not a DataLoader's feeder thread waiting in `threading.py`.
 fn crashing_thread(text: &str) -> &str {
-    let mut blocks = text.split("\n\n");
+    let blocks: Vec<&str> = text.split("\n\n").collect();
     blocks
-        .clone()
+        .iter()
         .find(|b| b.trim_start().starts_with("Current thread"))
-        .or_else(|| blocks.find(|b| b.contains("File \"")))
+        .or_else(|| {
+            blocks
+                .iter()
+                .rev()
+                .find(|b| native_frames(b).any(|(file, _)| crash::is_user_file(file)))
+        })
+        .or_else(|| blocks.iter().find(|b| b.contains("File \"")))
+        .copied()
         .unwrap_or(text)
+}
+
+/// The rank the process `pid` registered as in the run directory `dir`
+/// (`ranks/rank<R>-pid<P>.json`); faulthandler's dump does not say.
+fn registered_rank(dir: &Path, pid: u32) -> Option<i64> {
+    let suffix = format!("-pid{pid}.json");
+    std::fs::read_dir(dir.join("ranks"))
+        .ok()?
+        .flatten()
+        .find_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            name.strip_suffix(&suffix)?
+                .strip_prefix("rank")?
+                .parse()
+                .ok()
+        })
 }
 
 fn place(file: &str, line: &str) -> String {
@@ -224,11 +256,12 @@ fn read_dir_entries(dir: &Path, out: &mut Vec<Entry>) -> Result<()> {
             continue;
         }
         let text = String::from_utf8_lossy(&bytes).into_owned();
+        let rank = pid.and_then(|p| registered_rank(dir, p));
         out.push(Entry {
             time: mtime(&path),
             path,
             job: job.clone(),
-            kind: Kind::Native { pid, text },
+            kind: Kind::Native { pid, rank, text },
         });
     }
     Ok(())
@@ -336,12 +369,12 @@ pub fn table_rows(run: Option<PathBuf>, pid: Option<u32>, launcher: bool) -> Res
                     json!(e.path.display().to_string()),
                 ]
             }
-            Kind::Native { pid, .. } => {
+            Kind::Native { pid, rank, .. } => {
                 let (file, lineno) = split(&e.innermost());
                 let (user_file, user_lineno) = split(&e.location());
                 vec![
                     json!(pid),
-                    Value::Null,
+                    json!(rank),
                     Value::Null,
                     micros,
                     json!(i + 1),
@@ -488,11 +521,12 @@ pub fn list(run: Option<PathBuf>, format: ListFormat, select: &Select) -> Result
         vanished(run.clone())
     };
     let (entries, several) = collect(run)?;
-    // One that exited with a record says why itself; another job's ranks
-    // (a run directory that jobs share) are not this one's to name.
+    // One with a record (an exception's, or faulthandler's after an abort)
+    // says why itself; another job's ranks (a run directory that jobs
+    // share) are not this one's to name.
     let gone: Vec<Vanished> = gone
         .into_iter()
-        .filter(|v| v.exit_code.is_none() || !entries.iter().any(|e| e.pid() == Some(v.pid)))
+        .filter(|v| !entries.iter().any(|e| e.pid() == Some(v.pid)))
         .filter(|v| {
             select
                 .keep
@@ -614,13 +648,13 @@ pub fn show(id: usize, run: Option<PathBuf>, format: ListFormat) -> Result<u8> {
     };
     let text = match (&entry.kind, format) {
         (Kind::Exception(record), ListFormat::Json) => serde_json::to_string_pretty(record)? + "\n",
-        (Kind::Native { pid, text }, ListFormat::Json) => {
+        (Kind::Native { pid, text, .. }, ListFormat::Json) => {
             serde_json::to_string_pretty(
                 &json!({"kind": "native", "pid": pid, "time": entry.time, "log": text}),
             )? + "\n"
         }
         (Kind::Exception(record), ListFormat::Table) => render(id, count, record, &entry.path),
-        (Kind::Native { pid, text }, ListFormat::Table) => {
+        (Kind::Native { pid, text, .. }, ListFormat::Table) => {
             let mut out = format!(
                 "Crash {id} of {count}: native crash of pid {} at {}\n{}\n\n",
                 opt(*pid),
@@ -842,6 +876,7 @@ mod tests {
             job: "local".into(),
             kind: Kind::Native {
                 pid: Some(5),
+                rank: None,
                 text: FAULTHANDLER.into(),
             },
         };
@@ -865,6 +900,7 @@ mod tests {
             job: "local".into(),
             kind: Kind::Native {
                 pid: Some(5),
+                rank: None,
                 text: text.into(),
             },
         };
@@ -873,6 +909,32 @@ mod tests {
             entry.innermost(),
             "/usr/lib/python3.11/ctypes/__init__.py:519"
         );
+    }
+
+    #[test]
+    fn an_abort_with_the_gil_let_go_is_placed_in_the_main_threads_code() {
+        // gloo's C++ exception in a collective: no thread is "Current"; the
+        // DataLoader's feeder threads are listed first, the main thread last.
+        let text = "Fatal Python error: Aborted\n\n\
+            Thread 0x01 (most recent call first):\n\
+              File \"/usr/lib/python3.11/threading.py\", line 327 in wait\n\
+              File \"/usr/lib/python3.11/multiprocessing/queues.py\", line 231 in _feed\n\n\
+            Thread 0x02 (most recent call first):\n\
+              File \"/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py\", line 4181 in all_reduce\n\
+              File \"/home/u/train.py\", line 24 in <module>\n\n\
+            Extension modules: torch._C (total: 1)\n";
+        let entry = Entry {
+            time: 0.0,
+            path: PathBuf::from("native-5.log"),
+            job: "local".into(),
+            kind: Kind::Native {
+                pid: Some(5),
+                rank: Some(0),
+                text: text.into(),
+            },
+        };
+        assert_eq!(entry.location(), "/home/u/train.py:24");
+        assert_eq!(entry.rank(), Some(0));
     }
 
     #[test]
