@@ -849,6 +849,19 @@ fn memory_text(memory: &serde_json::Value) -> String {
 mod tests {
     use super::*;
 
+    fn native_entry(rank: Option<i64>, text: &str) -> Entry {
+        Entry {
+            time: 0.0,
+            path: PathBuf::from("native-5.log"),
+            job: "local".into(),
+            kind: Kind::Native {
+                pid: Some(5),
+                rank,
+                text: text.into(),
+            },
+        }
+    }
+
     const FAULTHANDLER: &str = "Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f (most recent call first):\n  File \"/tmp/t.py\", line 3 in <module>\n";
 
     #[test]
@@ -870,16 +883,7 @@ mod tests {
 
     #[test]
     fn a_native_log_is_summarized_by_its_fatal_error_and_frame() {
-        let entry = Entry {
-            time: 0.0,
-            path: PathBuf::from("native-5.log"),
-            job: "local".into(),
-            kind: Kind::Native {
-                pid: Some(5),
-                rank: None,
-                text: FAULTHANDLER.into(),
-            },
-        };
+        let entry = native_entry(None, FAULTHANDLER);
         assert_eq!(
             entry.summary(),
             "native crash: Fatal Python error: Segmentation fault"
@@ -894,16 +898,7 @@ mod tests {
             Current thread 0x02 (most recent call first):\n\
               File \"/usr/lib/python3.11/ctypes/__init__.py\", line 519 in string_at\n\
               File \"/home/u/train.py\", line 40 in step\n";
-        let entry = Entry {
-            time: 0.0,
-            path: PathBuf::from("native-5.log"),
-            job: "local".into(),
-            kind: Kind::Native {
-                pid: Some(5),
-                rank: None,
-                text: text.into(),
-            },
-        };
+        let entry = native_entry(None, text);
         assert_eq!(entry.location(), "/home/u/train.py:40");
         assert_eq!(
             entry.innermost(),
@@ -923,16 +918,7 @@ mod tests {
               File \"/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py\", line 4181 in all_reduce\n\
               File \"/home/u/train.py\", line 24 in <module>\n\n\
             Extension modules: torch._C (total: 1)\n";
-        let entry = Entry {
-            time: 0.0,
-            path: PathBuf::from("native-5.log"),
-            job: "local".into(),
-            kind: Kind::Native {
-                pid: Some(5),
-                rank: Some(0),
-                text: text.into(),
-            },
-        };
+        let entry = native_entry(Some(0), text);
         assert_eq!(entry.location(), "/home/u/train.py:24");
         assert_eq!(entry.rank(), Some(0));
     }
