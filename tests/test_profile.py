@@ -178,10 +178,11 @@ def test_the_probe_samples_its_own_process_when_asked(python, spawn, cli, tmp_pa
     assert target.alive()
 
 
-def test_ctrl_c_ends_a_profile_inside_early_and_still_writes(python, spawn, rankscope_bin, endpoint_dir, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_ends_a_profile_inside_early_and_still_writes(python, spawn, rankscope_bin, endpoint_dir, tmp_path, stop):
     """GIVEN a probe sampling its own process for a minute (--inside), WHEN
-    the user presses Ctrl-C, THEN the probe stops at once and the CLI
-    writes what it has, as an outside profile does."""
+    the user presses Ctrl-C (or `timeout` sends SIGTERM), THEN the probe
+    stops at once and the CLI writes what it has, as an outside profile does."""
     target = spawn(python, WORKLOAD)
     out = tmp_path / "early.svg"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
@@ -192,7 +193,7 @@ def test_ctrl_c_ends_a_profile_inside_early_and_still_writes(python, spawn, rank
         assert "Ctrl-C ends early" in command.stderr.readline()
         time.sleep(1.5)  # what is sampled before the Ctrl-C: the profile's content, not a wait for readiness
         started = time.monotonic()
-        command.send_signal(signal.SIGINT)
+        command.send_signal(stop)
         stdout, stderr = command.communicate(timeout=30)
     finally:
         command.kill()

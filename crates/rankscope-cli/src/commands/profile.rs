@@ -309,7 +309,7 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     }
     let tty = std::io::stderr().is_terminal();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
-    let catcher = SigintCatcher::install();
+    let catcher = SigintCatcher::with_sigterm();
     let result = sample(pid, &options, &SIGINT_SEEN, |ticks, elapsed| {
         if tty {
             eprint!(
@@ -388,7 +388,7 @@ fn inside(pid: u32, rank: Option<i64>, args: &ProfileArgs, path: Option<String>)
         args.duration
     );
     SIGINT_SEEN.store(false, Ordering::SeqCst);
-    let catcher = SigintCatcher::install();
+    let catcher = SigintCatcher::with_sigterm();
     let answer = probe.profile(args.duration, args.rate, &SIGINT_SEEN);
     drop(catcher);
     let answer = answer?;
@@ -520,7 +520,7 @@ pub fn cluster(
     let options = args.sample_options();
     let ticks: Vec<AtomicU64> = found.here.iter().map(|_| AtomicU64::new(0)).collect();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
-    let catcher = SigintCatcher::install();
+    let catcher = SigintCatcher::with_sigterm();
     let (results, remote_results) = std::thread::scope(|scope| {
         // Each remote rank's probe samples itself and answers with its fold.
         let remote: Vec<_> = found

@@ -188,20 +188,38 @@ extern "C" fn on_sigint(_: libc::c_int) {
 /// disposition when dropped.
 pub(crate) struct SigintCatcher {
     previous: libc::sigaction,
+    /// SIGTERM's, where it is caught too (`with_sigterm`).
+    previous_term: Option<libc::sigaction>,
 }
 
 impl SigintCatcher {
     pub(crate) fn install() -> SigintCatcher {
-        // SAFETY: sigaction with a handler that only stores to an atomic.
-        unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t;
-            action.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut action.sa_mask);
-            let mut previous: libc::sigaction = std::mem::zeroed();
-            libc::sigaction(libc::SIGINT, &action, &mut previous);
-            SigintCatcher { previous }
+        SigintCatcher {
+            previous: catch(libc::SIGINT),
+            previous_term: None,
         }
+    }
+
+    /// SIGTERM too (`timeout`, a job scheduler ending the command): a
+    /// profile ends early and still writes what it has, as on Ctrl-C.
+    pub(crate) fn with_sigterm() -> SigintCatcher {
+        SigintCatcher {
+            previous: catch(libc::SIGINT),
+            previous_term: Some(catch(libc::SIGTERM)),
+        }
+    }
+}
+
+fn catch(signal: libc::c_int) -> libc::sigaction {
+    // SAFETY: sigaction with a handler that only stores to an atomic.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        let mut previous: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(signal, &action, &mut previous);
+        previous
     }
 }
 
@@ -210,6 +228,9 @@ impl Drop for SigintCatcher {
         // SAFETY: restores what `install` saved.
         unsafe {
             libc::sigaction(libc::SIGINT, &self.previous, std::ptr::null_mut());
+            if let Some(term) = &self.previous_term {
+                libc::sigaction(libc::SIGTERM, term, std::ptr::null_mut());
+            }
         }
     }
 }
