@@ -129,7 +129,8 @@ NO_HOOKS = (
     "import torch.optim.optimizer as o; "
     "(all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks and 'forward' not in vars(m) "
     "for m in model.modules()), "
-    "len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))"
+    "len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks), "
+    "sum(hasattr(c.zero_grad, '_rankscope_zero_grad_watched') for c in (o.Optimizer, torch.nn.Module)))"
 )
 
 
@@ -319,7 +320,7 @@ def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_pyth
     run_steps(cli, target, 5, 5)
     # Step 5 is in progress and not sampled: the modules are untouched (no
     # hook, no stand-in for forward), only the optimizer's step hooks are in.
-    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1)"
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1, 2)"
     run_steps(cli, target, 1, 6)
     timed = "sum('forward' in vars(m) for m in model.modules()), sum(len(m._forward_hooks) for m in model.modules())"
     assert cli(target.pid, "eval", timed).stdout.strip() == "(6, 0)"  # step 6: a stand-in on each of 6 modules, no hook
@@ -371,7 +372,7 @@ def test_trace_every_2_then_off_leaves_the_model_as_without_rankscope(torch_pyth
     off = cli(target.pid, "torch", "trace", "off")
     assert off.returncode == 0, off.stderr
     assert "trace off" in off.stdout
-    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0, 0)"
     run_steps(cli, target, 4, 10)
     # No more rows once off.
     assert query_json(cli, target.pid, "SELECT max(step) AS s FROM python.torch_steps") == [{"s": 5}]
@@ -397,7 +398,7 @@ def test_backward_through_in_place_relu(torch_python, spawn, cli, tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["backward_ms"] > 0 and r["forward_ms"] > 0 for r in steps)
     assert cli(target.pid, "torch", "trace", "off").returncode == 0
-    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0, 0)"
     run_steps(cli, target, 2, 6)
     probed = tmp_path / "probed.pt"
     assert cli(target.pid, "eval", f"save({str(probed)!r})").returncode == 0
@@ -523,7 +524,7 @@ def test_steps_between_samples_each_get_their_row(torch_python, spawn, cli):
     timed = "sum('forward' in vars(m) for m in model.modules()), sum(len(m._forward_hooks) for m in model.modules())"
     assert cli(target.pid, "eval", timed).stdout.strip() == "(6, 0)"  # step 8, put on by the short way
     run_steps(cli, target, 5, 13)
-    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1)"
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 1, 1, 2)"
     per_step = query_json(
         cli,
         target.pid,
@@ -553,7 +554,7 @@ def test_steps_between_samples_each_get_their_row(torch_python, spawn, cli):
     # Off from the short way: no hook is left, and no more rows come.
     assert cli(target.pid, "torch", "trace", "off").returncode == 0
     run_steps(cli, target, 2, 15)
-    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0, 0)"
     assert query_json(cli, target.pid, "SELECT max(step) AS s FROM python.torch_steps") == [{"s": 12}]
 
 
@@ -599,7 +600,7 @@ def test_the_nan_watch_armed_and_disarmed_while_the_short_way_has_stand_ins_on(t
     assert [(r["step"], r["modules"]) for r in traced] == [(4, 6), (8, 6), (12, 6), (16, 6)], traced
     assert cli(target.pid, "torch", "trace", "off").returncode == 0
     run_steps(cli, target, 2, 19)
-    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0, 0)"
     # The trace off while the watch keeps the step clock: its hooks stay,
     # and nothing says they come off.
     assert cli(target.pid, "torch", "nan", "on").returncode == 0
@@ -652,7 +653,7 @@ def test_a_failing_hook_turns_the_trace_off_and_the_program_goes_on(torch_python
     text = cli(target.pid, "torch").stdout
     assert "trace: off" in text
     assert "turned itself off after an error (1 in all): the trace's end of MLP failed: RuntimeError: no loss here" in text
-    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0)"
+    assert cli(target.pid, "eval", NO_HOOKS).stdout.strip() == "(True, 0, 0, 0)"
     run_steps(cli, target, 2, 6)
     assert target.alive()
 

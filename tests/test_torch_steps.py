@@ -437,3 +437,73 @@ def test_a_loss_made_by_a_function_is_the_one_backward_was_called_on(python, spa
     for r in rows[2:]:
         assert r["loss"] == program["losses"][r["step"]], (r, program["losses"])
     assert json.loads(cli(target.pid, "torch", "--format", "json").stdout)["trace"]["errors"] == 0
+
+
+# Steps whose optimizer step is skipped: by the program on a non-finite
+# loss (its guard clears the gradients and goes on), or by a GradScaler
+# that found an overflow. Each is a step of its own, ended where the
+# program clears the gradients no optimizer step used, so the rows are
+# numbered as the program counts its iterations.
+SKIPS = """
+import json, sys, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODE = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3) if MODE == "scaler" else None
+data = torch.Generator().manual_seed(1)
+losses, skipped = [], []
+for it in range(12):
+    x, y = torch.randn(8, 16, generator=data), torch.randint(0, 4, (8,), generator=data)
+    if MODE == "guard" and it == 5:
+        x[0, 0] = float("nan")
+    if scaler is not None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+        optimizer.zero_grad()
+    else:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        skipped.append(not torch.isfinite(loss).item())
+        if skipped[-1]:
+            optimizer.zero_grad()
+            losses.append(None)
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+    losses.append(loss.item())
+print("RESULT " + json.dumps({"losses": losses, "skipped": skipped}), flush=True)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("mode", ["guard", "scaler"])
+def test_a_step_whose_optimizer_step_was_skipped_is_a_step_of_its_own(python, spawn, cli, mode):
+    require_torch(python)
+    import subprocess
+
+    if mode == "scaler" and subprocess.run([python, "-c", "import torch; torch.amp.GradScaler('cpu')"], capture_output=True).returncode != 0:
+        pytest.skip("this torch has no GradScaler for the CPU")
+    target = spawn(python, SKIPS, args=[mode], env={"RANKSCOPE_TORCH": "trace,every=1"}, wait=False)
+    program = json.loads(target.wait_for_line("RESULT").split(" ", 1)[1])
+    target.wait_for_line("READY")
+    assert any(program["skipped"]) and not all(program["skipped"]), program  # the premise
+    rows = query(cli, target.pid, "SELECT step, loss, optimizer_ms FROM python.torch_steps ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(12)), rows
+    for r in rows:
+        skipped = program["skipped"][r["step"]]
+        assert (r["optimizer_ms"] is None) == skipped, (r, program)
+        # (The model is found at the first boundary: steps 0 and 1 have no loss.)
+        if r["step"] >= 2 and program["losses"][r["step"]] is not None:
+            assert r["loss"] == program["losses"][r["step"]], (r, program)

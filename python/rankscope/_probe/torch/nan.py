@@ -32,8 +32,8 @@ gradient accumulation: ``_repeated``).
 A step that never reaches the optimizer is checked too. A GradScaler's
 skips are told at the next forward (`_repeated`). A program that skips
 the step itself, on a non-finite loss or gradient norm, is checked where
-it clears the gradients no step used (a stand-in for `zero_grad`, see
-`_watch_zero_grad`), or, where it skipped the backward too, at the next
+it clears the gradients no step used (the step clock's stand-in for
+`zero_grad` calls `before_zero_grad`), or, where it skipped the backward too, at the next
 forward by the loss it kept (a CPU's).
 
 On a trip, the step is searched while its weights are still the ones it
@@ -257,8 +257,8 @@ class NanWatch:
         # was `skip_mark`.
         self.scaler_searched = False
         self.skips, self.skip_mark = 0, -1
-        # The `zero_grad` stand-ins while armed: (class, its own, ours).
-        self.zero_grads: list = []
+        # The step number of the first of those skips.
+        self.skip_first = None
         # id(optimizer or root model) -> (a weak reference to it, its sentinels).
         self.sentinels_of: dict = {}
 
@@ -270,7 +270,7 @@ class NanWatch:
         self.tripped_at = None
         TRACER.add_listener(self)
         self._hook_roots()
-        self._watch_zero_grad()
+        TRACER.zero_grad_watch = self
         self.armed = True
         TRACER.nan_arm = self._arm
         if not self.exit_check:
@@ -288,7 +288,8 @@ class NanWatch:
         for entry in handles:
             timed.take_off(entry)
         self._unwatch_first_forward()
-        self._unwatch_zero_grad()
+        if TRACER.zero_grad_watch is self:
+            TRACER.zero_grad_watch = None
         TRACER.remove_listener(self)
         self.step = _Step()
         return {} if quiet else self.describe()
@@ -552,13 +553,23 @@ class NanWatch:
                                unapplied="found at the model's next forward: the loss was not finite, and no "
                                          "optimizer step came after it")
             return
+        self._scaler_skipped(step, scaler)
+
+    def _scaler_skipped(self, step, scaler, cleared=False):
+        """The scaler skipped the step: its `update()` since the step began
+        says so at the next forward where no zero_grad came, and at the
+        zero_grad that ends it (`cleared`) the gradients no optimizer step
+        used say so. Counted once a step."""
         states = step.scaler_states
-        if states is None or getattr(scaler, "_per_optimizer_states", states) is states:
+        if not cleared and (states is None or getattr(scaler, "_per_optimizer_states", states) is states):
             return
+        step.scaler_states = None
         if self.skip_mark != self.checked_steps:
             # An optimizer step was checked since the last skip.
             self.skips, self.skip_mark = 0, self.checked_steps
         self.skips += 1
+        if self.skips == 1:
+            self.skip_first = TRACER.step
         loss = step.loss
         # Read now: the scaler's own check of its gradients has waited for
         # the device already.
@@ -566,12 +577,20 @@ class NanWatch:
         if finite_loss and self.skips < SKIPS_BEFORE_REPLAY:
             return
         skipped, self.skips = self.skips, 0
-        found = "found at a step the GradScaler skipped (its update never ran)"
-        if skipped > 1:
-            found += f"; the batch replayed is the last of {skipped} it skipped in a row, all numbered this step"
-        self._trip(TRACER.step if TRACER.step is not None else 0, step,
+        first, found = self._first_skipped("found at a step the GradScaler skipped (its update never ran)", skipped)
+        self._trip(first, step,
                    lambda: [p for opt in list(TRACER.known_optimizers) for p in models.params_with_grads(opt)],
                    unapplied=found)
+
+    def _first_skipped(self, found, skipped):
+        """The step an event names where the scaler skipped `skipped` in a
+        row: the first of them, where its weights were last changed; the
+        batch replayed is the last one's, the only one kept."""
+        now = TRACER.step if TRACER.step is not None else 0
+        first = self.skip_first if skipped > 1 and self.skip_first is not None else now
+        if skipped > 1:
+            found += f"; the batch replayed is step {now}'s, the last of {skipped} it skipped in a row from step {first}"
+        return first, found
 
     def _scaler_states(self):
         weak = self._arm.scaler
@@ -628,37 +647,36 @@ class NanWatch:
 
     # ---- a step the program skipped itself
 
-    def _watch_zero_grad(self):
-        """A stand-in for `Optimizer.zero_grad` and `Module.zero_grad`:
-        a program that finds a non-finite loss or gradient norm and skips
-        `optimizer.step()` itself (as large-model trainers do) never
-        reaches the pre-hook's check, so the NaN would never be located.
-        Every training loop clears its gradients between two backwards;
-        where the gradients it clears were made since the last optimizer
-        step, no step used them, and they are checked then, while the
-        weights are still the ones they were made with. The usual step
-        costs one native comparison of the sentinel's gradient (`unapplied`,
-        nan_arm.rs). On the class, not the instance: nothing is added to
-        the program's objects, and a subclass with its own `zero_grad`
-        (which most do not have) is not watched."""
-        optim = sys.modules.get("torch.optim")
-        for owner, of_optimizer in ((getattr(optim, "Optimizer", None), True), (torch.nn.Module, False)):
-            if not isinstance(owner, type):
-                continue
-            own = owner.__dict__.get("zero_grad")
-            if own is None or getattr(own, _ZERO_GRAD_WATCHED, None) is not None:
-                continue
-            stand_in = _zero_grad_stand_in(self, own, of_optimizer)
-            setattr(owner, "zero_grad", stand_in)
-            self.zero_grads.append((owner, own, stand_in))
+    # ---- at zero_grad (the step clock's stand-in calls these)
+    #
+    # A program that finds a non-finite loss or gradient norm and skips
+    # `optimizer.step()` itself (as large-model trainers do) never reaches
+    # the pre-hook's check, so the NaN would never be located. Every
+    # training loop clears its gradients between two backwards; where the
+    # gradients it clears were made since the last optimizer step, no step
+    # used them, and they are checked then, while the weights are still the
+    # ones they were made with. The usual step costs one native comparison
+    # of the sentinel's gradient (`unapplied`, nan_arm.rs).
 
-    def _unwatch_zero_grad(self):
-        watched, self.zero_grads = self.zero_grads, []
-        for owner, own, stand_in in watched:
-            # Only where it is still ours: a program that replaced it since
-            # keeps its own (ours then passes the call through, disarmed).
-            if owner.__dict__.get("zero_grad") is stand_in:
-                setattr(owner, "zero_grad", own)
+    def before_zero_grad(self, owner, of_optimizer):
+        """Checks what no step used; returns what `after_zero_grad` needs."""
+        arm = self._arm
+        if not arm.armed:
+            return None
+        # The usual step: the sentinels' gradients are the ones the last
+        # check saw, or the owner has none (a submodule).
+        known = self.sentinels_of.get(id(owner))
+        if known is None or known[0]() is not owner or (known[1] and arm.unapplied(known[1])):
+            self._before_zero_grad(owner, of_optimizer)
+            known = self.sentinels_of.get(id(owner))
+        return known
+
+    def after_zero_grad(self, known, args, kwargs):
+        if known is not None and known[1] and (args[:1] == (False,) or kwargs.get("set_to_none") is False):
+            # Zeroed in place: a new version of the same gradients, which
+            # the next zero_grad (the model's, then the optimizer's) must
+            # not take for a backward's.
+            self._arm.noted(known[1])
 
     def _sentinels_for(self, owner, of_optimizer) -> list:
         """The sentinels among an optimizer's parameters, or a watched
@@ -694,9 +712,13 @@ class NanWatch:
             if step.args is None or model is None:
                 return
             # A GradScaler skips the steps whose scaled gradients overflowed,
-            # by design: its skips are `_repeated`'s to judge.
+            # by design: its skips are judged as `_repeated` judges them
+            # (the step clock ends the skipped step here, after this).
             scaler = self._find_scaler()
             if scaler is not None and getattr(scaler, "_enabled", True):
+                # (Gradients no optimizer step used, cleared: skipped, whatever
+                # the scaler's states say, which a scaler found only now lacks.)
+                self._scaler_skipped(step, scaler, cleared=True)
                 return
             params = (models.params_with_grads(owner) if of_optimizer
                       else [p for p in owner.parameters() if p.grad is not None])
@@ -930,7 +952,13 @@ class NanWatch:
                 # and step. The weights are still the step's, so it is
                 # replayed at the real scale, and an event recorded only
                 # where that names an origin.
-                self._trip(TRACER.step, step, params, unapplied=True)
+                # A run of scaler skips still going (the program ended in
+                # it): named from its first, as `_scaler_skipped` would.
+                running = self.skips + 1 if self.skip_mark == self.checked_steps and self.skips else 1
+                first, found = self._first_skipped(
+                    "found at exit, in the gradients of a step whose update never ran (no optimizer step came "
+                    "after its backward)", running)
+                self._trip(first, step, params, unapplied=found)
                 tables.flush()
                 _native.store_flush()
                 return
@@ -1178,36 +1206,6 @@ class NanWatch:
 
 
 _FINITE = []
-
-
-_ZERO_GRAD_WATCHED = "_rankscope_nan_watched"
-
-
-def _zero_grad_stand_in(watch, own, of_optimizer):
-    """`zero_grad` as the class had it, the watch told first while armed."""
-    arm = watch._arm
-
-    @functools.wraps(own)
-    def zero_grad(self, *args, **kwargs):
-        # Compiling first: dynamo folds it, and traces nothing of ours.
-        if _compiling() or not arm.armed:
-            return own(self, *args, **kwargs)
-        # The usual step: the sentinels' gradients are the ones the
-        # last check saw, or the owner has none (a submodule).
-        known = watch.sentinels_of.get(id(self))
-        if known is None or known[0]() is not self or (known[1] and arm.unapplied(known[1])):
-            watch._before_zero_grad(self, of_optimizer)
-            known = watch.sentinels_of.get(id(self))
-        out = own(self, *args, **kwargs)
-        if known is not None and known[1] and (args[:1] == (False,) or kwargs.get("set_to_none") is False):
-            # Zeroed in place: a new version of the same gradients, which
-            # the next zero_grad (the model's, then the optimizer's) must
-            # not take for a backward's.
-            arm.noted(known[1])
-        return out
-
-    setattr(zero_grad, _ZERO_GRAD_WATCHED, own)
-    return zero_grad
 
 
 def _finite_now(grads, loss) -> bool:

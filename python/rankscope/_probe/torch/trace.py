@@ -223,6 +223,32 @@ def _gpu_ms(pairs):
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+_ZERO_GRAD_WATCHED = "_rankscope_zero_grad_watched"
+
+
+def _zero_grad_stand_in(tracer, own, of_optimizer):
+    """`zero_grad` as the class had it, the step clock told first."""
+
+    marks = tracer.zero_marks
+
+    @functools.wraps(own)
+    def zero_grad(self, *args, **kwargs):
+        # Compiling first: dynamo folds it, and traces nothing of ours.
+        if _compiling() or not tracer.on:
+            return own(self, *args, **kwargs)
+        # The usual step, inline (a call less): a boundary came since this
+        # owner's last zero_grad, and it clears to None.
+        mark = marks.get(id(self))
+        if (mark is not None and tracer.zero_grad_watch is None and not args and not kwargs
+                and mark[1] != tracer.step and mark[0]() is self and mark[2] is tracer.primary):
+            out = own(self)
+            marks[id(self)] = (mark[0], tracer.step, mark[2], None, None)
+            return out
+        return tracer._zero_grad(own, self, of_optimizer, args, kwargs)
+
+    setattr(zero_grad, _ZERO_GRAD_WATCHED, own)
+    return zero_grad
+
 
 def _divisor(grad_fn, made_by):
     """What a loss made by dividing by a number (``loss / accum``, or
@@ -342,6 +368,13 @@ class Tracer(_native.StepClock):
         # Features that hear of each optimizer step and step boundary:
         # objects with a method (or None) for each of EVENTS, and failed(reason).
         self.listeners: list = []
+        # Stand-ins on `zero_grad` while the clock runs: (class, its own, ours).
+        self.zero_grads: list = []
+        # Per owner of a zero_grad: (weakref, step, its sentinel gradient's
+        # id and version just after it cleared them); see `_skipped`.
+        self.zero_marks: dict = {}
+        # The NaN watch, armed: told at each zero_grad before a step ends there.
+        self.zero_grad_watch = None
         # Each event's (listener, its bound method, when), made when the
         # listeners change: a listener that has no use for an event sets it
         # to None and is not called for it (see `tell`, step_clock.rs).
@@ -452,6 +485,7 @@ class Tracer(_native.StepClock):
                 self.last_end = None
             self.on = True
         installed = self._install_optimizer_hooks(wait_s)
+        self._watch_zero_grad()
         import rankscope
 
         rankscope._step_hook = self.mark_step
@@ -561,6 +595,8 @@ class Tracer(_native.StepClock):
                 rankscope._step_hook = None
         _native.set_step(NO_STEP)
         self.step_told = 0
+        self._unwatch_zero_grad()
+        self.zero_marks.clear()
         return self._remove_optimizer_hooks(wait_s)
 
     def _fail(self, where: str, exc: BaseException) -> None:
@@ -720,6 +756,115 @@ class Tracer(_native.StepClock):
                 self.last_end = _perf()
         except Exception as exc:  # noqa: BLE001
             self._fail("rankscope.step()", exc)
+
+    # ---- a step the program skipped (training thread)
+
+    def _watch_zero_grad(self):
+        """Stand-ins for `Optimizer.zero_grad` and `Module.zero_grad`, on
+        the class while the clock runs (nothing is added to the program's
+        objects). A step whose optimizer step the program skipped (a
+        GradScaler that found an overflow, a trainer that skips a
+        non-finite loss) has no boundary at an optimizer hook: it ends
+        where the program clears the gradients it made (`_skipped`), so
+        that it is a step of its own, numbered as the program counts its
+        iterations, not a part of the next. The NaN watch checks such a
+        step's gradients there first (`zero_grad_watch`)."""
+        optim = sys.modules.get("torch.optim")
+        for owner, of_optimizer in ((getattr(optim, "Optimizer", None), True), (torch.nn.Module, False)):
+            if not isinstance(owner, type):
+                continue
+            own = owner.__dict__.get("zero_grad")
+            if own is None or getattr(own, _ZERO_GRAD_WATCHED, None) is not None:
+                continue
+            stand_in = _zero_grad_stand_in(self, own, of_optimizer)
+            setattr(owner, "zero_grad", stand_in)
+            self.zero_grads.append((owner, own, stand_in))
+
+    def _unwatch_zero_grad(self):
+        watched, self.zero_grads = self.zero_grads, []
+        for owner, own, stand_in in watched:
+            # Only where it is still ours: a program that replaced it since
+            # keeps its own (ours then passes the call through).
+            if owner.__dict__.get("zero_grad") is stand_in:
+                setattr(owner, "zero_grad", own)
+
+    def _zero_grad(self, own, owner, of_optimizer, args, kwargs):
+        watch = self.zero_grad_watch
+        step, primary = self.step, self.primary
+        mark = self.zero_marks.get(id(owner))
+        # The usual step: a boundary came since this owner's last zero_grad
+        # (its mark is of an earlier step), so no step can end here.
+        usual = watch is None and mark is not None and mark[1] != step and mark[0]() is owner
+        known = None
+        if not usual:
+            try:
+                if watch is not None:
+                    known = watch.before_zero_grad(owner, of_optimizer)
+                if self._skipped(owner, of_optimizer):
+                    self.boundary(_perf(), None, False)
+                    step = self.step
+            except Exception as exc:  # noqa: BLE001
+                self._fail("the step clock at zero_grad", exc)
+        out = own(owner, *args, **kwargs)
+        try:
+            if watch is not None:
+                watch.after_zero_grad(known, args, kwargs)
+            if not self.on:
+                return out
+            if usual and mark[2] is primary and not args and kwargs.get("set_to_none", True):
+                # Cleared to None, the owner the same: no gradient to read.
+                self.zero_marks[id(owner)] = (mark[0], step, primary, None, None)
+                return out
+            sentinel = self._sentinel_grad(owner, of_optimizer)
+            if sentinel is not None:
+                if len(self.zero_marks) >= 64:
+                    self.zero_marks.clear()
+                self.zero_marks[id(owner)] = (weakref.ref(owner), step, primary, *sentinel)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("the step clock at zero_grad", exc)
+        return out
+
+    def _sentinel_grad(self, owner, of_optimizer):
+        """(id, version) of the gradient of the owner's first parameter
+        ((None, None): none now); None for an owner other than the
+        optimizer whose step ends a step (the primary, where one has
+        stepped), or the model where
+        the clock knows one only (not a GAN's, whose two models' gradients
+        come from each other's backward, nor a submodule's own call)."""
+        if of_optimizer:
+            primary = self.primary() if self.primary is not None else None
+            if primary is not None and primary is not owner:
+                return None  # (none yet: no optimizer has stepped, as a GradScaler's first skips)
+            groups = owner.param_groups
+            param = groups[0]["params"][0] if groups and groups[0]["params"] else None
+        elif len(self.models) == 1 and self.models[0]() is owner:
+            param = next(owner.parameters(), None)
+        else:
+            return None
+        if param is None:
+            return None
+        grad = param.grad
+        return (None, None) if grad is None else (id(grad), grad._version)
+
+    def _skipped(self, owner, of_optimizer) -> bool:
+        """Whether this zero_grad clears gradients that a backward made
+        since the owner's last zero_grad, with no step boundary since: no
+        optimizer step used them, and the step ends here."""
+        if not self.on or self.partial or self.step is None or self.marker == "rankscope.step()":
+            return False
+        if self.opt_start is not None:
+            return False  # inside an optimizer step: a closure's (LBFGS calls it again and again)
+        mark = self.zero_marks.get(id(owner))
+        if mark is None and self.numbered == "start" and self.step == 0:
+            # The program's first step, the clock on since before it: no
+            # gradient was made before it.
+            mark = (lambda: owner, 0, self.primary, None, None)
+        # (A primary that changed since, as the clock learns which of two
+        # optimizers ends the step, left a step uncounted: not a skip.)
+        if mark is None or mark[0]() is not owner or mark[1] != self.step or mark[2] is not self.primary:
+            return False
+        now = self._sentinel_grad(owner, of_optimizer)
+        return now is not None and now[0] is not None and now != mark[3:]
 
     def _boundary(self, now, optimizer, unknown_optimizer):
         """The long way through a step boundary; the short way, taken while
