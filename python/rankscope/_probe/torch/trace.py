@@ -793,18 +793,18 @@ class Tracer(_native.StepClock):
         step, primary = self.step, self.primary
         mark = self.zero_marks.get(id(owner))
         # The usual step: a boundary came since this owner's last zero_grad
-        # (its mark is of an earlier step), so no step can end here.
-        usual = watch is None and mark is not None and mark[1] != step and mark[0]() is owner
+        # (its mark is of an earlier step), so no step can end here. (The
+        # stand-in itself takes this way where no NaN watch is armed.)
+        usual = mark is not None and mark[1] != step and mark[0]() is owner
         known = None
-        if not usual:
-            try:
-                if watch is not None:
-                    known = watch.before_zero_grad(owner, of_optimizer)
-                if self._skipped(owner, of_optimizer):
-                    self.boundary(_perf(), None, False)
-                    step = self.step
-            except Exception as exc:  # noqa: BLE001
-                self._fail("the step clock at zero_grad", exc)
+        try:
+            if watch is not None:
+                known = watch.before_zero_grad(owner, of_optimizer)
+            if not usual and self._skipped(owner, of_optimizer):
+                self.boundary(_perf(), None, False)
+                step = self.step
+        except Exception as exc:  # noqa: BLE001
+            self._fail("the step clock at zero_grad", exc)
         out = own(owner, *args, **kwargs)
         try:
             if watch is not None:
