@@ -80,6 +80,10 @@ GRAB = []  # --grab-forward: the model's forward as found at a sampled step, cal
 
 def train_step():
     global done
+    if "--validate" in sys.argv:
+        with torch.no_grad():
+            model(torch.randn(8, 16, generator=data) * 1000)  # another data set, its activations far larger
+        time.sleep(0.04)  # the next batch's wait comes after the validation pass
     x = torch.randn(8, 16, generator=data)
     target = torch.randn(8, 1, generator=data)
     if "--grab-forward" in sys.argv and not GRAB and "forward" in vars(model):
@@ -570,6 +574,25 @@ def test_a_root_forward_the_program_keeps_calling_counts_in_its_sampled_steps_on
     assert [(r["step"], r["samples"]) for r in rows] == [(4, 8), (8, 8), (12, 8)], rows
     for r in rows:
         assert 0 <= r["dataloader_wait_ms"] <= r["step_ms"], r
+
+
+def test_a_validation_pass_before_the_forward_is_no_part_of_the_wait_or_the_activations(torch_python, spawn, cli):
+    # Each step runs the model without grad on another data set, waits
+    # 40 ms for its batch, then trains: the step's data-loader wait is the
+    # time outside its forwards (not the few microseconds before the
+    # validation pass), and its activation statistics are the training
+    # call's (not a mean with the validation call's, 1000 times larger).
+    target = spawn(torch_python, TRAIN, args=["--validate"])
+    assert cli(target.pid, "torch", "trace", "on").returncode == 0
+    assert cli(target.pid, "torch", "activations", "--modules", "fc1").returncode == 0
+    run_steps(cli, target, 6, 6)
+    rows = query_json(cli, target.pid, "SELECT step, dataloader_wait_ms, forward_ms, step_ms FROM python.torch_steps WHERE sampled ORDER BY step")
+    assert len(rows) >= 4, rows
+    for r in rows:
+        assert 35 <= r["dataloader_wait_ms"] <= r["step_ms"] - r["forward_ms"], r
+    acts = query_json(cli, target.pid, "SELECT step, calls, max_abs FROM python.activation_stats WHERE module = 'fc1' ORDER BY step")
+    assert len(acts) >= 4, acts
+    assert all(a["calls"] == 1 and a["max_abs"] < 50 for a in acts), acts
 
 
 ROOT_CHAIN = "(lambda f: (type(f).__name__, type(getattr(f, '__wrapped__', None)).__name__))(vars(model).get('forward'))"

@@ -543,13 +543,14 @@ class _TakenOff:
 
 
 class _Watched:
-    __slots__ = ("name", "type", "values", "calls", "shape", "dtype")
+    __slots__ = ("name", "type", "values", "calls", "shape", "dtype", "trained")
 
     def __init__(self, name, type_name):
         self.name, self.type = name, type_name
         self.values: list = []
         self.calls = 0
         self.shape = self.dtype = None
+        self.trained = False
 
 
 class ActivationStats:
@@ -637,7 +638,7 @@ class ActivationStats:
             for ref, watched in self.plan:
                 module = ref()
                 if module is not None:
-                    watched.values, watched.calls = [], 0
+                    watched.values, watched.calls, watched.trained = [], 0, False
                     hook = self._hook(watched)
                     if module.__dict__.get("_compiled_call_impl") is not None:
                         # Compiled in place (`module.compile()`): its hooks run
@@ -657,6 +658,15 @@ class ActivationStats:
                 if watched.calls and _in_backward():
                     # An activation checkpoint's recompute, inside the
                     # backward: the same output again (see stand_in.rs).
+                    return
+                # A step that trains says what its training calls saw: a
+                # validation pass (without grad) in it would mix another
+                # data set's activations in. A step with no training call
+                # (an inference loop) keeps its calls.
+                if torch.is_grad_enabled():
+                    if not watched.trained:
+                        watched.values, watched.calls, watched.trained = [], 0, True
+                elif watched.trained:
                     return
                 tensor = next((t for t in _tensors(output) if t.is_floating_point()), None)
                 if tensor is None or (tensor.is_cuda and capturing()):

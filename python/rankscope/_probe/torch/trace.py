@@ -1162,6 +1162,12 @@ class Tracer(_native.StepClock):
             if torch.is_grad_enabled():
                 if not self.samples_trained:
                     self.samples, self.samples_trained = 0, True
+                    if self.first_fwd != now:
+                        # A validation pass came first: the step waited
+                        # for data only outside its forwards (the start
+                        # is moved so that `first_fwd - last_end`, the
+                        # wait on both ways, leaves them out).
+                        self.first_fwd = now - sum(self.acc[slot.at] for slot in self.slots if slot.depth == 0)
                 self.samples += first.shape[0]
             elif not self.samples_trained:
                 self.samples += first.shape[0]
