@@ -1,6 +1,7 @@
 """Getting in at start: the .pth hook, `rankscope run`, start() and stop()."""
 
 import os
+import subprocess
 from pathlib import Path
 
 
@@ -102,6 +103,35 @@ def test_the_probe_ends_cleanly_with_the_process(python, spawn, endpoint_dir):
     assert target.proc.stderr.read() == b""
     assert not Path(endpoint_dir, f"{target.pid}.sock").exists()
     assert not Path(endpoint_dir, f"{target.pid}.json").exists()
+
+
+def test_a_request_on_python_as_the_program_exits_does_not_abort_it(python, spawn, rankscope_bin, endpoint_dir):
+    """GIVEN an eval that keeps letting the GIL go and taking it back (each
+    `os.stat` does, as an import's file reads or a torch call do) WHEN the
+    program ends while it runs THEN the program exits 0 with nothing on
+    stderr, and the eval is told why it ended. Before, the interpreter
+    finalized under it and ended its thread where it stood, which aborted
+    the process (exit code 134) every time."""
+    source = """
+    import time
+    print("READY", flush=True)
+    while not globals().get("go"):
+        time.sleep(0.01)
+    print("EXITING", flush=True)
+    """
+    target = spawn(python, source)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env["RANKSCOPE_DIR"] = endpoint_dir
+    code = "import os\ngo = True\nfor _ in range(10**8): os.stat('.')"
+    evaluating = subprocess.Popen([rankscope_bin, str(target.pid), "eval", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        target.wait_for_line("EXITING")
+        assert target.proc.wait(timeout=30) == 0
+        assert target.proc.stderr.read() == b""
+        out, err = evaluating.communicate(timeout=30)
+        assert "the program is exiting" in out + err, (out, err)
+    finally:
+        evaluating.kill()
 
 
 # The probe's Python locks that its own threads take (turning torch

@@ -231,6 +231,15 @@ impl Probe {
                 )
                 .into()
             }
+            http::HttpError::Truncated
+                if matches!(self.endpoint, Endpoint::Unix(_)) && exited(self.pid) =>
+            {
+                Hinted::new(
+                    format!("{} exited before its probe answered", describe(self.pid)),
+                    "`rankscope crashes` shows whether it crashed",
+                )
+                .into()
+            }
             other => anyhow::anyhow!("bad answer from the probe of PID {}: {other}", self.pid),
         })?;
         if response.status != 200 {
@@ -469,4 +478,22 @@ impl Probe {
             self.request("POST", "/v1/eval/interrupt", &body, timeout)?;
         Ok(reply.interrupted)
     }
+}
+
+/// Whether `pid` is gone, or a zombie, within a moment: a connection that
+/// closed mid-answer closed with the process, or for another reason.
+fn exited(pid: u32) -> bool {
+    for _ in 0..10 {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(") ")
+                    .and_then(|(_, rest)| rest.chars().next())
+            });
+        if !matches!(state, Some(c) if c != 'Z' && c != 'X') {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
 }

@@ -116,6 +116,24 @@ pub fn interrupt(_py: Python<'_>, eval_id: &str, exception: &Bound<'_, PyAny>) -
     true
 }
 
+/// Raises each armed eval's exception in its thread now: the probe is
+/// stopping as the program exits, and an eval still running would be ended
+/// where it stands once the interpreter finalizes. Called with the GIL.
+pub fn interrupt_all(_py: Python<'_>) -> usize {
+    let (lock, _) = state();
+    let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
+    let mut fired = 0;
+    for entry in st.entries.values_mut().filter(|e| !e.fired) {
+        entry.fired = true;
+        fired += 1;
+        // SAFETY: GIL held (the `_py` token); the entry keeps the exception alive.
+        unsafe {
+            pyo3::ffi::PyThreadState_SetAsyncExc(entry.thread_ident as _, entry.exception.as_ptr())
+        };
+    }
+    fired
+}
+
 /// After fork the watchdog thread does not exist in the child.
 pub fn forget_after_fork() {
     let (lock, _) = state();
@@ -171,7 +189,11 @@ fn watchdog() {
             }
         });
         if attached.is_none() {
-            // The interpreter is going away; nothing left to interrupt.
+            // The interpreter is going away, or the probe stopping: nothing
+            // left to interrupt. A probe started again starts a watchdog.
+            lock.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .watchdog_started = false;
             return;
         }
     }

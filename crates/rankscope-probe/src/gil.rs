@@ -58,6 +58,11 @@ struct InFlight {
 struct State {
     next_id: u64,
     in_flight: BTreeMap<u64, InFlight>,
+    /// Requests between asking for the GIL and being done with it, those
+    /// with no CPU clock to watch included.
+    inside: usize,
+    /// The probe is stopping: no request starts on Python (see [`close`]).
+    closed: bool,
     /// A pending call is queued and has not run yet.
     scheduled: bool,
     /// What the last step aside found: how long the requests ran in it
@@ -134,6 +139,10 @@ pub fn gil_parks() -> u64 {
 pub fn attach<R>(f: impl for<'py> FnOnce(Python<'py>) -> R) -> Option<R> {
     let id = {
         let mut st = lock();
+        if st.closed {
+            return None;
+        }
+        st.inside += 1;
         st.next_id += 1;
         let id = st.next_id;
         if let Some(clock) = this_thread_clock() {
@@ -158,9 +167,41 @@ pub fn attach<R>(f: impl for<'py> FnOnce(Python<'py>) -> R) -> Option<R> {
     };
     state().1.notify_all();
     let result = Python::try_attach(f);
-    lock().in_flight.remove(&id);
+    {
+        let mut st = lock();
+        st.in_flight.remove(&id);
+        st.inside -= 1;
+    }
     state().1.notify_all();
     result
+}
+
+/// The probe is stopping as the interpreter exits: no request starts on
+/// Python from now on, and those already on it get up to `limit` to end.
+/// Returns how many are still on it. Once the interpreter finalizes, a
+/// thread that takes the GIL back (after an `import`'s file read, a torch
+/// call that let it go) is ended by `pthread_exit` where it stands, and
+/// the unwind through a C++ destructor there (pybind11's) aborts the whole
+/// process: exit code 134 for a program that had ended well.
+pub fn close(limit: Duration) -> usize {
+    let (_, wake) = state();
+    let mut st = lock();
+    st.closed = true;
+    st = wake
+        .wait_timeout_while(st, limit, |s| s.inside > 0)
+        .unwrap_or_else(|e| e.into_inner())
+        .0;
+    st.inside
+}
+
+/// Whether [`close`] was called and no start since.
+pub fn closed() -> bool {
+    lock().closed
+}
+
+/// Requests may start on Python again (a probe started after a stop).
+pub fn open() {
+    lock().closed = false;
 }
 
 fn nudger() {

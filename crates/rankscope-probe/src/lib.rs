@@ -70,6 +70,7 @@ fn start<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut running = lock_running();
     if running.is_none() {
+        gil::open();
         *running = Some(start_server(python_version, listen)?);
     }
     let r = running.as_ref().expect("set above");
@@ -185,6 +186,10 @@ pub(crate) fn current_rank() -> Option<i64> {
     meta["rank"].as_i64()
 }
 
+/// How long a stopping probe waits for the requests on Python to end,
+/// before and after interrupting its evals.
+const QUIET_AT_STOP: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Stops the server, removes the socket and metadata. The GIL is released
 /// while the server thread is joined, so requests in flight can finish.
 #[pyfunction]
@@ -201,6 +206,15 @@ fn stop(py: Python<'_>) -> bool {
         profile_self::end_all(std::time::Duration::from_millis(1500));
         registry::leave();
         server.stop();
+        // No request may be on Python when the interpreter finalizes (see
+        // `gil::close`). An eval still running is interrupted, as its
+        // deadline would; one blocked in C past that is left to its fate.
+        if gil::close(QUIET_AT_STOP) > 0 {
+            let fired = Python::attach(deadline::interrupt_all);
+            if fired > 0 {
+                gil::close(QUIET_AT_STOP / 2);
+            }
+        }
         paths::remove_endpoint_files(&dir, pid);
         // No thread of the probe's outlives it: the sampler ends, and the
         // store writes what waits and ends its writer (a later row starts
@@ -209,6 +223,13 @@ fn stop(py: Python<'_>) -> bool {
         store::close();
     });
     true
+}
+
+/// Whether the probe is stopping (an eval interrupted now was interrupted
+/// for that, not by its deadline).
+#[pyfunction]
+fn stopping() -> bool {
+    gil::closed()
 }
 
 /// The socket path while running, else None.
@@ -267,6 +288,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", rankscope_core::VERSION)?;
     m.add_function(wrap_pyfunction!(start, m)?)?;
     m.add_function(wrap_pyfunction!(stop, m)?)?;
+    m.add_function(wrap_pyfunction!(stopping, m)?)?;
     m.add_function(wrap_pyfunction!(endpoint, m)?)?;
     m.add_function(wrap_pyfunction!(forget_after_fork, m)?)?;
     m.add_function(wrap_pyfunction!(arm_deadline, m)?)?;

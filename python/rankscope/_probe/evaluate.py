@@ -210,8 +210,11 @@ def _run_captured(code: str, timeout_s: float, namespace: dict, local_names, rep
         except EvalTimeout:
             if token is not None:
                 _native.disarm_deadline(token)
-            reply["timed_out"] = True
-            reply["error"] = f"TimeoutError: eval interrupted after {timeout_s:g}s (the target runs on)\n"
+            if _native.stopping():
+                reply["error"] = "eval interrupted: the program is exiting\n"
+            else:
+                reply["timed_out"] = True
+                reply["error"] = f"TimeoutError: eval interrupted after {timeout_s:g}s (the target runs on)\n"
         except BaseException as exc:  # noqa: BLE001 - SystemExit and all: the target lives on
             reply["error"] = _format_error(exc)
     finally:
