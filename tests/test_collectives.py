@@ -127,6 +127,56 @@ def test_cluster_bt_names_the_collective_and_the_rank_that_never_joined(default_
         proc.wait()
 
 
+MONITORED = """
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+HERE = os.path.dirname(os.path.abspath(__file__))
+dist.monitored_barrier()
+t = torch.ones(2)
+dist.all_reduce(t)
+open(os.path.join(HERE, "marks", f"rank{rank}"), "w").close()
+while rank == 3:
+    time.sleep(0.05)  # @stuck
+dist.all_reduce(t)
+"""
+
+
+def test_a_monitored_barrier_leaves_the_ranks_numbers_alike(default_python, cli, endpoint_dir, tmp_path):
+    # gloo's monitored_barrier is made of sends and receives, six on rank 0
+    # of four and two on the others, all in torch's number of the group:
+    # rank 0's collectives after it were numbered four ahead, and `cluster
+    # bt` said that ranks 1 and 2, waiting in the same all_reduce, had
+    # never joined it.
+    require_torch(default_python)
+    proc = start_marked(default_python, tmp_path, endpoint_dir, MONITORED, "monitored.py", 4)
+    run = tmp_path / "run"
+    try:
+        line = stuck_line(cli, run, "all_reduce #")
+        assert line.startswith("all_reduce #4 on group 0: ranks 0,1,2 waiting since"), line
+        assert f"rank 3 never joined (its last was #3) (it is in <module>, monitored.py:{line_of(MONITORED, 'stuck')})" in line, line
+        rows = query_json_run(cli, run, "SELECT rank, op, seq FROM python.collectives ORDER BY rank, ts")
+        by_rank = {}
+        for r in rows:
+            by_rank.setdefault(r["rank"], []).append((r["op"], r["seq"]))
+        assert by_rank == {0: [("monitored_barrier", 1), ("all_reduce", 3), ("all_reduce", 4)],
+                           1: [("monitored_barrier", 1), ("all_reduce", 3), ("all_reduce", 4)],
+                           2: [("monitored_barrier", 1), ("all_reduce", 3), ("all_reduce", 4)],
+                           3: [("monitored_barrier", 1), ("all_reduce", 3)]}, by_rank
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+
+
+def query_json_run(cli, run, sql: str) -> list:
+    result = cli("cluster", "query", "--run", run, sql, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
 def test_without_records_the_stacks_still_name_the_rank(default_python, cli, endpoint_dir, tmp_path):
     require_torch(default_python)
     # Neither the wrappers nor torch's Flight Recorder (on by default in recent torch).

@@ -684,6 +684,52 @@ def test_a_nan_in_an_earlier_micro_batch_is_named_with_its_own_input(torch_pytho
     assert_same_bits(torch_python, cli, target, tmp_path, 5, flags)
 
 
+PER_SAMPLE = """
+import time
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.Generator().manual_seed(6)
+done = 0
+
+
+def sample_loss(params, x, y):
+    return F.cross_entropy(functional_call(model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+
+def train_step():
+    # Per-sample gradients (DP-SGD's way): the model runs inside vmap and
+    # grad, then once without grad for the loss it logs.
+    x, y = torch.randn(10, 6, generator=data), torch.randint(0, 3, (10,), generator=data)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+    for name, param in model.named_parameters():
+        param.grad = per_sample[name].mean(0)
+    with torch.no_grad():
+        F.cross_entropy(model(x), y)
+    optimizer.step()
+""" + ON_REQUEST
+
+
+def test_activations_of_a_model_run_inside_torch_func_transforms(torch_python, spawn, cli):
+    # Inside vmap the forward hook's statistics were batched tensors, and
+    # torch asserted (an internal error): the feature turned itself off.
+    # Calls inside a transform are left out; the step's plain call counts.
+    target = spawn(torch_python, PER_SAMPLE)
+    run_steps(cli, target, 2, 2)
+    assert "activations: on, 1 module" in on(cli, target.pid, "activations", "--modules", "0")
+    run_steps(cli, target, 4, 6)
+    status = on(cli, target.pid, "activations")
+    assert "disabled" not in status and "failed" not in status, status
+    rows = query_json(cli, target.pid, "SELECT step, calls, shape FROM python.activation_stats WHERE module = '0' ORDER BY step")
+    assert len(rows) >= 3 and all(r["calls"] == 1 and r["shape"] == "10x12" for r in rows), rows
+
+
 def test_grads_and_activations_fill_their_tables_and_change_nothing(torch_python, spawn, cli, tmp_path):
     target = spawn(torch_python, TRAIN)
     grads = on(cli, target.pid, "grads", "--every", "2")
@@ -1010,6 +1056,48 @@ def test_a_divergence_the_sentinels_miss_is_still_named_at_its_step(torch_python
         assert rows[0]["detail"].startswith("from the parameters' gradients (found at exit"), rows
     else:
         assert rows[0]["stage"] == "update" and rows[0]["module"] == "0", rows
+
+
+# A trainer's guard skips the optimizer step whose gradient norm is not
+# finite; the NaN is made outside the model, in the loss's arithmetic on
+# its output (a finite forward, an infinite gradient back).
+GUARDED = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+print("READY", flush=True)
+for step in range(8):
+    x = torch.randn(16, 4)
+    opt.zero_grad()
+    out = model(x)
+    if step == 5:
+        out = torch.sqrt(out - out)
+    loss = out.pow(2).mean()
+    loss.backward()
+    norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+    if not torch.isfinite(norm):
+        print(f"SKIPPED {step}", flush=True)
+        continue
+    opt.step()
+"""
+
+
+def test_a_nan_in_a_step_the_program_skipped_is_named_though_the_replay_cannot_make_it(torch_python, spawn, cli):
+    # Found as the next zero_grad cleared the gradients no step used; the
+    # replay of the model's forward and backward is finite, which for a
+    # GradScaler's skip means no NaN at all, but with no scaler it is the
+    # loss: the event was dropped, and `torch nan` saw nothing.
+    target = spawn(torch_python, GUARDED, env={"RANKSCOPE_TORCH": "nan"})
+    target.wait_for_line("SKIPPED 5")
+    assert target.proc.wait(timeout=120) == 0
+    result = cli("query", "--run", target.script.parent / "run", "SELECT step, stage, detail FROM python.nan_events", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["step"], r["stage"]) for r in rows] == [(5, "loss")], rows
+    assert rows[0]["detail"].startswith("found as the program cleared gradients that no optimizer step used"), rows
 
 
 # The statistics read in place on a CPU (grad_read.rs), against torch's own

@@ -484,13 +484,7 @@ impl Probe {
 /// closed mid-answer closed with the process, or for another reason.
 fn exited(pid: u32) -> bool {
     for _ in 0..10 {
-        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|s| {
-                s.rsplit_once(") ")
-                    .and_then(|(_, rest)| rest.chars().next())
-            });
-        if !matches!(state, Some(c) if c != 'Z' && c != 'X') {
+        if !paths::pid_alive(pid) {
             return true;
         }
         std::thread::sleep(Duration::from_millis(20));

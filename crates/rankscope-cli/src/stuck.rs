@@ -160,16 +160,30 @@ const COLLECTIVE_NAMES: &[&str] = &[
     "recv",
 ];
 
-/// The `torch.distributed` call a stack is inside, if any.
+/// Calls that make a process group: a rank waits in them for the others,
+/// with no collective of the group to number yet.
+const GROUP_MAKERS: &[&str] = &["init_process_group", "new_group", "new_subgroups"];
+
+/// The `torch.distributed` call a stack is inside, if any. The launcher's
+/// code (torchrun's agent, elastic's decorators) is not such a call, nor is
+/// c10d's logging decorator a name to give it.
 pub fn collective_in_stack(frames: &[Frame]) -> Option<String> {
     let inside: Vec<&Frame> = frames
         .iter()
-        .filter(|f| f.file.contains("/torch/distributed/"))
+        .filter(|f| {
+            f.file.contains("/torch/distributed/")
+                && !f.file.contains("/torch/distributed/elastic/")
+                && !f.file.contains("/torch/distributed/launcher/")
+                && !f.file.ends_with("/torch/distributed/run.py")
+                && !f.file.ends_with("/c10d_logger.py")
+        })
         .collect();
     inside
         .iter()
         .rev()
-        .find(|f| COLLECTIVE_NAMES.contains(&f.func.as_str()))
+        .find(|f| {
+            COLLECTIVE_NAMES.contains(&f.func.as_str()) || GROUP_MAKERS.contains(&f.func.as_str())
+        })
         .or_else(|| inside.last())
         .map(|f| f.func.clone())
 }
@@ -443,7 +457,12 @@ fn from_stacks(views: &[RankView]) -> Vec<String> {
             where_is(views.iter().find(|v| v.rank == *rank))
         );
     }
-    line += " (from the stacks: no rank records its collectives; `cluster torch collectives on` adds sequence numbers)";
+    if inside.keys().all(|op| GROUP_MAKERS.contains(&op.as_str())) {
+        // Nothing to number yet: the ranks meet to make the group.
+        line += " (from the stacks: the process group is being made)";
+    } else {
+        line += " (from the stacks: no rank records its collectives; `cluster torch collectives on` adds sequence numbers)";
+    }
     vec![line]
 }
 
@@ -474,6 +493,19 @@ mod tests {
                     .collect(),
             }],
         }
+    }
+
+    /// Ranks 0, 1, ... with these stacks and no records.
+    fn from_stacks_alone<'a>(stacks: &[&'a StacksReply]) -> Vec<RankView<'a>> {
+        stacks
+            .iter()
+            .enumerate()
+            .map(|(rank, stacks)| RankView {
+                rank: rank as i64,
+                records: None,
+                stacks: Some(stacks),
+            })
+            .collect()
     }
 
     fn record(seq: i64, in_flight: bool, started: f64) -> Record {
@@ -676,19 +708,7 @@ mod tests {
             ("main", "/job/hang.py", 20),
         ]);
         let elsewhere = stacks(&[("fetch_batch", "/job/hang.py", 7)]);
-        let views = vec![
-            RankView {
-                rank: 0,
-                records: None,
-                stacks: Some(&waiting),
-            },
-            RankView {
-                rank: 1,
-                records: None,
-                stacks: Some(&elsewhere),
-            },
-        ];
-        let lines = stuck_lines(&views, 0.0);
+        let lines = stuck_lines(&from_stacks_alone(&[&waiting, &elsewhere]), 0.0);
         assert_eq!(lines.len(), 1);
         assert!(lines[0].starts_with("all_reduce: rank 0 inside it; rank 1 never joined (it is in fetch_batch, hang.py:7)"), "{}", lines[0]);
         let calm = vec![RankView {
@@ -697,6 +717,47 @@ mod tests {
             stacks: Some(&elsewhere),
         }];
         assert!(stuck_lines(&calm, 0.0).is_empty());
+    }
+
+    #[test]
+    fn a_rank_making_its_group_or_a_launcher_is_named_as_it_is() {
+        let c10d = "/v/site-packages/torch/distributed/distributed_c10d.py";
+        let logger = "/v/site-packages/torch/distributed/c10d_logger.py";
+        let making = stacks(&[
+            ("_store_based_barrier", c10d, 4000),
+            ("init_process_group", c10d, 1600),
+            ("wrapper", logger, 83),
+            ("<module>", "/job/train.py", 3),
+        ]);
+        assert_eq!(
+            collective_in_stack(&making.threads[0].frames).as_deref(),
+            Some("init_process_group")
+        );
+        let launcher = stacks(&[
+            (
+                "_poll",
+                "/v/site-packages/torch/distributed/elastic/agent/server/api.py",
+                900,
+            ),
+            (
+                "run",
+                "/v/site-packages/torch/distributed/elastic/agent/server/api.py",
+                700,
+            ),
+            (
+                "wrapper",
+                "/v/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py",
+                355,
+            ),
+            ("main", "/v/site-packages/torch/distributed/run.py", 900),
+        ]);
+        assert_eq!(collective_in_stack(&launcher.threads[0].frames), None);
+        let later = stacks(&[("<module>", "/job/train.py", 2)]);
+        let lines = stuck_lines(&from_stacks_alone(&[&making, &later]), 0.0);
+        assert_eq!(
+            lines,
+            vec!["init_process_group: rank 0 inside it; rank 1 never joined (it is in <module>, train.py:2) (from the stacks: the process group is being made)"]
+        );
     }
 
     #[test]

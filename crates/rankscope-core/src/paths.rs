@@ -125,6 +125,29 @@ pub fn remove_endpoint_files(dir: &Path, pid: u32) {
     }
 }
 
+/// Whether the process that started at `started_at` (seconds since the
+/// epoch, as the probe wrote it) still runs as `pid`: PIDs come round
+/// again (32768 of them by default), and an unrelated process that took
+/// this one is not it. Without a start time, whether `pid` runs.
+pub fn same_process(pid: u32, started_at: Option<f64>) -> bool {
+    pid_alive(pid)
+        && match (started_at, crate::host::process_started_at(pid)) {
+            (Some(then), Some(now)) => (now - then).abs() < 1.0,
+            _ => true,
+        }
+}
+
+/// Whether the probe whose files in `dir` carry `pid` still runs: its
+/// process, by the start time its metadata says, not a later one that
+/// took the PID of one killed without the chance to remove them.
+pub fn endpoint_live(dir: &Path, pid: u32) -> bool {
+    let started = fs::read(meta_path(dir, pid))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v.get("process_started_at")?.as_f64());
+    same_process(pid, started)
+}
+
 /// Whether a process with this PID runs (it may belong to someone else).
 /// A zombie, exited but not yet reaped by its parent, does not.
 pub fn pid_alive(pid: u32) -> bool {
@@ -208,6 +231,11 @@ mod tests {
     #[test]
     fn our_own_pid_is_alive_and_pid_zero_is_not() {
         assert!(pid_alive(std::process::id()));
+        let me = std::process::id();
+        let started = crate::host::process_started_at(me);
+        assert!(started.is_some());
+        assert!(same_process(me, started) && same_process(me, None));
+        assert!(!same_process(me, started.map(|t| t - 60.0)));
         assert!(!pid_alive(0));
     }
 }

@@ -42,7 +42,8 @@
 //! counts point-to-point calls in the group's own number, on the two
 //! ranks alone: where a backend does (seen at the first such call), the
 //! collectives' numbers leave them out, so that they still agree across
-//! the group's ranks.
+//! the group's ranks; so are the sends and receives that gloo's
+//! `monitored_barrier` is made of, more on rank 0 than on the others.
 
 use std::cell::Cell as Flag;
 use std::collections::HashMap;
@@ -140,6 +141,11 @@ struct Group {
     p2p_calls: i64,
     /// Whether the backend counts them in the group's number (None: not seen yet).
     p2p_in_seq: Option<bool>,
+    /// Calls a recorded collective made on this rank alone, which moved
+    /// the group's number further here than on the group's other ranks
+    /// (gloo's `monitored_barrier` is sends and receives: 2(W-1) on rank
+    /// 0, 2 on each other rank).
+    inner_calls: i64,
 }
 
 /// A text of a recorded call: by its place in `Shared::texts` (made once,
@@ -567,6 +573,7 @@ impl CollectiveLog {
                     p2p: HashMap::new(),
                     p2p_calls: 0,
                     p2p_in_seq: None,
+                    inner_calls: 0,
                 },
             );
             // The lock first: the group let go may be freed, and run code.
@@ -774,7 +781,9 @@ impl CollectiveLog {
                     } else {
                         0
                     };
-                    info.seq = torch_seq.map(|s| s + 1 - p2p).unwrap_or(info.seq + 1);
+                    info.seq = torch_seq
+                        .map(|s| s + 1 - p2p - info.inner_calls)
+                        .unwrap_or(info.seq + 1);
                     if info.last_op.as_deref() != Some(op.0) {
                         info.last_op = Some(op.0.to_string());
                     }
@@ -835,6 +844,26 @@ impl CollectiveLog {
             info.p2p_calls += 1;
             if info.p2p_in_seq.is_none() {
                 info.p2p_in_seq = counted.or(Some(false));
+            }
+        }
+    }
+
+    /// After a `monitored_barrier` (returned or failed): it moved the
+    /// group's number by two on a rank other than 0, and Flight Recorder's
+    /// number by two on every rank; what it moved it by past two (rank 0's
+    /// further sends and receives) is left out from now on, so that the
+    /// numbers agree across the group and with Flight Recorder's.
+    fn inner_calls_made(&self, py: Python<'_>, group: &Bound<'_, PyAny>, before: Option<i64>) {
+        let Some(before) = before else { return };
+        let Ok(after) = group
+            .call_method0(intern!(py, "_get_sequence_number_for_group"))
+            .and_then(|s| s.extract::<i64>())
+        else {
+            return;
+        };
+        if after - before > 2 {
+            if let Some(info) = self.state().groups.get_mut(&(group.as_ptr() as usize)) {
+                info.inner_calls += after - before - 2;
             }
         }
     }
@@ -1226,6 +1255,9 @@ impl CollectiveCall {
             original.call(args, kw)
         };
         if let Some(((key, began, group, before), asynchronous, any_source)) = entry {
+            if self.op == "monitored_barrier" {
+                log.get().inner_calls_made(py, &group, before);
+            }
             match &result {
                 Ok(out) => {
                     if self.p2p.is_some() {

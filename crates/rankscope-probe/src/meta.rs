@@ -75,11 +75,18 @@ fn told_apart(id: String, env: impl Fn(&str) -> Option<String>) -> String {
 pub fn collect(python_version: &str, tcp: Option<String>) -> ProcessMeta {
     let cmdline = cmdline();
     let child = multiprocessing_child(&cmdline);
-    BYSTANDER.store(
-        child || launcher(&cmdline),
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    let env_int = |names: &[&str]| if child { None } else { env_int(names) };
+    let launcher = launcher(&cmdline);
+    BYSTANDER.store(child || launcher, std::sync::atomic::Ordering::Relaxed);
+    // A launcher started by a scheduler (`srun torchrun ...`) has the
+    // scheduler's task rank in its environment (SLURM_PROCID): it is the
+    // rank of no job's process group.
+    let env_int = |names: &[&str]| {
+        if child || launcher {
+            None
+        } else {
+            env_int(names)
+        }
+    };
     ProcessMeta {
         pid: std::process::id(),
         // SAFETY: getppid cannot fail.

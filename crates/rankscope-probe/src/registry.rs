@@ -124,7 +124,9 @@ pub fn register(meta_json: &str, socket: &str, token_file: Option<&str>) -> std:
         Some((socket.to_string(), token_file.map(str::to_string)));
     let meta: Value = serde_json::from_str(meta_json)?;
     let in_job = meta["job_id"].is_string() || meta["world_size"].as_i64().unwrap_or(1) > 1;
-    if !in_job {
+    // A launcher keeps its job id (a scheduler's), but is none of the
+    // job's ranks: listed as one, it was "rank 0" of a job of its own.
+    if !in_job || crate::meta::BYSTANDER.load(std::sync::atomic::Ordering::Relaxed) {
         return Ok(());
     }
     let mut entry = meta.clone();

@@ -112,7 +112,11 @@ fn liveness(entry: &RankEntry, here: &str) -> Liveness {
             _ => Liveness::Running,
         };
     }
-    if paths::pid_alive(entry.meta.pid) {
+    if entry.state.as_deref() == Some("exited") {
+        // It said so as it left; its PID may be another process's by now.
+        return Liveness::Exited;
+    }
+    if paths::same_process(entry.meta.pid, entry.meta.process_started_at) {
         // The registry says what the rank speaks: no request is sent in
         // words it would misread.
         if entry.meta.protocol != rankscope_core::PROTOCOL_VERSION {
@@ -202,7 +206,7 @@ fn find_job_or(job: Option<&str>, run: Option<PathBuf>, none_running: NoneRunnin
     // Live probes on this machine; what dead ones left behind goes, as in `rankscope list`.
     let endpoint_dir = paths::endpoint_dir();
     for pid in paths::listed_pids(&endpoint_dir) {
-        if !paths::pid_alive(pid) {
+        if !paths::endpoint_live(&endpoint_dir, pid) {
             paths::remove_endpoint_files(&endpoint_dir, pid);
         }
     }
@@ -1405,6 +1409,32 @@ pub fn query(
 #[cfg(test)]
 mod tests {
     use super::outliers;
+
+    fn entry_of_this_process(started_at: Option<f64>, state: Option<&str>) -> super::RankEntry {
+        let here = rankscope_core::host::hostname();
+        let value = serde_json::json!({
+            "pid": std::process::id(), "ppid": 1, "host": here, "rank": 0, "local_rank": 0,
+            "world_size": 1, "cmdline": [], "exe": "", "cwd": "", "python_version": "3",
+            "started_at": 0.0, "process_started_at": started_at, "rankscope_version": "0",
+            "protocol": rankscope_core::PROTOCOL_VERSION, "state": state,
+        });
+        serde_json::from_value(value).expect("an entry")
+    }
+
+    #[test]
+    fn a_pid_taken_by_another_process_or_an_exited_entry_is_not_a_running_rank() {
+        use super::{liveness, Liveness};
+        let here = rankscope_core::host::hostname();
+        let started = rankscope_core::host::process_started_at(std::process::id());
+        let live = entry_of_this_process(started, Some("running"));
+        assert!(matches!(liveness(&live, &here), Liveness::Running));
+        // The rank that wrote the entry started a minute before this process:
+        // the PID came round again to another process.
+        let reused = entry_of_this_process(started.map(|t| t - 60.0), Some("running"));
+        assert!(matches!(liveness(&reused, &here), Liveness::Dead));
+        let exited = entry_of_this_process(started, Some("exited"));
+        assert!(matches!(liveness(&exited, &here), Liveness::Exited));
+    }
 
     #[test]
     fn the_rank_that_holds_more_is_marked_in_either_memory() {

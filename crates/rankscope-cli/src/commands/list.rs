@@ -48,7 +48,7 @@ pub fn run(format: ListFormat) -> Result<u8> {
     let live: Vec<u32> = paths::listed_pids(&dir)
         .into_iter()
         .filter(|&pid| {
-            let alive = paths::pid_alive(pid);
+            let alive = paths::endpoint_live(&dir, pid);
             if !alive {
                 paths::remove_endpoint_files(&dir, pid);
                 cleaned += 1;

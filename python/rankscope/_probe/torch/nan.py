@@ -727,10 +727,13 @@ class NanWatch:
             with torch.no_grad():
                 finite = _finite_now([p.grad for p in params], step.loss)
             if not finite:
+                # (No scaler: its overflows went `_scaler_skipped`'s way
+                # above. A NaN made outside the model, in the loss, which
+                # the replay cannot make again, is still one.)
                 self._trip(TRACER.step if TRACER.step is not None else 0, step, params,
                            unapplied="found as the program cleared gradients that no optimizer step used (it skipped "
                                      "the step)",
-                           forwards=True)
+                           forwards=True, certain=True)
         except Exception as exc:  # noqa: BLE001 - the watch goes off, the program goes on
             self.failed(f"the check at zero_grad failed: {type(exc).__name__}: {exc}")
 
@@ -891,11 +894,12 @@ class NanWatch:
 
     # ---- the search, on a trip only
 
-    def _trip(self, step_number, step, params, unapplied=False, forwards=None):
+    def _trip(self, step_number, step, params, unapplied=False, forwards=None, certain=False):
         """`unapplied`: a step whose update never ran, found at exit (see
         `check_at_exit`; or the detail to give, for a step a GradScaler
         skipped, see `_repeated`): recorded only where the replay names an
-        origin."""
+        origin, unless `certain`: gradients seen non-finite where no loss
+        scaler's overflow can have made them."""
         self.tripped_at = step_number
         if callable(params):
             params = params()
@@ -911,7 +915,7 @@ class NanWatch:
             self.searching = False
             TRACER.restore(held)
         if unapplied:
-            if event.pop("unfound", False):
+            if event.pop("unfound", False) and not certain:
                 self.tripped_at = None
                 return
             found = unapplied if isinstance(unapplied, str) else (

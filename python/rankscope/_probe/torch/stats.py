@@ -524,6 +524,12 @@ def _nothing(args, kwargs):
     return None
 
 
+# A tensor inside a torch.func transform (vmap's batched one, grad's
+# wrapper): statistics of it would be traced into the transform, and come
+# out as batched tensors that no row can hold (torch asserts inside).
+_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda tensor: False)
+
+
 def _in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -659,6 +665,9 @@ class ActivationStats:
                     # An activation checkpoint's recompute, inside the
                     # backward: the same output again (see stand_in.rs).
                     return
+                tensor = next((t for t in _tensors(output) if t.is_floating_point()), None)
+                if tensor is None or (tensor.is_cuda and capturing()) or _wrapped(tensor):
+                    return
                 # A step that trains says what its training calls saw: a
                 # validation pass (without grad) in it would mix another
                 # data set's activations in. A step with no training call
@@ -667,9 +676,6 @@ class ActivationStats:
                     if not watched.trained:
                         watched.values, watched.calls, watched.trained = [], 0, True
                 elif watched.trained:
-                    return
-                tensor = next((t for t in _tensors(output) if t.is_floating_point()), None)
-                if tensor is None or (tensor.is_cuda and capturing()):
                     return
                 with torch.no_grad():
                     watched.values.append(_activation(_local(tensor).detach()))
