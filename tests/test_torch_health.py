@@ -1100,6 +1100,75 @@ def test_a_nan_in_a_step_the_program_skipped_is_named_though_the_replay_cannot_m
     assert rows[0]["detail"].startswith("found as the program cleared gradients that no optimizer step used"), rows
 
 
+# Two optimizers: the embedding's steps last, so it marks the steps and
+# holds the model's sentinel; the other, for every layer after it, steps
+# first. Or (--tied) one optimizer, and an output layer that shares the
+# embedding's weight. The block's backward turns non-finite at step 3 (a
+# square root's gradient at 0).
+TWO_OPTIMIZERS = """
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.manual_seed(0)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.ff = nn.LayerNorm(d), nn.Linear(d, d)
+        self.poison = False
+
+    def forward(self, x):
+        h = self.ff(self.norm(x))
+        return x + torch.tanh(torch.sqrt(h - h) if self.poison else h)
+
+
+class LM(nn.Module):
+    def __init__(self, vocab=30, d=16):
+        super().__init__()
+        self.emb, self.block, self.head = nn.Embedding(vocab, d), Block(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.block(self.emb(idx)))
+
+
+model = LM()
+if "--tied" in sys.argv:
+    model.head.weight = model.emb.weight
+    layers, embedding = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+else:
+    layers = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("emb")], lr=1e-3)
+    embedding = torch.optim.SGD(model.emb.parameters(), lr=0.1)
+data = torch.Generator().manual_seed(9)
+print("READY", flush=True)
+for step in range(6):
+    model.block.poison = step == 3
+    idx = torch.randint(0, 30, (4, 6), generator=data)
+    loss = F.cross_entropy(model(idx).reshape(-1, 30), idx.reshape(-1))
+    layers.zero_grad()
+    embedding.zero_grad()
+    loss.backward()
+    layers.step()
+    embedding.step()
+"""
+
+
+@pytest.mark.parametrize("how", ["two-optimizers", "tied"])
+def test_a_nan_behind_a_second_optimizer_or_a_tied_weight_is_named_at_its_module(torch_python, spawn, cli, how):
+    # Two optimizers: only the embedding's held a sentinel, the layers'
+    # applied the NaN first, and the watch blamed step 2's update of
+    # `block.norm` (its weights were already non-finite at step 3). Tied:
+    # the output layer's weight, the embedding's, summed the NaN that came
+    # in through the embedding, and `head` was blamed.
+    target = spawn(torch_python, TWO_OPTIMIZERS, env={"RANKSCOPE_TORCH": "nan"}, args=["--tied"] if how == "tied" else [])
+    assert target.proc.wait(timeout=120) == 0
+    result = cli("query", "--run", target.script.parent / "run", "SELECT step, stage, module FROM python.nan_events", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"step": 3, "stage": "backward", "module": "block"}]
+
+
 # The statistics read in place on a CPU (grad_read.rs), against torch's own
 # kernels on the same tensors: every float type, odd lengths, non-finite
 # values, and what it leaves to torch (a strided tensor, an integer one).

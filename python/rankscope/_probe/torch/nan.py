@@ -685,7 +685,7 @@ class NanWatch:
         if known is not None and known[0]() is owner:
             return known[1]
         if of_optimizer:
-            mine = [p for group in owner.param_groups for p in group["params"] if id(p) in self.sentinels]
+            mine = self._optimizer_sentinels(owner)
         elif id(owner) in self.hooked:
             mine = [p for p in owner.parameters() if id(p) in self.sentinels]
         else:
@@ -694,6 +694,31 @@ class NanWatch:
             self.sentinels_of = {}
         self.sentinels_of[id(owner)] = (weakref.ref(owner), mine)
         return mine
+
+    def _optimizer_sentinels(self, optimizer) -> list:
+        """The sentinels among an optimizer's parameters. An optimizer that
+        holds none of the models' (a second one, for the layers after the
+        embedding: Muon's partner, separate learning rates) gets its own,
+        chosen as the models' are among its parameters: checked at its
+        pre-hook, a NaN from its layers' backward is found before it
+        applies it. Before, only the optimizer that holds the models'
+        sentinel found it, after the other had spoiled its weights, and
+        the step before was blamed for an update."""
+        mine = [p for group in optimizer.param_groups for p in group["params"] if id(p) in self.sentinels]
+        if mine or not self.sentinels:
+            return mine
+        own = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        for model in TRACER.live_models():
+            candidates = []
+            for module in model.modules():
+                candidates += [p for p in module.parameters(recurse=False) if id(p) in own]
+                if candidates and min(p.numel() for p in candidates) <= MAX_SENTINEL:
+                    break
+            if candidates:
+                chosen = min(candidates, key=lambda p: p.numel())
+                self.sentinels.add(id(chosen))
+                return [chosen]
+        return []
 
     def _backward_since(self) -> bool:
         """Whether a backward made gradients since the last optimizer step."""
@@ -759,7 +784,7 @@ class NanWatch:
         # parameter (the search makes one if it runs).
         cached = self.sentinel_params
         if cached is None or cached[0]() is not optimizer:
-            mine = [p for group in optimizer.param_groups for p in group["params"] if id(p) in self.sentinels]
+            mine = self._optimizer_sentinels(optimizer)
             # Forgotten with the optimizer: the parameters are the program's.
             cached = self.sentinel_params = (weakref.ref(optimizer, self._forget_sentinels), mine)
         step = self.step
@@ -1611,6 +1636,14 @@ class _Replay:
                 watched.extend((key, n, "out", t) for t in outs)
                 watched.extend((key, n, "in", t) for t in ins)
         params = [(id(m), p) for _, m in order for p in m.parameters(recurse=False) if p.requires_grad]
+        # A tied parameter (a language model's output layer that shares the
+        # embedding's weight) sums the gradients of every module that uses
+        # it: a NaN in it says nothing of any one of them (the output layer
+        # was blamed for a NaN that came in through the embedding).
+        uses: dict = {}
+        for _, p in params:
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        params = [(key, p) for key, p in params if uses[id(p)] == 1]
         # (module, call) -> non-finite elements of the gradients that reached
         # its outputs, and that left it for its inputs; module -> those of its
         # own parameters' gradients (summed by autograd over its calls).
