@@ -517,10 +517,15 @@ except ImportError:
 else:
     objects = [{"lr": 0.1}] if rank == 0 else [None]
     dist.broadcast_object_list(objects, src=0)  # two broadcasts inside
+    dist.gather_object({"rank": rank}, [None, None] if rank == 0 else None, dst=0)  # all_gather and gather inside
 if rank == 0:
     dist.isend(torch.ones(2), 1).wait()
 else:
     print("FROM", dist.recv(torch.zeros(2)), flush=True)  # from any rank
+# Sends and receives that torch.distributed makes itself, for the program.
+pair = [dist.P2POp(dist.isend, torch.ones(2), 1 - rank), dist.P2POp(dist.irecv, torch.zeros(2), 1 - rank)]
+for request in dist.batch_isend_irecv(pair):
+    request.wait()
 try:
     dist.all_reduce(3)  # refused before it reaches the group
 except (TypeError, ValueError, AttributeError, RuntimeError) as exc:
@@ -558,23 +563,29 @@ def test_object_collectives_any_source_receives_refused_calls_and_a_group_made_a
         # The receive from any rank took rank 0's send: no line says otherwise.
         assert "isend" not in bt and "recv" not in bt, bt
         numpy = subprocess.run([default_python, "-c", "import numpy"], capture_output=True).returncode == 0
-        rows = cli("cluster", "query", "--run", run, "SELECT rank, op, seq, peer, process_group, state FROM python.collectives ORDER BY rank, ts", "--format", "json")
+        rows = cli("cluster", "query", "--run", run, "SELECT rank, op, seq, peer, process_group, state, caller FROM python.collectives ORDER BY rank, ts", "--format", "json")
         assert rows.returncode == 0, rows.stderr
         got = [tuple(r.values()) for r in json.loads(rows.stdout)]
+        # Each row is placed at the program's line, also where torch made
+        # the call for it (batch_isend_irecv's sends and receives).
+        assert all(r[-1].startswith("<module> (mixed.py:") for r in got), got
+        got = [r[:-1] for r in got]
         for rank in (0, 1):
             mine = [r[1:] for r in got if r[0] == rank]
-            p2p = ("isend", 1, 1, "0", "issued") if rank == 0 else ("recv", 1, 0, "0", "done")
-            # One row for the object collective, none for the broadcasts in
-            # it; the refused call has no number, and the next one its own.
-            objects = [("broadcast_object_list", 1, None, "0", "done")] if numpy else []
+            p2p = [("isend", 1, 1, "0", "issued")] if rank == 0 else [("recv", 1, 0, "0", "done")]
+            # batch_isend_irecv's: numbered on, per peer and way.
+            p2p += [("isend", 2, 1, "0", "issued"), ("irecv", 1, 1, "0", "issued")] if rank == 0 else [("isend", 1, 0, "0", "issued"), ("irecv", 2, 0, "0", "issued")]
+            # One row for each object collective, none for the collectives
+            # in it; the refused call has no number, and the next one its own.
+            objects = [("broadcast_object_list", 1, None, "0", "done"), ("gather_object", 3, None, "0", "done")] if numpy else []
             assert mine == [
                 *objects,
-                p2p,
+                *p2p,
                 ("all_reduce", None, None, "0", "failed"),
-                ("all_reduce", 3 if numpy else 1, None, "0", "done"),
+                ("all_reduce", 5 if numpy else 1, None, "0", "done"),
                 ("all_reduce", 1, None, "0#2", "done"),
                 ("all_reduce", 2, None, "0#2", "in flight"),
-            ][: len(objects) + (5 if rank == 0 else 4)], (rank, mine)
+            ][: len(objects) + (7 if rank == 0 else 6)], (rank, mine)
     finally:
         kill_tree(proc.pid)
         proc.wait()

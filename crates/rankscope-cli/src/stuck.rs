@@ -145,6 +145,8 @@ const COLLECTIVE_NAMES: &[&str] = &[
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "all_to_all",

@@ -653,30 +653,57 @@ impl CollectiveLog {
             )
         };
         // The running frame is the Python wrapper's; the program's is the one before.
-        let Some(frame) = wrapper
+        let Some(mut frame) = wrapper
             .map(|w| w.getattr(intern!(py, "f_back")))
             .transpose()?
             .filter(|f| !f.is_none())
         else {
             return Ok(Text::Null);
         };
-        let code = frame.getattr(intern!(py, "f_code"))?;
-        // By instruction, not line: a line number is looked up in the
-        // code's line table, which costs more than the rest of the site.
-        let lasti: i64 = frame.getattr(intern!(py, "f_lasti"))?.extract()?;
-        let key = (code.as_ptr() as usize, lasti);
-        if let Some((_, site)) = self.state().sites.get(&key) {
-            return Ok(site.clone());
-        }
-        // Lossy: a file name that is not valid UTF-8 (a directory named in
-        // latin-1) still gives a row.
+        // A call torch.distributed makes itself (`batch_isend_irecv`'s
+        // sends, an object collective's parts) is the program's call where
+        // the program made it: torch's frames are walked past, each kept
+        // in the cache as one to pass (a `Null` site).
+        let mut passed = 0;
+        let (code, file, key) = loop {
+            let code = frame.getattr(intern!(py, "f_code"))?;
+            // By instruction, not line: a line number is looked up in the
+            // code's line table, which costs more than the rest of the site.
+            let lasti: i64 = frame.getattr(intern!(py, "f_lasti"))?.extract()?;
+            let key = (code.as_ptr() as usize, lasti);
+            let kept = self.state().sites.get(&key).map(|(_, site)| site.clone());
+            let internal = match kept {
+                Some(Text::Null) => true,
+                Some(site) => return Ok(site),
+                None => false,
+            };
+            // Lossy: a file name that is not valid UTF-8 (a directory named
+            // in latin-1) still gives a row.
+            let file = if internal {
+                String::new()
+            } else {
+                code.getattr(intern!(py, "co_filename"))?
+                    .str()?
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            let back = frame.getattr(intern!(py, "f_back"))?;
+            if (internal || file.contains("/torch/distributed/")) && !back.is_none() && passed < 8 {
+                if !internal && self.state().sites.len() < MAX_SITES {
+                    self.state().sites.insert(key, (code.unbind(), Text::Null));
+                }
+                passed += 1;
+                frame = back;
+                continue;
+            }
+            if internal {
+                // (Past the frames it may walk: named as torch's own.)
+                return Ok(Text::Null);
+            }
+            break (code, file, key);
+        };
         let name = code
             .getattr(intern!(py, "co_name"))?
-            .str()?
-            .to_string_lossy()
-            .into_owned();
-        let file = code
-            .getattr(intern!(py, "co_filename"))?
             .str()?
             .to_string_lossy()
             .into_owned();
