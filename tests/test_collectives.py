@@ -483,7 +483,7 @@ def test_a_receive_whose_send_never_came_is_named_with_the_rank_that_never_sent(
         line = stuck_line(cli, run, "all_reduce #6 on group 0:")
         assert re.match(r"all_reduce #6 on group 0: rank 2 waiting since", line), line
         assert "rank 0 never joined (its last was #5) (it is in fetch_batch" in line, line
-        assert f"rank 1 never joined (its last was #5) (it is in <module>, pp.py:{line_of(PIPELINE, 'recv')})" in line, line
+        assert f"rank 1 never joined (its last was #5) (it is in recv #6 from rank 0 on group 0, at <module>, pp.py:{line_of(PIPELINE, 'recv')})" in line, line
 
         rows = cli("cluster", "query", "--run", run, "SELECT rank, op, seq, peer, tag, state FROM python.collectives WHERE op <> 'all_reduce' AND seq >= 5 ORDER BY rank, seq", "--format", "json")
         assert rows.returncode == 0, rows.stderr

@@ -212,9 +212,37 @@ pub struct RankView<'a> {
 }
 
 fn where_is(view: Option<&RankView>) -> String {
-    match view.and_then(|v| v.stacks).and_then(whereabouts) {
-        Some(place) => format!(" (it is in {place})"),
-        None => String::new(),
+    // A rank held up elsewhere may be waiting in a collective of another
+    // group (or a send): which one says more than its line does.
+    let waiting = view
+        .and_then(|v| v.records.as_ref())
+        .and_then(|rs| {
+            rs.iter()
+                .filter(|r| r.in_flight)
+                .max_by(|a, b| a.started.total_cmp(&b.started))
+        })
+        .map(|r| {
+            if r.is_p2p() {
+                let peer = r
+                    .peer
+                    .map_or_else(|| "any rank".to_string(), |p| format!("rank {p}"));
+                format!(
+                    "{} #{} {} {peer} on group {}",
+                    r.op,
+                    r.seq,
+                    if r.sends() { "to" } else { "from" },
+                    r.group
+                )
+            } else {
+                format!("{} #{} on group {}", r.op, r.seq, r.group)
+            }
+        });
+    let place = view.and_then(|v| v.stacks).and_then(whereabouts);
+    match (waiting, place) {
+        (Some(call), Some(place)) => format!(" (it is in {call}, at {place})"),
+        (Some(call), None) => format!(" (it is in {call})"),
+        (None, Some(place)) => format!(" (it is in {place})"),
+        (None, None) => String::new(),
     }
 }
 
@@ -594,7 +622,7 @@ mod tests {
             vec![
                 "recv #3 from rank 0 on group 0: rank 1 waiting since 00:01:40 UTC (12 s); rank 0 never sent it (its last send to rank 1 was #2) (it is in fetch_batch, pp.py:7)",
                 "irecv from any rank on group 0: rank 2 waiting since 00:01:41 UTC (11 s)",
-                "send #1 to rank 1 on group 0: rank 3 waiting since 00:01:45 UTC (7 s); rank 1 never received it (no recv from rank 3 yet) (it is in main, pp.py:20)",
+                "send #1 to rank 1 on group 0: rank 3 waiting since 00:01:45 UTC (7 s); rank 1 never received it (no recv from rank 3 yet) (it is in recv #3 from rank 0 on group 0, at main, pp.py:20)",
                 "send #1 to rank 7 on group 0: rank 3 waiting since 00:01:46 UTC (6 s); rank 7 did not answer",
             ],
         );
@@ -719,6 +747,42 @@ mod tests {
             stacks: Some(&elsewhere),
         }];
         assert!(stuck_lines(&calm, 0.0).is_empty());
+    }
+
+    #[test]
+    fn a_rank_held_in_another_groups_collective_is_said_to_be_in_it() {
+        // Rank 1 of group 0 never joins its all_reduce #4: it waits in
+        // group 1's broadcast #2, which rank 3 of that group never joined.
+        let here = stacks(&[("<module>", "/job/two.py", 9)]);
+        let in_group = |group: &str, op: &str, seq, members: Vec<i64>, in_flight, started| Record {
+            group: group.into(),
+            op: op.into(),
+            members,
+            ..record(seq, in_flight, started)
+        };
+        let views: Vec<RankView> = [
+            vec![
+                in_group("0", "all_reduce", 3, vec![0, 1], false, 10.0),
+                in_group("0", "all_reduce", 4, vec![0, 1], true, 100.0),
+            ],
+            vec![
+                in_group("0", "all_reduce", 3, vec![0, 1], false, 10.0),
+                in_group("1", "broadcast", 2, vec![1, 3], true, 99.0),
+            ],
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(rank, records)| RankView {
+            rank: rank as i64,
+            records: Some(records),
+            stacks: Some(&here),
+        })
+        .collect();
+        let lines = stuck_lines(&views, 112.0);
+        assert!(
+            lines[0].ends_with("rank 1 never joined (its last was #3) (it is in broadcast #2 on group 1, at <module>, two.py:9)"),
+            "{lines:?}"
+        );
     }
 
     #[test]
