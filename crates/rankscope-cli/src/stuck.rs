@@ -226,8 +226,13 @@ fn where_is(view: Option<&RankView>) -> String {
                 let peer = r
                     .peer
                     .map_or_else(|| "any rank".to_string(), |p| format!("rank {p}"));
+                // (Its tag, where a mismatch of tags may be why nothing pairs.)
+                let tag = match r.tag {
+                    0 => String::new(),
+                    tag => format!(" (tag {tag})"),
+                };
                 format!(
-                    "{} #{} {} {peer} on group {}",
+                    "{} #{}{tag} {} {peer} on group {}",
                     r.op,
                     r.seq,
                     if r.sends() { "to" } else { "from" },
