@@ -87,6 +87,14 @@ pub struct StoreConfig {
 }
 
 impl StoreConfig {
+    /// Rows waiting for the disk that wake the spill thread: `flush_rows`,
+    /// or half of what may wait where that is less (a small
+    /// `RANKSCOPE_TABLE_ROWS`), so that the queue is written before it is
+    /// full and drops its oldest rows.
+    pub fn wake_rows(&self) -> usize {
+        self.flush_rows.min((self.ring_rows / 2).max(1))
+    }
+
     /// The rows kept in memory for `table`.
     pub fn rows_of(&self, table: &str) -> usize {
         self.table_rows
@@ -432,7 +440,7 @@ impl Store {
             }
         }
         state.waiting += added;
-        spilling && state.waiting >= self.config.flush_rows
+        spilling && state.waiting >= self.config.wake_rows()
     }
 
     fn after_push(self: &Arc<Self>, wake: bool) {
@@ -518,7 +526,7 @@ impl Store {
             spill.write(def, &rows, dropped);
         }
         for (def, rows) in self.take_long_open() {
-            spill.write(def, &rows, 0);
+            spill.write_in_flight(def, &rows);
         }
     }
 
@@ -667,7 +675,7 @@ fn spill_loop(store: std::sync::Weak<Store>) {
             loop {
                 let deadline = state.soon.map_or(until, |soon| soon.min(until));
                 let now = Instant::now();
-                if state.stopping || state.waiting >= store.config.flush_rows || now >= deadline {
+                if state.stopping || state.waiting >= store.config.wake_rows() || now >= deadline {
                     break;
                 }
                 state = store
@@ -1131,24 +1139,28 @@ mod tests {
         assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 3);
     }
 
+    /// The spill's error after `steps` rows of torch_steps, each flushed.
+    fn spill_error_after(store: &Arc<Store>, steps: std::ops::Range<i64>) -> String {
+        for step in steps {
+            store.append("torch_steps", 1.0, step_row(step)).unwrap();
+            store.flush();
+        }
+        store.describe()["spill"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
     #[test]
     fn an_unwritable_run_directory_stops_the_spill_and_says_why() {
         let dir = tempfile::tempdir().unwrap();
         let blocker = dir.path().join("run");
         std::fs::write(&blocker, "a file where the run directory should be").unwrap();
         let store = Store::new(config(Some(blocker)));
-        store.append("torch_steps", 1.0, step_row(0)).unwrap();
-        store.flush();
-        let described = store.describe();
-        assert!(
-            described["spill"]["error"]
-                .as_str()
-                .unwrap()
-                .contains("cannot"),
-            "{described}"
-        );
+        let error = spill_error_after(&store, 0..1);
+        assert!(error.contains("cannot"), "{error}");
         assert_eq!(
-            described["rows"]["torch_steps"],
+            store.describe()["rows"]["torch_steps"],
             json!(1),
             "the ring goes on"
         );
@@ -1172,5 +1184,79 @@ mod tests {
                 .contains("RANKSCOPE_STORE_MAX_MB"),
             "{described}"
         );
+        // What it wrote before it stopped is still counted.
+        assert!(
+            described["spill"]["bytes"].as_u64().unwrap() > 0,
+            "{described}"
+        );
+    }
+
+    /// The run directory removed while the program runs stops the spill,
+    /// and says why, rather than writing into files no one can open.
+    #[test]
+    fn a_run_directory_removed_under_the_spill_stops_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let store = Store::new(config(Some(run.clone())));
+        store.append("torch_steps", 1.0, step_row(0)).unwrap();
+        store.flush();
+        std::fs::remove_dir_all(&run).unwrap();
+        let error = spill_error_after(&store, 1..2);
+        assert!(error.contains("the run directory is gone"), "{error}");
+        assert!(!run.exists(), "not made again");
+    }
+
+    /// Past the cap, a collective that hangs is still written: it is all a
+    /// job killed while hung leaves of where each rank waited.
+    #[test]
+    fn a_hang_is_written_past_the_size_cap() {
+        use rankscope_core::tables::{COLLECTIVES, COLLECTIVES_IN_FLIGHT};
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(Some(dir.path().to_path_buf()));
+        c.max_bytes = 1;
+        c.in_flight_after = Duration::ZERO;
+        let store = Store::new(c);
+        for step in 0..2 {
+            store.append("torch_steps", 1.0, step_row(step)).unwrap();
+            store.flush();
+        }
+        let mut cells = vec![Cell::Null; COLLECTIVES.columns.len()];
+        cells[0] = Cell::Int(7);
+        cells[6] = Cell::Str("in flight".into());
+        store.open_row("collectives", 1, 1.0, cells).unwrap();
+        store.flush();
+        let rows: usize = read_files(
+            &[dir.path().to_path_buf()],
+            &COLLECTIVES_IN_FLIGHT,
+            &schema::arrow_schema(&COLLECTIVES_IN_FLIGHT),
+            None,
+        )
+        .unwrap()
+        .iter()
+        .map(|b| b.num_rows())
+        .sum();
+        assert_eq!(rows, 1);
+    }
+
+    /// A small ring (RANKSCOPE_TABLE_ROWS) still gets every row to the
+    /// disk: the writer is woken at half the queue a table may hold, before
+    /// it is full and drops its oldest (it was woken at 8192 rows only, so
+    /// a ring of 1000 lost most of its rows between two writes).
+    #[test]
+    fn a_small_ring_wakes_the_writer_before_its_queue_is_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(Some(dir.path().to_path_buf()));
+        assert_eq!(c.wake_rows(), 8192);
+        c.ring_rows = 100;
+        assert_eq!(c.wake_rows(), 50);
+        let store = Store::new(c);
+        let mut state = lock(&store.state);
+        let woke = (0..60)
+            .map(|step| {
+                let row = store.row_of(&TORCH_STEPS, 1.0, step_row(step)).unwrap();
+                store.push_locked(&mut state, &TORCH_STEPS, vec![row])
+            })
+            .position(|wake| wake);
+        assert_eq!(woke, Some(49), "woken at the 50th row");
     }
 }

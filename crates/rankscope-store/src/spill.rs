@@ -108,24 +108,57 @@ impl Spill {
             self.rows_lost += rows.len() as u64;
             return;
         }
-        if let Err(e) = self.try_write(def, rows) {
+        if let Err(e) = self.try_write(def, rows, true) {
             self.rows_lost += rows.len() as u64;
             self.error = Some(e);
-            // Close what is open: each file then ends cleanly.
-            for (_, (mut segment, _, _)) in self.segments.drain() {
-                let _ = segment.writer.finish();
+            self.close_segments();
+        }
+    }
+
+    /// Writes the rows of calls still in flight long after they began (a
+    /// hang), even past the cap, or after an error stopped the spill: a
+    /// row per hung call, and all that a job killed while hung leaves of
+    /// where each rank waited. A disk that refuses them loses them only.
+    pub fn write_in_flight(&mut self, def: &'static TableDef, rows: &[Arc<Row>]) {
+        let Some(dir) = &self.dir else { return };
+        if rows.is_empty() {
+            return;
+        }
+        if self.error.is_some() && !dir.exists() {
+            // (Its directory was removed: not made again for a part of the run.)
+            self.rows_lost += rows.len() as u64;
+            return;
+        }
+        if let Err(e) = self.try_write(def, rows, false) {
+            self.rows_lost += rows.len() as u64;
+            if self.error.is_none() {
+                self.error = Some(e);
+                self.close_segments();
             }
         }
     }
 
-    fn try_write(&mut self, def: &'static TableDef, rows: &[Arc<Row>]) -> Result<(), String> {
+    /// Closes what is open (each file then ends cleanly), its bytes counted.
+    fn close_segments(&mut self) {
+        for (_, (mut segment, n, _)) in self.segments.drain() {
+            let _ = segment.writer.finish();
+            self.written += n.load(std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn try_write(
+        &mut self,
+        def: &'static TableDef,
+        rows: &[Arc<Row>],
+        capped: bool,
+    ) -> Result<(), String> {
         let total = self.written
             + self
                 .segments
                 .values()
                 .map(|(_, n, _)| n.load(std::sync::atomic::Ordering::Relaxed))
                 .sum::<u64>();
-        if total >= self.max_bytes {
+        if capped && total >= self.max_bytes {
             return Err(format!(
                 "the spill stopped at {} MB (RANKSCOPE_STORE_MAX_MB); older rows are on disk, newer ones in memory only",
                 self.max_bytes >> 20
@@ -151,6 +184,15 @@ impl Spill {
         }
         let (segment, _, _) = self.segments.get_mut(def.name).expect("opened above");
         let path = segment.path.display().to_string();
+        if !segment.path.exists() {
+            // Removed under it (the run directory deleted while the program
+            // runs): written on, the rows would go to a file no one can
+            // open, and a directory made again later would hold a part of
+            // the run that looks whole.
+            return Err(format!(
+                "{path} was removed while it was written: the run directory is gone"
+            ));
+        }
         segment
             .writer
             .write(&batch)
@@ -200,9 +242,7 @@ impl Spill {
 
 impl Drop for Spill {
     fn drop(&mut self) {
-        for (_, (mut segment, _, _)) in self.segments.drain() {
-            let _ = segment.writer.finish();
-        }
+        self.close_segments();
     }
 }
 

@@ -679,6 +679,19 @@ fn trace_line(trace: &Value) -> String {
             trace["errors"]
         );
     }
+    // The run store's trouble, said where people look: after the job, a
+    // run store that stopped part way looks whole.
+    let spill = &trace["store"]["spill"];
+    if let Some(error) = spill["error"].as_str() {
+        out += &format!(
+            "run store: nothing more is written to disk ({} rows lost): {error}\n",
+            spill["rows_lost"].as_u64().unwrap_or(0)
+        );
+    } else if let Some(lost) = spill["rows_lost"].as_u64().filter(|&n| n > 0) {
+        out += &format!(
+            "run store: {lost} rows never reached the disk (it fell behind; RANKSCOPE_TABLE_ROWS holds more)\n"
+        );
+    }
     // Where another feature keeps the step clock, its hooks stay.
     if trace["on"].as_bool() != Some(true)
         && trace["clock"].as_bool() != Some(true)
@@ -806,6 +819,27 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_run_store_that_stopped_writing_says_so() {
+        let trace = |spill| {
+            json!({"on": true, "every": 1, "sampled_steps": 2, "rows": {"torch_trace": 3, "torch_steps": 1},
+                   "store": {"spill": spill}})
+        };
+        let stopped = trace_line(&trace(
+            json!({"error": "the spill stopped at 1 MB (RANKSCOPE_STORE_MAX_MB)", "rows_lost": 40}),
+        ));
+        assert!(
+            stopped.contains("run store: nothing more is written to disk (40 rows lost): the spill stopped at 1 MB"),
+            "{stopped}"
+        );
+        let behind = trace_line(&trace(json!({"error": null, "rows_lost": 7})));
+        assert!(
+            behind.contains("run store: 7 rows never reached the disk"),
+            "{behind}"
+        );
+        assert!(!trace_line(&trace(json!({"error": null, "rows_lost": 0}))).contains("run store"));
     }
 }
 
