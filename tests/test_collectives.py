@@ -591,6 +591,47 @@ def test_object_collectives_any_source_receives_refused_calls_and_a_group_made_a
         proc.wait()
 
 
+SHORT = """
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+for _ in range(int(os.environ["CALLS"])):
+    dist.all_reduce(torch.ones(2))
+dist.destroy_process_group()
+"""
+
+
+def test_a_run_directory_two_jobs_wrote_to_is_read_job_by_job(default_python, cli, endpoint_dir, tmp_path):
+    # One RANKSCOPE_RUN_DIR for every run (a fixed setting in a job
+    # script): `cluster query --run` read both jobs' rows as one, and
+    # `--job` of a finished job gave an empty table.
+    require_torch(default_python)
+    script = tmp_path / "short.py"
+    script.write_text(SHORT)
+    run = tmp_path / "run"
+    for calls in ("3", "5"):
+        proc = launch_torchrun(default_python, script, 2, endpoint_dir, run, env={"CALLS": calls}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read().decode(errors="replace")
+    jobs = {}
+    for entry in (run / "ranks").glob("*.json"):
+        meta = json.loads(entry.read_text())
+        jobs.setdefault(meta["job_id"], meta["started_at"])
+    first, last = sorted(jobs, key=jobs.get)
+    sql = "SELECT rank, count(*) AS n FROM python.collectives WHERE op = 'all_reduce' GROUP BY rank ORDER BY rank"
+    latest = cli("cluster", "query", "--run", run, sql, "--format", "csv")
+    assert latest.returncode == 0, latest.stderr
+    assert latest.stdout.split() == ["rank,n", "0,5", "1,5"], latest.stdout
+    assert f"; job {last})" in latest.stderr, latest.stderr
+    earlier = cli("cluster", "query", "--run", run, "--job", first, sql, "--format", "csv")
+    assert earlier.returncode == 0, earlier.stderr
+    assert earlier.stdout.split() == ["rank,n", "0,3", "1,3"], earlier.stdout
+    # The run directory read whole, as before, where no job is named.
+    every = cli("query", "--run", run, "SELECT count(*) AS n FROM python.collectives WHERE op = 'all_reduce'", "--format", "csv")
+    assert every.stdout.split() == ["n", "16"], every.stdout
+
+
 # Rank 1 never makes the job's first collective; no other table has rows
 # (the memory sampler off), so the store is made by the collective itself.
 FIRST_HANGS = """

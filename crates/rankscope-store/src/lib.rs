@@ -32,7 +32,7 @@ use serde_json::{json, Value};
 use thiserror::Error;
 
 pub use cell::Cell;
-pub use read::{read_table, read_table_of};
+pub use read::{read_table, read_table_of, read_table_of_processes};
 pub use schema::arrow_schema;
 
 #[derive(Debug, Error)]

@@ -61,6 +61,22 @@ pub fn read_table_of(
     Ok(batches)
 }
 
+/// The same, from the files these processes wrote only: a job's ranks,
+/// where several jobs (or a job and unrelated programs) wrote to one run
+/// directory.
+pub fn read_table_of_processes(
+    run_dirs: &[PathBuf],
+    def: &TableDef,
+    columns: Option<&[&str]>,
+    processes: &[(String, u32)],
+) -> Result<Vec<RecordBatch>, StoreError> {
+    let mut batches = Vec::new();
+    for (host, pid) in processes {
+        batches.extend(read_table_of(run_dirs, def, columns, Some((host, *pid)))?);
+    }
+    Ok(batches)
+}
+
 /// `full` with the named columns only (all for None; the first for none).
 fn project(full: &SchemaRef, columns: Option<&[&str]>) -> Result<SchemaRef, StoreError> {
     let Some(names) = columns else {
@@ -147,7 +163,7 @@ pub(crate) fn read_files(
     schema: &SchemaRef,
     process: Option<(&str, u32)>,
 ) -> Result<Vec<RecordBatch>, StoreError> {
-    let prefix = process.map(|(host, pid)| format!("{host}-{pid}-"));
+    let prefix = process.map(|(host, pid)| format!("{}-{pid}-", crate::spill::host_file(host)));
     let mut batches = Vec::new();
     for dir in run_dirs {
         for path in table_files(dir, def) {

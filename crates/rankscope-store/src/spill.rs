@@ -61,18 +61,22 @@ pub struct Spill {
     error: Option<String>,
 }
 
+/// The host as a file name holds it.
+pub(crate) fn host_file(host: &str) -> String {
+    host.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
 impl Spill {
     pub fn new(dir: Option<PathBuf>, pid: u32, host: &str, max_bytes: u64) -> Spill {
-        let host_file: String = host
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
+        let host_file = host_file(host);
         Spill {
             dir,
             pid,

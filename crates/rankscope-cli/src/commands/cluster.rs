@@ -59,6 +59,8 @@ pub struct Job {
     /// Every process that registered as one of its ranks (a restarted rank's
     /// earlier ones too).
     pids: Vec<u32>,
+    /// The same, with their hosts: what names their files in the run store.
+    processes: Vec<(String, u32)>,
     /// From its first rank's start to its registry's last change.
     span: (f64, f64),
     /// The processes of other jobs registered in the same run directory (a
@@ -312,6 +314,12 @@ fn one_per_rank(id: String, mut ranks: Vec<RankEntry>) -> Job {
     let mut pids: Vec<u32> = ranks.iter().map(|r| r.meta.pid).collect();
     pids.sort_unstable();
     pids.dedup();
+    let mut processes: Vec<(String, u32)> = ranks
+        .iter()
+        .map(|r| (r.meta.host.clone(), r.meta.pid))
+        .collect();
+    processes.sort();
+    processes.dedup();
     let span = (
         ranks
             .iter()
@@ -354,6 +362,7 @@ fn one_per_rank(id: String, mut ranks: Vec<RankEntry>) -> Job {
         ranks: by_rank.into_values().collect(),
         run_dirs: job_run_dirs,
         pids,
+        processes,
         span,
         others_pids: Vec::new(),
     }
@@ -1356,27 +1365,34 @@ pub fn query(
     format: QueryFormat,
     all_frames: bool,
 ) -> Result<u8> {
+    let here = rankscope_core::host::hostname();
+    let over = |job: &Job| {
+        !job.ranks
+            .iter()
+            .any(|r| liveness(r, &here) == Liveness::Running)
+    };
     let job = match (find_job(job, run.clone()), &run) {
-        (Ok(job), _) => job,
-        // The job is over: its rows are in its run store, every rank's.
-        (Err(_), Some(dir)) => {
-            if ranks.is_some() {
-                return Err(Hinted::new(
-                    "no rank of this job is running, so --ranks has no ranks to ask",
-                    "the run store holds every rank's rows: filter them with WHERE rank IN (...)",
-                )
-                .into());
+        (Ok(job), _) if !over(&job) || job.run_dirs.is_empty() => job,
+        // The job is over: its rows are in its run store, every rank's;
+        // only its own, where other jobs wrote to the same directory.
+        (Ok(job), _) => return query_finished(&job, ranks, sql, format),
+        (Err(_), Some(dir)) => match find_job_or(None, run.clone(), NoneRunning::Latest) {
+            Ok(job) if !job.run_dirs.is_empty() => return query_finished(&job, ranks, sql, format),
+            // No registry (processes of no job): every process's rows.
+            _ => {
+                if ranks.is_some() {
+                    return Err(no_ranks_to_ask().into());
+                }
+                eprintln!(
+                    "note: no rank of this job is running: read from its run store ({})",
+                    dir.display()
+                );
+                return super::query::run_offline(Some(dir.clone()), false, sql, format);
             }
-            eprintln!(
-                "note: no rank of this job is running: read from its run store ({})",
-                dir.display()
-            );
-            return super::query::run_offline(Some(dir.clone()), false, sql, format);
-        }
+        },
         (Err(e), None) => return Err(e),
     };
     let selected = job.selected(ranks)?;
-    let here = rankscope_core::host::hostname();
     let mut probes: Vec<Box<dyn RowSource>> = Vec::new();
     let mut skipped = Vec::new();
     for entry in selected {
@@ -1404,6 +1420,33 @@ pub fn query(
         eprintln!("warning: a rank did not answer: {warning}");
     }
     Ok(code)
+}
+
+fn no_ranks_to_ask() -> Hinted {
+    Hinted::new(
+        "no rank of this job is running, so --ranks has no ranks to ask",
+        "the run store holds every rank's rows: filter them with WHERE rank IN (...)",
+    )
+}
+
+/// `cluster query` once no rank of the job runs: the rows its processes
+/// left in its run store (not those of another job, or of a program that
+/// is no job's, that wrote to the same directory).
+fn query_finished(job: &Job, ranks: Option<&str>, sql: &str, format: QueryFormat) -> Result<u8> {
+    if ranks.is_some() {
+        return Err(no_ranks_to_ask().into());
+    }
+    let dirs: Vec<String> = job
+        .run_dirs
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
+    eprintln!(
+        "note: no rank of this job is running: read from its run store ({}; job {})",
+        dirs.join(", "),
+        job.id
+    );
+    super::query::run_offline_of(job.run_dirs.clone(), job.processes.clone(), sql, format)
 }
 
 #[cfg(test)]

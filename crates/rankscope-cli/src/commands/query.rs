@@ -303,10 +303,14 @@ impl LiveProbe {
 }
 
 /// What is left on disk when no process is asked: the run directories.
+#[derive(Default)]
 struct RunDirs {
     run: Option<PathBuf>,
     /// python.crashes keeps the job launcher's records (`--all`).
     all: bool,
+    /// A job's: its run directories, and the processes whose files are
+    /// read (None: every process's).
+    job: Option<(Vec<PathBuf>, Vec<(String, u32)>)>,
 }
 
 impl RowSource for RunDirs {
@@ -314,10 +318,20 @@ impl RowSource for RunDirs {
         if tables::is_store_table(table) {
             // The run store's files, read as they are (Arrow batches), the
             // query's columns only.
-            let dirs = rankscope_core::crash::run_dirs(self.run.clone());
-            return rankscope_store::read_table(&dirs, table, scan.columns.as_deref())
-                .map(Fetched::Batches)
-                .map_err(|e| e.to_string());
+            let read = match &self.job {
+                Some((dirs, processes)) => rankscope_store::read_table_of_processes(
+                    dirs,
+                    table,
+                    scan.columns.as_deref(),
+                    processes,
+                ),
+                None => rankscope_store::read_table(
+                    &rankscope_core::crash::run_dirs(self.run.clone()),
+                    table,
+                    scan.columns.as_deref(),
+                ),
+            };
+            return read.map(Fetched::Batches).map_err(|e| e.to_string());
         }
         self.rows(table).map(Fetched::Rows)
     }
@@ -338,7 +352,33 @@ pub fn run_offline(run: Option<PathBuf>, all: bool, sql: &str, format: QueryForm
     if let Some(dir) = &run {
         check_run_dir(dir)?;
     }
-    execute(Arc::new(RunDirs { run, all }), sql, format)
+    execute(
+        Arc::new(RunDirs {
+            run,
+            all,
+            ..RunDirs::default()
+        }),
+        sql,
+        format,
+    )
+}
+
+/// The same over a job's run directories, its processes' rows only.
+pub fn run_offline_of(
+    dirs: Vec<PathBuf>,
+    processes: Vec<(String, u32)>,
+    sql: &str,
+    format: QueryFormat,
+) -> Result<u8> {
+    execute(
+        Arc::new(RunDirs {
+            run: dirs.first().cloned(),
+            job: Some((dirs, processes)),
+            ..RunDirs::default()
+        }),
+        sql,
+        format,
+    )
 }
 
 /// The rows `sql` gives over the run directory `run` (no process), as JSON
@@ -347,7 +387,7 @@ pub fn offline_rows(run: &std::path::Path, sql: &str) -> Result<Vec<serde_json::
     check_run_dir(run)?;
     let source = Arc::new(RunDirs {
         run: Some(run.to_path_buf()),
-        all: false,
+        ..RunDirs::default()
     });
     let (schema, batches) = run_sql(source, sql).map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let text = rankscope_query::render(&schema, &batches, OutputFormat::Json, None)?;
