@@ -303,6 +303,9 @@ impl LiveProbe {
 }
 
 /// What is left on disk when no process is asked: the run directories.
+/// A job's run directories, and its processes (host, PID).
+type JobFiles = (Vec<PathBuf>, Vec<(String, u32)>);
+
 #[derive(Default)]
 struct RunDirs {
     run: Option<PathBuf>,
@@ -310,7 +313,7 @@ struct RunDirs {
     all: bool,
     /// A job's: its run directories, and the processes whose files are
     /// read (None: every process's).
-    job: Option<(Vec<PathBuf>, Vec<(String, u32)>)>,
+    job: Option<JobFiles>,
 }
 
 impl RowSource for RunDirs {
