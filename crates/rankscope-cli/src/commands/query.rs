@@ -456,7 +456,7 @@ pub fn execute(source: Arc<dyn RowSource>, sql: &str, format: QueryFormat) -> Re
     let (schema, batches) = run_sql(source, sql).map_err(|e| match e {
         QueryError::Sql(message) => Hinted::new(
             format!("query failed: {message}"),
-            "`SHOW TABLES` lists the tables; `SELECT * FROM python.backtrace LIMIT 5` shows the columns",
+            "`SHOW TABLES` lists the tables; `DESCRIBE python.torch_steps` (any table) shows its columns",
         ),
         QueryError::Render(message) => Hinted::new(format!("cannot print the result: {message}"), "try --format csv"),
     })?;
