@@ -105,6 +105,15 @@ def test_the_probe_ends_cleanly_with_the_process(python, spawn, endpoint_dir):
     assert not Path(endpoint_dir, f"{target.pid}.json").exists()
 
 
+def test_a_run_directory_that_cannot_be_made_is_said_once(python, spawn):
+    # `site` may read a venv's site-packages twice, and with it the .pth
+    # that starts the probe: each of its warnings came twice.
+    target = spawn(python, 'print("READY", flush=True)', env={"RANKSCOPE_RUN_DIR": "/proc/no-such-dir"})
+    assert target.proc.wait(timeout=30) == 0
+    err = target.proc.stderr.read().decode()
+    assert err.count("rankscope: crash recording not enabled") == 1, err
+
+
 def test_a_request_on_python_as_the_program_exits_does_not_abort_it(python, spawn, rankscope_bin, endpoint_dir):
     """GIVEN an eval that keeps letting the GIL go and taking it back (each
     `os.stat` does, as an import's file reads or a torch call do) WHEN the

@@ -8,11 +8,16 @@ import os
 import sys
 
 _FALSE = {"", "0", "false", "no", "off"}
+_ran = False
 
 
 def start_from_env() -> None:
-    if os.environ.get("RANKSCOPE", "").strip().lower() in _FALSE:
+    global _ran
+    # Once: `site` may read the same site-packages twice (a venv's, listed
+    # again), and with it this .pth, which said each warning twice.
+    if _ran or os.environ.get("RANKSCOPE", "").strip().lower() in _FALSE:
         return
+    _ran = True
     try:
         import rankscope
 
