@@ -671,6 +671,16 @@ class NanWatch:
             known = self.sentinels_of.get(id(owner))
         return known
 
+    def nothing_new(self, owner) -> bool:
+        """Whether a zero_grad of `owner` clears only gradients the last
+        check saw (the usual step): what `before_zero_grad` finds before it
+        checks nothing, asked inline by the step clock's stand-in."""
+        arm = self._arm
+        if not arm.armed:
+            return True
+        known = self.sentinels_of.get(id(owner))
+        return known is not None and known[0]() is owner and not (known[1] and arm.unapplied(known[1]))
+
     def after_zero_grad(self, known, args, kwargs):
         if known is not None and known[1] and (args[:1] == (False,) or kwargs.get("set_to_none") is False):
             # Zeroed in place: a new version of the same gradients, which

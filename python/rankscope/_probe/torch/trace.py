@@ -239,11 +239,15 @@ def _zero_grad_stand_in(tracer, own, of_optimizer):
         # The usual step, inline (a call less): a boundary came since this
         # owner's last zero_grad, and it clears to None.
         mark = marks.get(id(self))
-        if (mark is not None and tracer.zero_grad_watch is None and not args and not kwargs
+        if (mark is not None and not args and not kwargs
                 and mark[1] != tracer.step and mark[0]() is self and mark[2] is tracer.primary):
-            out = own(self)
-            marks[id(self)] = (mark[0], tracer.step, mark[2], None, None)
-            return out
+            # An armed NaN watch has nothing to check where no backward made
+            # a gradient its last check did not see.
+            watch = tracer.zero_grad_watch
+            if watch is None or watch.nothing_new(self):
+                out = own(self)
+                marks[id(self)] = (mark[0], tracer.step, mark[2], None, None)
+                return out
         return tracer._zero_grad(own, self, of_optimizer, args, kwargs)
 
     setattr(zero_grad, _ZERO_GRAD_WATCHED, own)
