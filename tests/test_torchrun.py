@@ -49,9 +49,18 @@ def torchrun(default_python, endpoint_dir, tmp_path):
         proc.wait()
 
 
-def test_the_crashing_rank_is_recorded_with_its_rank(torchrun, cli, tmp_path):
-    proc, script = torchrun()
+# `srun torchrun ...`: the launcher has the scheduler's task rank too
+# (SLURM_PROCID); it registered as rank 0 of a job of its own, which
+# `cluster crashes` then took for the job that ran last.
+SRUN = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "778"}
+
+
+@pytest.mark.parametrize("under", ["torchrun", "srun"])
+def test_the_crashing_rank_is_recorded_with_its_rank(torchrun, cli, tmp_path, under):
+    proc, script = torchrun(**(SRUN if under == "srun" else {}))
     assert proc.wait(timeout=120) != 0
+    # The workers alone are the job's ranks.
+    assert len(list((tmp_path / "run" / "ranks").glob("*.json"))) == 2
     sql = "SELECT id, rank, exc_type, message, func FROM python.crashes ORDER BY id"
     result = cli("query", sql, "--run", tmp_path / "run", "--format", "json")
     assert result.returncode == 0, result.stderr
