@@ -58,6 +58,33 @@ impl Record {
     fn sends(&self) -> bool {
         self.op.ends_with("send")
     }
+
+    /// A send's or receive's tag as its lines say it ("" for the default 0).
+    fn tag_text(&self) -> String {
+        match self.tag {
+            0 => String::new(),
+            tag => format!(" (tag {tag})"),
+        }
+    }
+
+    /// The call in words: "all_reduce #4 on group 0", "send #2 (tag 7) to
+    /// rank 1 on group 0", "irecv #1 from any rank on group 0".
+    fn call(&self) -> String {
+        if !self.is_p2p() {
+            return format!("{} #{} on group {}", self.op, self.seq, self.group);
+        }
+        let peer = self
+            .peer
+            .map_or_else(|| "any rank".to_string(), |p| format!("rank {p}"));
+        let way = if self.sends() { "to" } else { "from" };
+        format!(
+            "{} #{}{} {way} {peer} on group {}",
+            self.op,
+            self.seq,
+            self.tag_text(),
+            self.group
+        )
+    }
 }
 
 /// A rank's `python.collectives` rows as `Record`s.
@@ -221,27 +248,8 @@ fn where_is(view: Option<&RankView>) -> String {
                 .filter(|r| r.in_flight)
                 .max_by(|a, b| a.started.total_cmp(&b.started))
         })
-        .map(|r| {
-            if r.is_p2p() {
-                let peer = r
-                    .peer
-                    .map_or_else(|| "any rank".to_string(), |p| format!("rank {p}"));
-                // (Its tag, where a mismatch of tags may be why nothing pairs.)
-                let tag = match r.tag {
-                    0 => String::new(),
-                    tag => format!(" (tag {tag})"),
-                };
-                format!(
-                    "{} #{}{tag} {} {peer} on group {}",
-                    r.op,
-                    r.seq,
-                    if r.sends() { "to" } else { "from" },
-                    r.group
-                )
-            } else {
-                format!("{} #{} on group {}", r.op, r.seq, r.group)
-            }
-        });
+        // (With a send's tag, where a mismatch of tags may be why nothing pairs.)
+        .map(Record::call);
     let place = view.and_then(|v| v.stacks).and_then(whereabouts);
     match (waiting, place) {
         (Some(call), Some(place)) => format!(" (it is in {call}, at {place})"),
@@ -378,10 +386,7 @@ fn p2p_lines(views: &[RankView], by_rank: &BTreeMap<i64, &RankView>, now: f64) -
         open.sort_by(|a, b| a.started.total_cmp(&b.started));
         for record in open {
             let (op, rank, group) = (&record.op, view.rank, &record.group);
-            let tag = match record.tag {
-                0 => String::new(),
-                tag => format!(" (tag {tag})"),
-            };
+            let tag = record.tag_text();
             let since = if record.in_flight {
                 format!(
                     "waiting since {} ({:.0} s)",
@@ -403,16 +408,13 @@ fn p2p_lines(views: &[RankView], by_rank: &BTreeMap<i64, &RankView>, now: f64) -
                 }
                 continue;
             };
-            let (to, other, done) = if record.sends() {
-                ("to", "recv", "received")
+            let (other, done) = if record.sends() {
+                ("recv", "received")
             } else {
-                ("from", "send", "sent")
+                ("send", "sent")
             };
             let back = if record.sends() { "from" } else { "to" };
-            let head = format!(
-                "{op} #{}{tag} {to} rank {peer} on group {group}: rank {rank} {since}",
-                record.seq
-            );
+            let head = format!("{}: rank {rank} {since}", record.call());
             let partner = by_rank.get(&peer).copied();
             let halves: Option<Vec<&Record>> = partner.and_then(|p| p.records.as_ref()).map(|rs| {
                 rs.iter()

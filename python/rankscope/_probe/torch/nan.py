@@ -310,16 +310,9 @@ class NanWatch:
         self.sentinel_params = None
         self.sentinels_of = {}
         for model in TRACER.live_models():
-            # The smallest trainable parameter of the first module with
-            # parameters (upstream of everything after it), or of the next
-            # ones while it is large (a language model's embedding).
-            candidates = []
-            for module in model.modules():
-                candidates += [p for p in module.parameters(recurse=False) if p.requires_grad]
-                if candidates and min(p.numel() for p in candidates) <= MAX_SENTINEL:
-                    break
-            if candidates:
-                self.sentinels.add(id(min(candidates, key=lambda p: p.numel())))
+            chosen = _sentinel_of(model, lambda p: p.requires_grad)
+            if chosen is not None:
+                self.sentinels.add(id(chosen))
             entry = timed.put_on(model, self._stand_in(model))
             if entry is not None:
                 self.handles.append(entry)
@@ -660,21 +653,17 @@ class NanWatch:
 
     def before_zero_grad(self, owner, of_optimizer):
         """Checks what no step used; returns what `after_zero_grad` needs."""
-        arm = self._arm
-        if not arm.armed:
+        if not self._arm.armed:
             return None
-        # The usual step: the sentinels' gradients are the ones the last
-        # check saw, or the owner has none (a submodule).
-        known = self.sentinels_of.get(id(owner))
-        if known is None or known[0]() is not owner or (known[1] and arm.unapplied(known[1])):
+        if not self.nothing_new(owner):
             self._before_zero_grad(owner, of_optimizer)
-            known = self.sentinels_of.get(id(owner))
-        return known
+        return self.sentinels_of.get(id(owner))
 
     def nothing_new(self, owner) -> bool:
         """Whether a zero_grad of `owner` clears only gradients the last
-        check saw (the usual step): what `before_zero_grad` finds before it
-        checks nothing, asked inline by the step clock's stand-in."""
+        check saw (the usual step: the sentinels' gradients are the ones it
+        saw, or the owner has none, a submodule), so that nothing is checked;
+        asked inline by the step clock's stand-in too."""
         arm = self._arm
         if not arm.armed:
             return True
@@ -719,13 +708,8 @@ class NanWatch:
             return mine
         own = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
         for model in TRACER.live_models():
-            candidates = []
-            for module in model.modules():
-                candidates += [p for p in module.parameters(recurse=False) if id(p) in own]
-                if candidates and min(p.numel() for p in candidates) <= MAX_SENTINEL:
-                    break
-            if candidates:
-                chosen = min(candidates, key=lambda p: p.numel())
+            chosen = _sentinel_of(model, lambda p: id(p) in own)
+            if chosen is not None:
                 self.sentinels.add(id(chosen))
                 return [chosen]
         return []
@@ -1245,6 +1229,19 @@ class NanWatch:
 
 
 _FINITE = []
+
+
+def _sentinel_of(model, mine):
+    """The smallest of the parameters `mine` picks in the first module that
+    has one (upstream of everything after it: a non-finite gradient made
+    anywhere after reaches it on its way back), or in the next ones while
+    it is large (a language model's embedding); None where none is."""
+    candidates = []
+    for module in model.modules():
+        candidates += [p for p in module.parameters(recurse=False) if mine(p)]
+        if candidates and min(p.numel() for p in candidates) <= MAX_SENTINEL:
+            break
+    return min(candidates, key=lambda p: p.numel()) if candidates else None
 
 
 def _finite_now(grads, loss) -> bool:
