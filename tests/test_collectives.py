@@ -597,8 +597,17 @@ import torch
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
-for _ in range(int(os.environ["CALLS"])):
+calls = int(os.environ["CALLS"])
+for _ in range(calls):
     dist.all_reduce(torch.ones(2))
+# A NaN at a step told by the job's CALLS: 1 in the first job, 3 in the second.
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(5):
+    x = torch.ones(1, 2) * (float("nan") if step == calls - 2 else 1.0)
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    optimizer.step()
 dist.destroy_process_group()
 """
 
@@ -612,7 +621,7 @@ def test_a_run_directory_two_jobs_wrote_to_is_read_job_by_job(default_python, cl
     script.write_text(SHORT)
     run = tmp_path / "run"
     for calls in ("3", "5"):
-        proc = launch_torchrun(default_python, script, 2, endpoint_dir, run, env={"CALLS": calls}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = launch_torchrun(default_python, script, 2, endpoint_dir, run, env={"CALLS": calls, "RANKSCOPE_TORCH": "nan"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         assert proc.wait(timeout=120) == 0, proc.stderr.read().decode(errors="replace")
     jobs = {}
     for entry in (run / "ranks").glob("*.json"):
@@ -630,6 +639,13 @@ def test_a_run_directory_two_jobs_wrote_to_is_read_job_by_job(default_python, cl
     # The run directory read whole, as before, where no job is named.
     every = cli("query", "--run", run, "SELECT count(*) AS n FROM python.collectives WHERE op = 'all_reduce'", "--format", "csv")
     assert every.stdout.split() == ["n", "16"], every.stdout
+    # What the NaN watch found, the same way: the last job's, each rank at step 3.
+    nan = cli("cluster", "--run", run, "torch", "nan")
+    assert nan.returncode == 0, nan.stderr
+    assert f"; job {last})" in nan.stdout, nan.stdout
+    ranks = [line for line in nan.stdout.splitlines() if line.startswith("== rank")]
+    assert len(ranks) == 2, nan.stdout
+    assert "step 3" in nan.stdout and "step 1" not in nan.stdout, nan.stdout
 
 
 # Rank 1 never makes the job's first collective; no other table has rows

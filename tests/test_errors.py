@@ -2,8 +2,10 @@
 and costs the target nothing."""
 
 import os
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 COUNTER = """
@@ -108,6 +110,29 @@ def test_malformed_and_oversized_requests_are_refused_harmlessly(default_python,
 def test_bad_timeout_value_is_refused(default_python, spawn, cli):
     target = spawn(default_python, COUNTER)
     assert_hinted_error(cli(target.pid, "eval", "1", "--timeout", "0"), "--timeout")
+
+
+def test_a_timeout_past_a_day_or_an_argument_that_is_not_utf8_is_refused_not_a_panic(default_python, spawn, cli, rankscope_bin):
+    target = spawn(default_python, COUNTER)
+    assert_hinted_error(cli(target.pid, "eval", "1", "--timeout", "1e20"), "--timeout")
+    result = subprocess.run([rankscope_bin, b"\xff"], capture_output=True)
+    assert result.returncode == 2 and b"not valid UTF-8" in result.stderr and b"panicked" not in result.stderr, result.stderr
+
+
+def test_a_stopped_process_is_said_at_once(default_python, spawn, cli):
+    # Each command waited out its deadline (eval 12 s, torch 15 s, memory
+    # 60 s), then blamed a thread holding the GIL.
+    target = spawn(default_python, COUNTER)
+    os.kill(target.pid, signal.SIGSTOP)
+    try:
+        for args in (["eval", "1"], ["torch"], ["break", "list"]):
+            started = time.monotonic()
+            result = cli(target.pid, *args)
+            assert result.returncode != 0 and "is stopped" in result.stderr and "kill -CONT" in result.stderr, (args, result.stderr)
+            assert time.monotonic() - started < 3, args
+    finally:
+        os.kill(target.pid, signal.SIGCONT)
+    assert cli(target.pid, "eval", "counter").stdout == "7\n"
 
 
 def test_unknown_command_is_a_usage_error(cli):

@@ -70,6 +70,46 @@ def test_eval_system_exit_does_not_end_the_target(python, spawn, cli):
     assert target.alive()
 
 
+READS_STDIN = """
+import sys, time
+print("READY", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_exit_in_an_eval_is_refused_and_leaves_the_programs_stdin_open(python, spawn, cli):
+    # site's exit() closes sys.stdin before it raises SystemExit: the
+    # program's stdin was closed, and its next read failed.
+    target = spawn(python, READS_STDIN)
+    for code in ("exit()", "quit(3)"):
+        result = cli(target.pid, "eval", code)
+        assert result.returncode == 1 and "closes the program's sys.stdin" in result.stderr, result.stderr
+    assert cli(target.pid, "eval", "sys.stdin.closed").stdout == "False\n"
+    # A name of the program's own called exit is its own.
+    assert cli(target.pid, "eval", "exit = lambda: 'mine'").returncode == 0
+    assert cli(target.pid, "eval", "exit()").stdout == "'mine'\n"
+
+
+def peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def test_an_eval_that_prints_without_end_keeps_a_bounded_part_and_says_so(python, spawn, cli):
+    # All of it was kept while the eval ran: 1.8 GB of the target's memory
+    # for a reply that carries 1 MiB.
+    target = spawn(python, COUNTER)
+    before = peak_rss_kb(target.pid)
+    result = cli(target.pid, "eval", "--timeout", "2", "while True: print('x' * 100000)")
+    assert result.returncode == 1 and "interrupted after 2s" in result.stderr, result.stderr[-500:]
+    assert len(result.stdout) <= (1 << 20) + 1000, len(result.stdout)
+    assert "was cut at 1048576 characters" in result.stderr, result.stderr[-500:]
+    grown = peak_rss_kb(target.pid) - before
+    assert grown < 64_000, f"the target's peak RSS grew {grown} kB"
+    assert target.alive()
+
+
 def test_eval_from_file(python, spawn, cli, tmp_path):
     target = spawn(python, COUNTER)
     code = tmp_path / "snippet.py"

@@ -22,6 +22,7 @@ cwd; the umask; the recursion limit and the switch interval.
 
 import ast
 import os
+import subprocess
 import tempfile
 
 import pytest
@@ -295,3 +296,46 @@ def test_inject_into_a_thread_busy_in_vector_code_keeps_its_numbers(python, bare
         out = "".join(target.output) + out.decode()
         assert target.proc.returncode == 0, f"attempt {attempt}: exit {target.proc.returncode}\n{out}\n{err.decode()}"
         assert "SAME" in out, out
+
+
+CLOSES_ITS_FILES = """
+import os, sys, time
+from rankscope import _native
+
+# Rows on their way to the run store: its files are open by now.
+_native.table_append("python.torch_steps", [time.time(), 1, False, 1.0, None, None, None, None, None, None, None])
+time.sleep(1.5)
+# A daemon's start: every descriptor from 3 up closed, its own files opened.
+os.closerange(3, 65536)
+folder = sys.argv[1]
+logs = [open(os.path.join(folder, f"log{i}.txt"), "w") for i in range(8)]
+for n in range(5):
+    _native.table_append("python.torch_steps", [time.time(), n + 2, False, 1.0, None, None, None, None, None, None, None])
+    for log in logs:
+        log.write(f"line {n}\\n")
+        log.flush()
+    time.sleep(0.4)
+print("DONE", flush=True)
+"""
+
+
+def test_a_program_that_closes_its_descriptors_keeps_its_own_files_to_itself(python, spawn, tmp_path):
+    """GIVEN a probed program whose run store has its files open, WHEN it
+    closes every descriptor from 3 up and opens files of its own (which
+    take the same numbers), THEN the probe writes nothing into them (the
+    store's Arrow batches went into its logs) and closes none of them, and
+    the program ends as it would."""
+    target = spawn(python, CLOSES_ITS_FILES, args=[str(tmp_path)], wait=False)
+    assert target.proc.wait(timeout=60) == 0, target.proc.stderr.read().decode()
+    for i in range(8):
+        assert (tmp_path / f"log{i}.txt").read_text() == "".join(f"line {n}\n" for n in range(5)), i
+
+
+def test_a_setting_too_large_for_a_duration_leaves_the_program_as_it_was(python, tmp_path):
+    """A memory interval of 1e20 s panicked in the probe's start, in the
+    program's `site` import: the program never ran."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+    env.update(RANKSCOPE="1", RANKSCOPE_MEMORY_INTERVAL_S="1e20", RANKSCOPE_STORE_FLUSH_S="1e20",
+               RANKSCOPE_RUN_DIR=str(tmp_path / "run"), RANKSCOPE_DIR=str(tmp_path / "ep"))
+    result = subprocess.run([python, "-c", "print(sum(range(1000)))\nraise SystemExit(3)"], env=env, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (3, "499500\n", ""), result.stderr

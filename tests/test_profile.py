@@ -155,6 +155,65 @@ def test_the_profile_is_a_table_live_and_after_the_process_is_gone(python, spawn
     assert [(r["pid"], r["func"]) for r in json.loads(after.stdout)] == [(target.pid, "burn")], after.stdout
 
 
+PHASES = """
+import os, sys, time
+
+def phase_a():
+    sum(i * i for i in range(2000))
+
+def phase_b():
+    sum(i * i for i in range(2000))
+
+flag = sys.argv[1]
+print("READY", flush=True)
+while not os.path.exists(flag):
+    phase_a()
+print("B", flush=True)
+while True:
+    phase_b()
+"""
+
+
+def test_the_live_table_is_the_last_profile_and_the_run_store_keeps_them_all(python, spawn, cli, tmp_path):
+    # The issue's own query summed every profile ever taken of the PID.
+    run, flag = tmp_path / "run", tmp_path / "flag"
+    target = spawn(python, PHASES, args=[str(flag)], env={"RANKSCOPE_RUN_DIR": str(run)})
+    profile(cli, target.pid, "--top", "1")
+    flag.touch()
+    target.wait_for_line("B")
+    profile(cli, target.pid, "--top", "1")
+    sql = "SELECT func, sum(samples) AS n FROM python.profile WHERE func IN ('phase_a', 'phase_b') GROUP BY 1 ORDER BY 1"
+    live = cli(target.pid, "query", sql, "--format", "json")
+    assert live.returncode == 0, live.stderr
+    assert [r["func"] for r in json.loads(live.stdout)] == ["phase_b"], live.stdout
+    kept = cli("query", "--run", run, sql, "--format", "json")
+    assert [r["func"] for r in json.loads(kept.stdout)] == ["phase_a", "phase_b"], kept.stdout
+
+
+def test_a_process_that_exits_while_profiled_keeps_its_profile_in_its_run_directory(python, spawn, cli, tmp_path):
+    # Its run directory was read from its environment after sampling: gone
+    # with it, so the profile went to the default run directory.
+    run = tmp_path / "run"
+    source = 'import time\nprint("READY", flush=True)\nend = time.time() + 1\nwhile time.time() < end:\n    sum(i * i for i in range(1000))\n'
+    target = spawn(python, source, probe=False, env={"RANKSCOPE_RUN_DIR": str(run)})
+    done = cli(target.pid, "profile", "--duration", "5", "--top", "1")
+    assert done.returncode == 0, done.stderr
+    assert f"python.profile: kept in {run}/tables/profile" in done.stderr, done.stderr
+    kept = cli("query", "--run", run, "SELECT pid, sum(samples) AS n FROM python.profile GROUP BY 1", "--format", "json")
+    [row] = json.loads(kept.stdout)
+    assert row["pid"] == target.pid and row["n"] > 10, row
+
+
+def test_a_low_rate_ends_at_the_duration_asked(python, spawn, cli):
+    # The last tick's whole interval was waited out: 1.0 s for 0.3 s asked.
+    target = spawn(python, WORKLOAD, probe=False)
+    started = time.monotonic()
+    done = cli(target.pid, "profile", "--duration", "0.3", "--rate", "1", "--top", "1")
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert took < 0.9 and "over 0.3 s" in done.stdout, (took, done.stdout)
+
+
 def test_the_probe_samples_its_own_process_when_asked(python, spawn, cli, tmp_path):
     """GIVEN a probed process (as one where reading its memory from outside
     is refused, or a rank on another machine, would be), WHEN it is profiled
@@ -403,6 +462,11 @@ def test_gil_and_idle_together_find_a_thread_that_waits_holding_the_gil(python, 
     counts = folded_counts(out)
     held = sum(c for s, c in counts.items() if ";hold (" in s)
     assert held >= 20 and held / sum(counts.values()) > 0.8, counts
+    # It stalls every other thread: --no-idle keeps it (it left only the
+    # main thread's moments between its sleeps).
+    busy_only = tmp_path / "busy.folded"
+    profile(cli, target.pid, "--no-idle", "-o", busy_only)
+    assert any(";hold (" in s for s in folded_counts(busy_only)), folded_counts(busy_only)
 
     # One thread, always running: never idle while it holds the GIL.
     busy = spawn(python, 'print("READY", flush=True)\nwhile True:\n    sum(i * i for i in range(1000))\n', probe=False)

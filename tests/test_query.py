@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 
 from conftest import line_of, query_json
 
@@ -51,6 +52,62 @@ def test_every_table_carries_pid_rank_host_and_ts(python, spawn, cli):
         row = rows[0]
         assert row["pid"] == target.pid and row["rank"] == 3, (table, row)
         assert row["host"] == socket.gethostname() and row["ts"], (table, row)
+
+
+def test_a_process_of_no_job_has_no_rank_in_its_rows(default_python, spawn, cli):
+    # `list` shows such a process's rank as "-": its rows must not say rank 0.
+    target = spawn(default_python, BIG_TABLE.replace("100_000", "10"))
+    for table in ["python.backtrace", "python.torch_steps"]:
+        rows = query_json(cli, target.pid, f"SELECT pid, rank FROM {table} LIMIT 1")
+        assert rows and rows[0]["rank"] is None and rows[0]["pid"] == target.pid, (table, rows)
+
+
+BIG_TABLE = """
+import time
+from rankscope import _native
+rows = [(time.time(), i, True, 1.5, 0.1, 0.5, 0.6, 0.3, 2.25, 64, 1000.0) for i in range(100_000)]
+for k in range(0, len(rows), 10_000):
+    _native.table_extend("python.torch_steps", rows[k:k + 10_000])
+del rows
+print("READY", flush=True)
+time.sleep(3600)
+"""
+
+
+def peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def test_a_live_query_of_a_big_table_costs_the_target_little_memory(default_python, spawn, cli):
+    # The rows' JSON used to be built whole in the target: +65 MB of its
+    # peak RSS for 100,000 rows (16 queries at once: +1.2 GB).
+    target = spawn(default_python, BIG_TABLE, env={"RANKSCOPE_TABLE_ROWS": "100000"})
+    # The store's first spill of those rows to disk is no part of the query's cost.
+    segment = os.path.join(target.script.parent, "run", "tables", "torch_steps", f"{socket.gethostname()}-{target.pid}-0.arrows")
+    sizes = [-1]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (os.path.exists(segment) and os.path.getsize(segment) == sizes[-1] > 1_000_000):
+        sizes.append(os.path.getsize(segment) if os.path.exists(segment) else -1)
+        time.sleep(0.2)
+    before = peak_rss_kb(target.pid)
+    rows = query_json(cli, target.pid, "SELECT count(*) AS n, sum(step) AS s, max(loss) AS l FROM python.torch_steps")
+    assert rows == [{"n": 100_000, "s": 4_999_950_000, "l": 2.25}], rows
+    grown = peak_rss_kb(target.pid) - before
+    assert grown < 16_000, f"the target's peak RSS grew {grown} kB while it answered"
+
+
+def test_a_table_size_that_is_no_number_is_said_once_and_the_default_kept(default_python, spawn, cli):
+    target = spawn(default_python, BIG_TABLE.replace("100_000", "3000"), env={"RANKSCOPE_TABLE_ROWS": "abc", "RANKSCOPE_STORE_MAX_MB": "-1"})
+    # 0 used to keep one row a table, and a word was taken as no setting at all.
+    assert query_json(cli, target.pid, "SELECT count(*) AS n FROM python.torch_steps") == [{"n": 3000}]
+    target.proc.kill()
+    target.proc.wait()
+    said = target.proc.stderr.read().decode().splitlines()
+    assert said == [
+        "rankscope: RANKSCOPE_TABLE_ROWS=\"abc\" is not a whole number of at least 1; the default is kept",
+        "rankscope: RANKSCOPE_STORE_MAX_MB=\"-1\" is not a whole number of at least 0; the default is kept",
+    ], said
 
 
 def test_threads_and_info_tables(python, spawn, cli):

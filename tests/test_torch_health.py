@@ -1024,38 +1024,107 @@ import torch, torch.nn as nn, torch.nn.functional as F
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
-model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+class Net(nn.Module):
+    # The first module with parameters, where the watch's sentinel is, is
+    # a side branch with a loss term of its own: it stays finite while the
+    # main branch diverges, so only the full check (every 8th step) or
+    # the check at exit sees the divergence.
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Linear(8, 1)
+        self.main = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.main(x), self.side(torch.ones(1, 8))
+
+
+class Plain(nn.Module):
+    # Without the side branch: the sentinel is the main branch's first weight.
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.main(x), torch.zeros(1, 1)
+
+
+model = Net() if "--side" in sys.argv else Plain()
 opt = torch.optim.SGD(model.parameters(), lr=5.0)
 for step in range(int(sys.argv[1])):
     x = torch.randn(16, 8) * 10
     y = torch.randn(16, 1)
     opt.zero_grad()
-    loss = F.mse_loss(model(x), y)
+    out, side = model(x)
+    loss = F.mse_loss(out, y) + 1e-3 * side.pow(2).mean()
     loss.backward()
     opt.step()
-    if "--stop" in sys.argv and not torch.isfinite(loss):
-        break
+    if not torch.isfinite(loss):
+        print("NONFINITE", step, flush=True)
+        if "--stop" in sys.argv:
+            break
 print("EXITING", flush=True)
 """
 
 
 @pytest.mark.parametrize("how", ["stops", "goes-on"])
-def test_a_divergence_the_sentinels_miss_is_still_named_at_its_step(torch_python, spawn, cli, how):
-    args = ["10", "--stop"] if how == "stops" else ["6"]
+def test_a_divergence_is_named_at_its_step_where_the_sentinels_see_it_or_not(torch_python, spawn, cli, how):
+    # Stopping, the program's last step is the one that diverged: the check
+    # at exit finds it in the gradients it left, though the side branch's
+    # sentinel never saw it. Going on, the sentinel (a weight of the branch
+    # that diverged) sees it at its step.
+    args = ["10", "--stop", "--side"] if how == "stops" else ["6"]
     target = spawn(torch_python, DIVERGE, args=args, env={"RANKSCOPE_TORCH": "nan"}, wait=False)
     assert target.proc.wait(timeout=120) == 0
     run_dir = target.script.parent / "run"
     result = cli("query", "--run", run_dir, "SELECT step, stage, module, detail FROM python.nan_events", "--format", "json")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
-    assert len(rows) == 1 and rows[0]["step"] == 2, rows
+    # Where it diverges moves with the machine's arithmetic: the program says.
+    first = int(next(line for line in target.proc.stdout.read().decode().splitlines() if line.startswith("NONFINITE")).split()[1])
+    assert len(rows) == 1 and rows[0]["step"] == first, (first, rows)
     if how == "stops":
-        # Found at exit, from the gradients step 2 left: the module nearest
-        # the output whose own gradients are non-finite.
-        assert rows[0]["stage"] == "backward" and rows[0]["module"] == "4", rows
+        # The module nearest the output whose own gradients are non-finite.
+        assert rows[0]["stage"] == "backward" and rows[0]["module"] == "main.4", rows
         assert rows[0]["detail"].startswith("from the parameters' gradients (found at exit"), rows
     else:
-        assert rows[0]["stage"] == "update" and rows[0]["module"] == "0", rows
+        # Replayed, forward and backward from ones were finite: the loss's
+        # gradient overflowed in the model's backward (the detail says so).
+        assert rows[0]["stage"] == "loss", rows
+        assert "large enough to overflow" in rows[0]["detail"], rows
+
+
+# A bad batch: its NaN reaches every weight's gradient, but not the
+# biases' (a ReLU's backward zeroes what comes back through a NaN), nor
+# the loss the program's own `.sum()` made.
+BAD_BATCH = """
+import sys
+import torch
+
+torch.manual_seed(0)
+model = eval(sys.argv[1])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(12):
+    x = torch.ones(4, 2) * (float("nan") if step == 5 else 1.0)
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.parametrize("model, name", [
+    ("torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))", "Sequential"),
+    ("torch.nn.Linear(2, 2)", "Linear"),
+])
+def test_a_nan_batch_is_named_as_the_input_at_its_step(torch_python, spawn, cli, model, name):
+    # The watch's sentinel was the first module's bias: the NaN went
+    # through unseen and was named a step late as the optimizer's update.
+    target = spawn(torch_python, BAD_BATCH, args=[model], env={"RANKSCOPE_TORCH": "nan"}, wait=False)
+    assert target.proc.wait(timeout=120) == 0
+    result = cli("query", "--run", target.script.parent / "run", "SELECT step, stage, module, input_nonfinite FROM python.nan_events", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"step": 5, "stage": "input", "module": name, "input_nonfinite": 8}]
 
 
 # A trainer's guard skips the optimizer step whose gradient norm is not

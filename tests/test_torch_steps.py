@@ -178,6 +178,54 @@ def test_under_gradient_accumulation_a_steps_loss_is_its_micro_batches_mean(pyth
     assert json.loads(cli(target.pid, "torch", "--format", "json").stdout)["trace"]["errors"] == 0
 
 
+# Four micro-batches a step, each waiting 30 ms for its data.
+SLOW_DATA = """
+import sys, time
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+
+
+class Returns(nn.Module):
+    # A model that returns its loss, as Hugging Face's do given labels.
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+
+    def forward(self, x, labels):
+        return nn.functional.mse_loss(self.net(x), labels)
+
+
+returns = sys.argv[1] == "returns"
+model = Returns() if returns else nn.Linear(8, 1)
+criterion = nn.MSELoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(8):
+    for micro in range(4):
+        time.sleep(0.03)
+        x, y = torch.randn(4, 8), torch.randn(4, 1)
+        loss = model(x, y) if returns else criterion(model(x), y)
+        (loss / 4).backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("model", ["returns", "loss-module"])
+def test_under_gradient_accumulation_the_data_wait_is_every_micro_batchs(python, spawn, cli, model):
+    require_torch(python)
+    # It was the first micro-batch's only: 30 ms of the 120.
+    target = spawn(python, SLOW_DATA, args=[model], env={"RANKSCOPE_TORCH": "trace,every=1"}, wait=False)
+    assert target.proc.wait(timeout=120) == 0
+    result = cli("query", "--run", target.script.parent / "run", "SELECT step, step_ms, dataloader_wait_ms FROM python.torch_steps WHERE step > 0 ORDER BY step", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert len(rows) == 7, rows
+    for row in rows:
+        assert 4 * 30 <= row["dataloader_wait_ms"] <= row["step_ms"], rows
+
+
 GAN = """
 import json, time
 import torch

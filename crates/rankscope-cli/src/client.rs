@@ -204,6 +204,12 @@ impl Probe {
         body: &[u8],
         timeout: Duration,
     ) -> Result<T> {
+        let local = matches!(self.endpoint, Endpoint::Unix(_));
+        // A stopped process (SIGSTOP, Ctrl-Z, a debugger) answers nothing
+        // until continued: said now, not after the whole wait.
+        if local && crate::outside::stopped(self.pid) {
+            return Err(stopped(self.pid).into());
+        }
         let mut stream = self.connect(timeout)?;
         let bearer;
         let headers: &[(&str, &str)] = match &self.endpoint {
@@ -213,8 +219,20 @@ impl Probe {
             }
             Endpoint::Unix(_) => &[],
         };
-        http::write_request(&mut stream, method, path, headers, body)?;
+        if let Err(e) = http::write_request(&mut stream, method, path, headers, body) {
+            // A busy probe answers 503 and closes before it reads the
+            // request: the answer is there to read, where the write broke.
+            if !matches!(
+                e.kind(),
+                io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+            ) {
+                return Err(e.into());
+            }
+        }
         let response = http::read_response(&mut stream, MAX_REPLY_BYTES).map_err(|e| match e {
+            http::HttpError::Io(_) if local && crate::outside::stopped(self.pid) => {
+                stopped(self.pid).into()
+            }
             http::HttpError::Io(io)
                 if matches!(
                     io.kind(),
@@ -466,7 +484,7 @@ impl Probe {
     /// an interrupted eval can still report what it printed.
     pub fn eval(&self, request: &EvalRequest) -> Result<EvalReply> {
         let body = serde_json::to_vec(request)?;
-        let wait = Duration::from_secs_f64(request.timeout_s + 2.0);
+        let wait = Duration::from_secs_f64((request.timeout_s + 2.0).clamp(0.0, 1e7));
         self.request("POST", "/v1/eval", &body, wait)
     }
 
@@ -482,6 +500,14 @@ impl Probe {
 
 /// Whether `pid` is gone, or a zombie, within a moment: a connection that
 /// closed mid-answer closed with the process, or for another reason.
+/// A stopped process's probe cannot answer: said with what to do.
+fn stopped(pid: u32) -> Hinted {
+    Hinted::new(
+        format!("{} is stopped (SIGSTOP, Ctrl-Z or a debugger): its probe cannot answer until it runs", describe(pid)),
+        format!("continue it with `kill -CONT {pid}`; `rankscope {pid} bt` reads a stopped process from outside"),
+    )
+}
+
 fn exited(pid: u32) -> bool {
     for _ in 0..10 {
         if !paths::pid_alive(pid) {

@@ -524,9 +524,9 @@ fn run_cluster(
     action: ClusterAction,
 ) -> anyhow::Result<u8> {
     use commands::cluster;
-    if !(timeout.is_finite() && timeout > 0.0) {
+    if !(timeout.is_finite() && timeout > 0.0 && timeout <= commands::MAX_WAIT_S) {
         return Err(hint::Hinted::new(
-            format!("--timeout must be a positive number of seconds, not {timeout}"),
+            format!("--timeout must be a positive number of seconds up to a day, not {timeout}"),
             "e.g. --timeout 2",
         )
         .into());
@@ -604,7 +604,21 @@ fn main() -> ExitCode {
     // does any Unix tool, instead of a panic in println!.
     // SAFETY: restoring the default disposition of one signal at start-up.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    let cli = Cli::parse_from(rewrite_pid_form(std::env::args().collect()));
+    // `std::env::args()` panics on an argument that is not UTF-8.
+    let mut args = Vec::new();
+    for arg in std::env::args_os() {
+        match arg.into_string() {
+            Ok(arg) => args.push(arg),
+            Err(bad) => {
+                eprintln!(
+                    "error: an argument is not valid UTF-8: {}\nhint: rankscope takes UTF-8 text (SQL, code, paths)",
+                    bad.to_string_lossy()
+                );
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let cli = Cli::parse_from(rewrite_pid_form(args));
     let result = match cli.command {
         Command::List { format } => commands::list::run(format),
         Command::Run { listen, command } => commands::run::run(listen, command),

@@ -4,6 +4,7 @@
 //! Python side, the query crate the SQL side.
 
 pub mod crash;
+pub mod fd;
 pub mod host;
 pub mod http;
 pub mod paths;

@@ -45,6 +45,15 @@ pub struct ProcessMeta {
     pub step_address: Option<u64>,
 }
 
+impl ProcessMeta {
+    /// The rank, for a process that is a rank of a job; None for one of no
+    /// job (its `rank` is 0 there, which a table must not show as rank 0:
+    /// `rankscope list` shows `-`).
+    pub fn job_rank(&self) -> Option<i64> {
+        (self.world_size > 1 || self.job_id.is_some()).then_some(self.rank)
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Local {
     pub name: String,

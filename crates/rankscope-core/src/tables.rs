@@ -375,7 +375,7 @@ pub const OBJECTS: TableDef = TableDef {
 pub const PROFILE: TableDef = TableDef {
     schema: "python",
     name: "profile",
-    description: "the profiles taken of the process (`rankscope PID profile`, `cluster profile`): one row per stack, thread and torch step, with its samples; ts is the profile's start (the last profile: the largest ts)",
+    description: "the last profile taken of the process (`rankscope PID profile`, `cluster profile`): one row per stack, thread and torch step, with its samples; ts is the profile's start (`query --run` reads every profile kept: the last has the largest ts)",
     columns: &[
         col("thread", Utf8),
         col("thread_id", Int64),
@@ -522,7 +522,7 @@ fn micros(seconds: f64) -> Value {
 pub fn identity(meta: &ProcessMeta, taken_at: f64) -> [Value; 4] {
     [
         json!(meta.pid),
-        json!(meta.rank),
+        json!(meta.job_rank()),
         json!(meta.host),
         micros(taken_at),
     ]

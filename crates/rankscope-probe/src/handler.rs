@@ -48,6 +48,18 @@ impl Handler for ProbeHandler {
                 (body.to_string(),),
                 out,
             ),
+            ("GET", "/v1/table", _)
+                if self.meta().is_some() && request.query_param("name").is_some() =>
+            {
+                let mut reply = Spilling::new(out);
+                match table_reply(request, &mut reply) {
+                    Ok(()) => reply.finish(),
+                    Err(e) if !reply.started => {
+                        http::write_response(reply.out, &Response::error(404, &e))
+                    }
+                    Err(e) => Err(io::Error::other(e)),
+                }
+            }
             _ => http::write_response(out, &self.handle(request)),
         }
     }
@@ -151,21 +163,12 @@ impl Handler for ProbeHandler {
                 crate::profile_self::handle(&request.body, self.meta(), &|| false)
             }
             ("POST", "/v1/profile/stop") => crate::profile_self::stop(&request.body),
-            ("GET", "/v1/table") => match request.query_param("name").map(percent_decode) {
-                Some(name) => {
-                    let columns = request.query_param("columns").map(percent_decode);
-                    let filters = request.query_param("filter").map(percent_decode);
-                    // From the run store, without the GIL: a busy or stuck
-                    // interpreter still hands over its rows (those the
-                    // Python side holds are asked for first, briefly).
-                    crate::store::take_rows_from_python();
-                    match crate::store::read_json(
-                        &name,
-                        columns.as_deref(),
-                        filters.as_deref(),
-                        request.query_flag("count"),
-                    ) {
-                        Ok(json) => Response::json(200, json),
+            ("GET", "/v1/table") => match request.query_param("name") {
+                // Answered by `respond`, streamed; here for a name missing.
+                Some(_) => {
+                    let mut text = Vec::new();
+                    match table_reply(request, &mut text) {
+                        Ok(()) => Response::json(200, text),
                         Err(e) => Response::error(404, &e),
                     }
                 }
@@ -182,6 +185,75 @@ impl Handler for ProbeHandler {
             ),
             _ => Response::error(404, &format!("no endpoint {}", request.path)),
         }
+    }
+}
+
+/// A table's rows from the run store, without the GIL: those the Python
+/// side holds are asked for first, briefly, so that a busy or stuck
+/// interpreter still hands over its rows.
+fn table_reply(request: &Request, out: &mut dyn Write) -> Result<(), String> {
+    let name = request
+        .query_param("name")
+        .map(percent_decode)
+        .unwrap_or_default();
+    let columns = request.query_param("columns").map(percent_decode);
+    let filters = request.query_param("filter").map(percent_decode);
+    crate::store::take_rows_from_python();
+    crate::store::write_json(
+        &name,
+        columns.as_deref(),
+        filters.as_deref(),
+        request.query_flag("count"),
+        out,
+    )
+}
+
+/// A reply held until it outgrows `SPILL_BYTES`, then sent as it is
+/// written, ended by the connection's end: a big table's text is never
+/// whole in the target.
+struct Spilling<'a> {
+    out: &'a mut (dyn Write + Send),
+    buf: Vec<u8>,
+    started: bool,
+}
+
+const SPILL_BYTES: usize = 128 * 1024;
+
+impl<'a> Spilling<'a> {
+    fn new(out: &'a mut (dyn Write + Send)) -> Self {
+        Spilling {
+            out,
+            buf: Vec::new(),
+            started: false,
+        }
+    }
+
+    fn finish(self) -> io::Result<()> {
+        if self.started {
+            self.out.write_all(&self.buf)?;
+            self.out.flush()
+        } else {
+            http::write_response(self.out, &Response::json(200, self.buf))
+        }
+    }
+}
+
+impl Write for Spilling<'_> {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.buf.extend_from_slice(bytes);
+        if self.buf.len() >= SPILL_BYTES {
+            if !self.started {
+                http::write_streamed_head(&mut *self.out, "application/json")?;
+                self.started = true;
+            }
+            self.out.write_all(&self.buf)?;
+            self.buf.clear();
+        }
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 

@@ -170,8 +170,9 @@ fn set_rank(rank: i64, world_size: i64) -> PyResult<Option<String>> {
     write_meta_file(&r.dir, r.pid, &meta_json).map_err(PyRuntimeError::new_err)?;
     registry::update(&meta_json).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
     drop(running);
-    // Rows from now on carry the rank torch.distributed gave.
-    store::set_rank(Some(rank));
+    // Rows from now on carry the rank torch.distributed gave (none for a
+    // group of one outside a job, as `list` shows it).
+    store::set_rank(current_rank());
     Ok(Some(meta_json))
 }
 
@@ -182,8 +183,9 @@ pub(crate) fn current_rank() -> Option<i64> {
         return None;
     }
     let running = lock_running();
-    let meta: serde_json::Value = serde_json::from_str(&running.as_ref()?.handler.meta()?).ok()?;
-    meta["rank"].as_i64()
+    let meta: rankscope_core::protocol::ProcessMeta =
+        serde_json::from_str(&running.as_ref()?.handler.meta()?).ok()?;
+    meta.job_rank()
 }
 
 /// How long a stopping probe waits for the requests on Python to end,

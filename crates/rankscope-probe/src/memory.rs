@@ -73,7 +73,10 @@ fn interval() -> Option<Duration> {
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .unwrap_or(1.0);
-    (seconds.is_finite() && seconds > 0.0).then(|| Duration::from_secs_f64(seconds.max(0.01)))
+    // A day at most: a number past what a `Duration` holds panicked, in
+    // the program's `site` import, and the program never ran.
+    (seconds.is_finite() && seconds > 0.0)
+        .then(|| Duration::from_secs_f64(seconds.clamp(0.01, 86_400.0)))
 }
 
 /// Waits one interval; false when the probe stops.

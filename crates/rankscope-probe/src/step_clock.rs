@@ -1009,6 +1009,11 @@ fn take_root_figures<'py>(
 ) -> PyResult<(Option<i64>, i64, Bound<'py, PyAny>)> {
     let py = tracer.py();
     let first_fwd: Option<i64> = tracer.getattr(intern!(py, "first_fwd"))?.extract()?;
+    // Under gradient accumulation, the later micro-batches' waits for data
+    // (reset at the step's first forward): the step's wait is both, so the
+    // start that `first - last_end` reads is moved on by them.
+    let between: i64 = tracer.getattr(intern!(py, "between"))?.extract()?;
+    let first_fwd = first_fwd.map(|first| first + between);
     let samples: i64 = tracer.getattr(intern!(py, "samples"))?.extract()?;
     let loss = tracer.getattr(intern!(py, "loss"))?;
     let none = py.None();

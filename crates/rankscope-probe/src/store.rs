@@ -14,8 +14,23 @@ use rankscope_store::{Cell, Store, StoreConfig};
 
 static STORE: Mutex<Option<Arc<Store>>> = Mutex::new(None);
 
-fn env_number(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.trim().parse().ok()
+/// A whole number of at least `least` from the environment; a value that is not one
+/// is said on stderr, once in the process (a child after fork inherits
+/// that it was said), and the default kept.
+fn env_number(name: &str, least: u64) -> Option<u64> {
+    let text = std::env::var(name).ok()?;
+    match text.trim().parse::<u64>() {
+        Ok(n) if n >= least => Some(n),
+        _ => {
+            static SAID: Mutex<Vec<String>> = Mutex::new(Vec::new());
+            let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+            if !said.iter().any(|n| n == name) {
+                said.push(name.to_string());
+                eprintln!("rankscope: {name}={text:?} is not a whole number of at least {least}; the default is kept");
+            }
+            None
+        }
+    }
 }
 
 /// This process's id, read once and again after a fork: every row goes
@@ -111,22 +126,24 @@ pub(crate) fn store() -> Arc<Store> {
     let run_dir = spill.then(rankscope_core::crash::run_dir);
     let mut config = StoreConfig::new(pid, rankscope_core::host::hostname(), run_dir);
     if let Some(rows) =
-        env_number("RANKSCOPE_TABLE_ROWS").or_else(|| env_number("RANKSCOPE_TORCH_ROWS"))
+        env_number("RANKSCOPE_TABLE_ROWS", 1).or_else(|| env_number("RANKSCOPE_TORCH_ROWS", 1))
     {
-        config.ring_rows = rows.max(1) as usize;
+        config.ring_rows = rows as usize;
         // The user's number is every table's.
         config.table_rows.clear();
     }
-    if let Some(seconds) = std::env::var("RANKSCOPE_STORE_FLUSH_S")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-    {
-        if seconds.is_finite() && seconds > 0.0 {
-            config.flush_every = std::time::Duration::from_secs_f64(seconds);
+    if let Ok(text) = std::env::var("RANKSCOPE_STORE_FLUSH_S") {
+        match text.trim().parse::<f64>() {
+            Ok(seconds) if seconds.is_finite() && seconds > 0.0 => {
+                config.flush_every = std::time::Duration::from_secs_f64(seconds.min(3600.0));
+            }
+            _ => eprintln!(
+                "rankscope: RANKSCOPE_STORE_FLUSH_S={text:?} is not a number of seconds above 0; the default is kept"
+            ),
         }
     }
-    if let Some(mb) = env_number("RANKSCOPE_STORE_MAX_MB") {
-        config.max_bytes = mb << 20;
+    if let Some(mb) = env_number("RANKSCOPE_STORE_MAX_MB", 0) {
+        config.max_bytes = mb.saturating_mul(1 << 20);
     }
     let store = Store::new(config);
     store.set_rank(rank);
@@ -515,13 +532,16 @@ pub fn store_flush(py: Python<'_>) {
     }
 }
 
-/// `GET /v1/table?name=...`: answered from the store, without the GIL.
-pub fn read_json(
+/// `GET /v1/table?name=...`: answered from the store, without the GIL,
+/// written to `out` as it is made. An `Err` is for the client's ears when
+/// nothing was written yet.
+pub fn write_json(
     name: &str,
     columns: Option<&str>,
     filters: Option<&str>,
     count: bool,
-) -> Result<String, String> {
+    out: &mut dyn std::io::Write,
+) -> Result<(), String> {
     if rankscope_store::store_table(name).is_none() {
         return Err(format!("no table {name} in this probe"));
     }
@@ -541,7 +561,6 @@ pub fn read_json(
         None => Store::new(StoreConfig::new(std::process::id(), String::new(), None)),
     };
     store
-        .read_json(name, columns.as_deref(), &filters, count)
-        .map(|v| v.to_string())
+        .write_json(name, columns.as_deref(), &filters, count, out)
         .map_err(|e| e.to_string())
 }

@@ -397,10 +397,15 @@ impl Tally {
     /// callees hides).
     pub fn rows(&self) -> Vec<(String, u64)> {
         let mut rows: Vec<(String, u64)> = self.own.iter().map(|(n, c)| (n.clone(), *c)).collect();
+        // A function that ran only idle has its row already (marked): a
+        // second row of self 0 beside it said nothing.
         rows.extend(
             self.inside
                 .keys()
-                .filter(|name| !self.own.contains_key(*name))
+                .filter(|name| {
+                    !self.own.contains_key(*name)
+                        && !self.own.contains_key(&format!("{name}{IDLE}"))
+                })
                 .map(|name| (name.clone(), 0)),
         );
         let total = |name: &str| {
@@ -660,6 +665,8 @@ mod tests {
     #[test]
     fn top_counts_self_and_total() {
         let text = top(&sample_profile(), &WriteOptions::default());
+        // `sleep` ran idle only: its one row is the marked one.
+        assert_eq!(text.matches("sleep (train.py)").count(), 1, "{text}");
         assert!(text.contains("  47.1%   47.1%  hot (train.py)"), "{text}");
         assert!(
             text.contains("  47.1%   47.1%  sleep (train.py) [idle]"),

@@ -89,6 +89,13 @@ pub fn sample(
     let mut os_threads: std::collections::HashMap<u64, u64> = Default::default();
     while start.elapsed() < options.duration && !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
+        let end = start + options.duration;
+        if next >= end {
+            // The next tick falls past the end (a low rate): the duration
+            // asked for is waited out, not a whole interval more.
+            std::thread::sleep(end.saturating_duration_since(now));
+            break;
+        }
         if next > now {
             std::thread::sleep(next - now);
         } else if now - next > catch_up {

@@ -312,6 +312,66 @@ fn context(source: Arc<dyn RowSource>) -> SessionContext {
 
 /// Runs one SQL statement; returns its batches and the result's schema (so
 /// that an empty result still prints its header).
+/// The rows of the newest `ts` at or after `since_us` (microseconds since
+/// the epoch), with `columns` only (all for None): a process's last
+/// profile, where each profile's rows share its start as their ts, and
+/// those of an earlier process that had the same PID are older than this
+/// one. The batches must hold `ts`.
+pub fn last_since(
+    batches: Vec<RecordBatch>,
+    since_us: i64,
+    columns: Option<&[&str]>,
+) -> Result<Vec<RecordBatch>, datafusion::arrow::error::ArrowError> {
+    use datafusion::arrow::array::AsArray;
+    use datafusion::arrow::datatypes::TimestampMicrosecondType;
+    let ts_of = |batch: &RecordBatch| -> Result<_, datafusion::arrow::error::ArrowError> {
+        let column = batch.column_by_name("ts").ok_or_else(|| {
+            datafusion::arrow::error::ArrowError::SchemaError("no ts column".into())
+        })?;
+        Ok(column
+            .as_primitive_opt::<TimestampMicrosecondType>()
+            .ok_or_else(|| {
+                datafusion::arrow::error::ArrowError::SchemaError("ts is no timestamp".into())
+            })?
+            .clone())
+    };
+    let mut newest = None;
+    for batch in &batches {
+        let ts = ts_of(batch)?;
+        for at in ts.iter().flatten().filter(|&at| at >= since_us) {
+            newest = newest.max(Some(at));
+        }
+    }
+    let mut kept = Vec::new();
+    for batch in batches {
+        let ts = ts_of(&batch)?;
+        let mask: datafusion::arrow::array::BooleanArray = ts
+            .iter()
+            .map(|at| Some(at.is_some() && at == newest))
+            .collect();
+        if mask.true_count() == 0 {
+            continue;
+        }
+        let batch = datafusion::arrow::compute::filter_record_batch(&batch, &mask)?;
+        let batch = match columns {
+            Some(names) => {
+                let schema = batch.schema();
+                let mut indices: Vec<usize> = (0..schema.fields().len())
+                    .filter(|&i| names.contains(&schema.field(i).name().as_str()))
+                    .collect();
+                // As the store reads a scan of no column: its first.
+                if indices.is_empty() {
+                    indices.push(0);
+                }
+                batch.project(&indices)?
+            }
+            None => batch,
+        };
+        kept.push(batch);
+    }
+    Ok(kept)
+}
+
 pub fn run_sql(
     source: Arc<dyn RowSource>,
     sql: &str,

@@ -10,6 +10,8 @@ use std::fs;
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use rankscope_core::fd::Guarded;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -99,7 +101,9 @@ pub struct ServerConfig {
 pub struct Server {
     socket_path: PathBuf,
     token_file: Option<PathBuf>,
-    wake: OwnedFd,
+    /// (Guarded: a program that closed its descriptors and opened files of
+    /// its own got the stop's wake-up byte in one; see `rankscope_core::fd`.)
+    wake: Guarded<OwnedFd>,
     accept_thread: Option<JoinHandle<()>>,
     active: Arc<AtomicUsize>,
     tcp_addr: Option<SocketAddr>,
@@ -224,7 +228,7 @@ impl Server {
         Ok(Server {
             socket_path: path,
             token_file,
-            wake: wake_write,
+            wake: Guarded::new(wake_write),
             accept_thread: Some(accept_thread),
             active,
             tcp_addr,
@@ -247,8 +251,10 @@ impl Server {
     /// Stops accepting, removes the socket and token, and joins the accept
     /// thread. Connections already being served finish on their own threads.
     pub fn stop(mut self) {
-        // SAFETY: writing one byte from a valid buffer to our own pipe.
-        unsafe { libc::write(self.wake.as_raw_fd(), b"x".as_ptr().cast(), 1) };
+        if self.wake.ours() {
+            // SAFETY: writing one byte from a valid buffer to our own pipe.
+            unsafe { libc::write(self.wake.get().as_raw_fd(), b"x".as_ptr().cast(), 1) };
+        }
         if let Some(thread) = self.accept_thread.take() {
             let _ = thread.join();
         }
@@ -260,21 +266,29 @@ impl Server {
 }
 
 fn accept_loop(unix: UnixListener, tcp: Option<TcpListener>, wake: OwnedFd, shared: Arc<Shared>) {
+    // Where the program closes these descriptors, the loop ends without
+    // closing the numbers, which may be its own files by then (and a
+    // regular file in their place is always readable: the loop spun).
+    let (unix, tcp, wake) = (
+        Guarded::new(unix),
+        tcp.map(Guarded::new),
+        Guarded::new(wake),
+    );
     let mut fds = vec![
         libc::pollfd {
-            fd: wake.as_raw_fd(),
+            fd: wake.get().as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         },
         libc::pollfd {
-            fd: unix.as_raw_fd(),
+            fd: unix.get().as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         },
     ];
     if let Some(tcp) = &tcp {
         fds.push(libc::pollfd {
-            fd: tcp.as_raw_fd(),
+            fd: tcp.get().as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         });
@@ -291,17 +305,22 @@ fn accept_loop(unix: UnixListener, tcp: Option<TcpListener>, wake: OwnedFd, shar
             }
             return;
         }
-        if fds[0].revents != 0 {
+        if fds[0].revents != 0
+            || fds.iter().any(|fd| fd.revents & libc::POLLNVAL != 0)
+            || !unix.ours()
+            || !wake.ours()
+            || tcp.as_ref().is_some_and(|t| !t.ours())
+        {
             return;
         }
         if fds[1].revents != 0 {
-            if let Ok((stream, _)) = unix.accept() {
+            if let Ok((stream, _)) = unix.get().accept() {
                 dispatch(Connection::Unix(stream), &shared);
             }
         }
         if let (Some(tcp), Some(fd)) = (&tcp, fds.get(2)) {
             if fd.revents != 0 {
-                if let Ok((stream, _)) = tcp.accept() {
+                if let Ok((stream, _)) = tcp.get().accept() {
                     dispatch(Connection::Tcp(stream), &shared);
                 }
             }

@@ -207,6 +207,11 @@ pub(crate) fn read_files(
 /// its own buffer spent most of a query's time copying and zeroing pages).
 /// The writers only ever append, so the mapped length stays valid.
 fn map(path: &Path) -> Option<Buffer> {
+    // A regular file only: opening a FIFO put there waits for a writer, and
+    // the query hung.
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
     let file = std::fs::File::open(path).ok()?;
     // SAFETY: the map is read only, and no one truncates a run store's file
     // (its writer appends; a new segment is a new file).

@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+
+use rankscope_core::fd::Guarded;
 use std::io::BufWriter;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -28,21 +30,29 @@ struct Segment {
 }
 
 /// The file and how many bytes went into it (the writer does not say).
+/// Written only while its descriptor is still the file's: a program that
+/// closed it (a daemon's `os.closerange`) and opened a file of its own got
+/// the store's Arrow batches in it (see `rankscope_core::fd`).
 struct CountingFile {
-    file: File,
+    file: Guarded<File>,
     written: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::io::Write for CountingFile {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.file.write(buf)?;
+        if !self.file.ours() {
+            return Err(std::io::Error::other(
+                "the program closed the run store's file descriptor (os.closerange?); nothing more is written",
+            ));
+        }
+        let n = self.file.get_mut().write(buf)?;
         self.written
             .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(n)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
-        self.file.flush()
+        Ok(())
     }
 }
 
@@ -229,7 +239,7 @@ impl Spill {
                 Ok(file) => {
                     let counter = Arc::new(std::sync::atomic::AtomicU64::new(0));
                     let out = BufWriter::new(CountingFile {
-                        file,
+                        file: Guarded::new(file),
                         written: counter.clone(),
                     });
                     let schema = crate::schema::arrow_schema(def);

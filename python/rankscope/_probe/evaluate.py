@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import _thread
 import ast
-import io
 import itertools
 import linecache
 import sys
@@ -47,7 +46,34 @@ class _Router:
         return getattr(self._original, name)
 
 
-_captures: dict[int, tuple[io.StringIO, io.StringIO]] = {}
+class _Bounded:
+    """What an eval prints, kept up to MAX_OUTPUT_CHARS: kept whole, a loop
+    that prints took the target to 1.8 GB while it ran, for a reply that
+    carries 1 MiB of it. What went past is counted, and said."""
+
+    def __init__(self):
+        self._parts = []
+        self._kept = 0
+        self.dropped = 0
+
+    def write(self, text):
+        n = len(text)
+        room = MAX_OUTPUT_CHARS - self._kept
+        if n <= room:
+            self._parts.append(text)
+            self._kept += n
+        else:
+            if room > 0:
+                self._parts.append(text[:room])
+                self._kept += room
+            self.dropped += n - max(room, 0)
+        return n
+
+    def getvalue(self) -> str:
+        return "".join(self._parts)
+
+
+_captures: dict[int, tuple[_Bounded, _Bounded]] = {}
 # Every router ever installed, kept for the life of the process: print()
 # holds a borrowed reference to sys.stdout while its write may release the
 # GIL, so a router dropped when an eval ends could be freed under another
@@ -60,9 +86,9 @@ _capture_lock = _thread.allocate_lock()
 _saved_streams: tuple | None = None
 
 
-def _begin_capture() -> tuple[io.StringIO, io.StringIO]:
+def _begin_capture() -> tuple[_Bounded, _Bounded]:
     global _saved_streams
-    buffers = (io.StringIO(), io.StringIO())
+    buffers = (_Bounded(), _Bounded())
     with _capture_lock:
         if not _captures:
             _saved_streams = (sys.stdout, sys.stderr)
@@ -193,7 +219,34 @@ def run(
     return reply
 
 
+def _quits(code: str, namespace: dict, local_names) -> str | None:
+    """`exit()` or `quit()` as site gives them: they close ``sys.stdin``,
+    the program's, before they raise SystemExit (which the eval catches),
+    and a program that reads its stdin then failed. Not run."""
+    if "exit" not in code and "quit" not in code:
+        return None
+    try:
+        names = {node.func.id for node in ast.walk(ast.parse(code))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    except SyntaxError:
+        return None
+    builtins = namespace.get("__builtins__")
+    builtins = builtins if isinstance(builtins, dict) else getattr(builtins, "__dict__", {})
+    for name in sorted(names & {"exit", "quit"}):
+        for scope in (local_names or {}, namespace, builtins):
+            if name in scope:
+                if type(scope[name]).__name__ == "Quitter":
+                    return (f"{name}() closes the program's sys.stdin and cannot end the program from an eval: not run "
+                            "(Ctrl-D leaves the REPL; `raise SystemExit` is caught like any error)\n")
+                break
+    return None
+
+
 def _run_captured(code: str, timeout_s: float, namespace: dict, local_names, reply: dict, eval_id: str | None) -> None:
+    refused = _quits(code, namespace, local_names)
+    if refused is not None:
+        reply.update(error=refused, stdout="", stderr="")
+        return
     filename = _register_source(code)
     out, err = _begin_capture()
     token = None
@@ -204,7 +257,10 @@ def _run_captured(code: str, timeout_s: float, namespace: dict, local_names, rep
             try:
                 has_value, value = _execute(code, filename, namespace, local_names)
                 if has_value and value is not None:
-                    reply["value"] = repr(value)[:MAX_OUTPUT_CHARS]
+                    text = repr(value)
+                    reply["value"] = text[:MAX_OUTPUT_CHARS]
+                    if len(text) > MAX_OUTPUT_CHARS:
+                        reply["notes"].append(f"the value's repr was cut at {MAX_OUTPUT_CHARS} characters of {len(text)}")
             finally:
                 _native.disarm_deadline(token)
         except EvalTimeout:
@@ -219,5 +275,8 @@ def _run_captured(code: str, timeout_s: float, namespace: dict, local_names, rep
             reply["error"] = _format_error(exc)
     finally:
         _end_capture()
-    reply["stdout"] = out.getvalue()[:MAX_OUTPUT_CHARS]
-    reply["stderr"] = err.getvalue()[:MAX_OUTPUT_CHARS]
+    reply["stdout"] = out.getvalue()
+    reply["stderr"] = err.getvalue()
+    for name, kept in (("output", out), ("error output", err)):
+        if kept.dropped:
+            reply["notes"].append(f"the eval's {name} was cut at {MAX_OUTPUT_CHARS} characters: {kept.dropped} more were not kept")

@@ -824,6 +824,7 @@ pub fn eval(
     timeout: f64,
     at: crate::FrameArgs,
 ) -> Result<u8> {
+    super::seconds(timeout, "--eval-timeout")?;
     let request = EvalRequest::new(code, timeout).at(at.thread, at.frame);
     each_rank(
         job,
@@ -880,15 +881,30 @@ pub fn torch(
     format: crate::BtFormat,
 ) -> Result<u8> {
     let request = super::torch::request_of(action)?;
-    let job = match (find_job(job, run.clone()), action, &run) {
-        (Ok(job), _, _) => job,
-        // The job is over: what its NaN watch found is in its run store.
-        (Err(_), Some(crate::TorchAction::Nan { switch: None }), Some(dir))
-            if !matches!(format, crate::BtFormat::Json) =>
-        {
-            return nan_after_the_job(dir);
+    let here = rankscope_core::host::hostname();
+    let over = |job: &Job| {
+        !job.ranks
+            .iter()
+            .any(|r| liveness(r, &here) == Liveness::Running)
+            && !job.run_dirs.is_empty()
+    };
+    let after_the_job = matches!(action, Some(crate::TorchAction::Nan { switch: None }))
+        && !matches!(format, crate::BtFormat::Json);
+    let job = match (find_job(job, run.clone()), &run) {
+        // The job is over: what its NaN watch found is in its run store,
+        // its own processes' rows only (other jobs may have written there).
+        (Ok(job), Some(dir)) if after_the_job && over(&job) => {
+            return nan_after_the_job(dir, Some(&job));
         }
-        (Err(err), _, _) => return Err(err),
+        (Ok(job), _) => job,
+        (Err(_), Some(dir)) if after_the_job => {
+            return match find_job_or(None, run.clone(), NoneRunning::Latest) {
+                Ok(job) if !job.run_dirs.is_empty() => nan_after_the_job(dir, Some(&job)),
+                // No registry (processes of no job): every process's events.
+                _ => nan_after_the_job(dir, None),
+            };
+        }
+        (Err(err), _) => return Err(err),
     };
     let (shifts, note) = if samples_steps(&request) {
         numbered_alike(&job, ranks)?
@@ -946,9 +962,10 @@ pub fn torch(
 
 /// `cluster torch --run DIR nan` once no rank runs: each rank's events from
 /// `python.nan_events` in the run store, under the same line for the job.
-fn nan_after_the_job(dir: &std::path::Path) -> Result<u8> {
+fn nan_after_the_job(dir: &std::path::Path, job: Option<&Job>) -> Result<u8> {
     let rows = super::query::offline_rows(
         dir,
+        job.map(|job| (job.run_dirs.clone(), job.processes.clone())),
         "SELECT rank, pid, date_part('epoch', ts) AS ts, step, stage, module, module_type, what, nonfinite, \
          input_min, input_max, input_nonfinite, weight_min, weight_max, weight_nonfinite, loss, detail, record \
          FROM python.nan_events ORDER BY rank, ts",
@@ -961,10 +978,17 @@ fn nan_after_the_job(dir: &std::path::Path) -> Result<u8> {
         );
         by_rank.entry(key).or_default().push(row);
     }
-    println!(
-        "no rank of this job is running: the NaN watch's events from its run store ({})",
-        dir.display()
-    );
+    match job {
+        Some(job) => println!(
+            "no rank of this job is running: the NaN watch's events from its run store ({}; job {})",
+            dir.display(),
+            job.id
+        ),
+        None => println!(
+            "no rank of this job is running: the NaN watch's events from its run store ({})",
+            dir.display()
+        ),
+    }
     let replies: Vec<((i64, i64), serde_json::Value)> = by_rank
         .into_iter()
         .map(|(key, events)| (key, serde_json::json!({ "events": events })))

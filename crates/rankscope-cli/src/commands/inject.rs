@@ -26,7 +26,11 @@ use crate::hint::Hinted;
 
 pub fn run(pid: u32, timeout: f64) -> Result<u8> {
     let started = Instant::now();
-    let timeout = Duration::from_secs_f64(timeout.max(0.1));
+    let timeout = Duration::from_secs_f64(if timeout.is_finite() {
+        timeout.clamp(0.1, 86_400.0)
+    } else {
+        60.0
+    });
     if !paths::pid_alive(pid) {
         return Err(explain(pid, InjectError::NoProcess(pid)));
     }

@@ -177,7 +177,7 @@ pub fn run(format: ListFormat) -> Result<u8> {
 /// launcher (torchrun's own process) or an `mp.spawn` parent has none,
 /// whatever its metadata's default says.
 fn rank_of(meta: &ProcessMeta) -> Option<i64> {
-    (meta.world_size > 1 || meta.job_id.is_some()).then_some(meta.rank)
+    meta.job_rank()
 }
 
 #[cfg(test)]

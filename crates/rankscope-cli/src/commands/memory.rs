@@ -49,7 +49,12 @@ fn span(text: &str) -> Result<(u64, u64)> {
 fn diff_steps(probe: &Probe, text: &str, wait: f64, top: usize) -> Result<Value> {
     let (first, last) = span(text)?;
     let request = json!({"action": "diff", "steps": [first, last], "top": top});
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(wait.max(0.0));
+    let deadline = std::time::Instant::now()
+        + std::time::Duration::from_secs_f64(if wait.is_finite() {
+            wait.clamp(0.0, 86_400.0)
+        } else {
+            0.0
+        });
     let mut told = false;
     loop {
         let reply = probe.memory(&request)?;

@@ -23,10 +23,14 @@ use crate::client::Probe;
 use crate::hint::Hinted;
 use crate::{outside, stacks_text, Action, BtFormat};
 
-fn seconds(value: f64, flag: &str) -> Result<Duration> {
-    if !(value.is_finite() && value > 0.0) {
+/// The longest wait a flag may ask for: a day (a number past what a
+/// `Duration` holds panicked).
+pub const MAX_WAIT_S: f64 = 86_400.0;
+
+pub(crate) fn seconds(value: f64, flag: &str) -> Result<Duration> {
+    if !(value.is_finite() && value > 0.0 && value <= MAX_WAIT_S) {
         return Err(Hinted::new(
-            format!("{flag} must be a positive number of seconds, not {value}"),
+            format!("{flag} must be a positive number of seconds up to {MAX_WAIT_S:.0} (a day), not {value}"),
             format!("e.g. {flag} 5"),
         )
         .into());

@@ -34,7 +34,7 @@ pub struct ProfileArgs {
     /// Only idle samples (sleeping, or waiting on a lock, I/O or a collective); by default they are kept and marked [idle]
     #[arg(long)]
     pub idle: bool,
-    /// Leave idle samples out
+    /// Leave idle samples out (but those of a thread that waits holding the GIL, which stalls the others)
     #[arg(long)]
     pub no_idle: bool,
     /// Only samples of threads holding the GIL
@@ -180,7 +180,10 @@ impl ProfileArgs {
         if self.idle {
             profile.retain(|k| k.idle);
         } else if self.no_idle {
-            profile.retain(|k| !k.idle);
+            // A thread that waits holding the GIL (a C call that blocks
+            // without letting it go) stalls every other Python thread: it
+            // is what a user looks for, not what --no-idle leaves out.
+            profile.retain(|k| !k.idle || k.gil);
         }
         if self.gil {
             profile.retain(|k| k.gil);
@@ -266,12 +269,18 @@ fn missed_note(missed: u64, errors: u64) -> String {
 /// where that process's own tables go: its run directory from its
 /// environment at start. A failure is only a note: the profile is out.
 /// Returns the table's folder and the run directory.
-fn keep(profile: &Profile) -> Result<(PathBuf, PathBuf), String> {
-    let vars = crate::outside::initial_environ(profile.pid);
-    let run_dir = rankscope_core::crash::run_dir_of(|name| vars.get(name).cloned());
-    rankscope_profile::table::keep(profile, &run_dir, &rankscope_core::host::hostname())
-        .map(|table_dir| (table_dir, run_dir.clone()))
+fn keep(profile: &Profile, run_dir: &std::path::Path) -> Result<(PathBuf, PathBuf), String> {
+    rankscope_profile::table::keep(profile, run_dir, &rankscope_core::host::hostname())
+        .map(|table_dir| (table_dir, run_dir.to_path_buf()))
         .map_err(|e| format!("python.profile not kept in {}: {e}", run_dir.display()))
+}
+
+/// The process's run directory, from its environment at start: read
+/// before sampling, since a process that exits meanwhile has none to read
+/// (its profile went to the default run directory instead of its own).
+fn run_dir_of(pid: u32) -> PathBuf {
+    let vars = crate::outside::initial_environ(pid);
+    rankscope_core::crash::run_dir_of(|name| vars.get(name).cloned())
 }
 
 /// The process's probe's metadata, where it has a probe that answers soon.
@@ -307,6 +316,7 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     if args.inside {
         return inside(pid, rank, &args, path);
     }
+    let run_dir = run_dir_of(pid);
     let tty = std::io::stderr().is_terminal();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
     let catcher = SigintCatcher::with_sigterm();
@@ -325,6 +335,17 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     }
     let mut profile = match result {
         Ok(profile) => profile,
+        // Its probe could sample it, but without the native frames asked for.
+        Err(e) if refused(&e) && meta.is_some() && args.native => {
+            return Err(Hinted::new(
+                format!("not allowed to read the memory of PID {pid}, which --native needs"),
+                format!(
+                    "leave out --native to have its probe sample it (Python frames only); or: {}",
+                    outside::permission_hint()
+                ),
+            )
+            .into());
+        }
         Err(e) if refused(&e) && meta.is_some() => {
             eprintln!("note: reading PID {pid} from outside is not allowed here: its probe samples it instead");
             return inside(pid, rank, &args, path);
@@ -335,7 +356,7 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     let before = profile.total();
     args.filter(&mut profile);
     args.note_if_filtered_out(before, profile.total());
-    match keep(&profile) {
+    match keep(&profile, &run_dir) {
         Ok((table_dir, run_dir)) => eprintln!(
             "python.profile: kept in {} (`{}`)",
             table_dir.display(),
@@ -354,8 +375,9 @@ fn kept_query(pid: u32, probed: bool, run_dir: &std::path::Path) -> String {
     if probed {
         return format!("rankscope {pid} query \"{SQL} {BY_FUNC}\"");
     }
+    // The run store keeps every profile taken: the last is the newest ts.
     format!(
-        "rankscope query --run {} \"{SQL} WHERE pid = {pid} {BY_FUNC}\"",
+        "rankscope query --run {} \"{SQL} WHERE pid = {pid} AND ts = (SELECT max(ts) FROM python.profile WHERE pid = {pid}) {BY_FUNC}\"",
         shell_word(&run_dir.to_string_lossy())
     )
 }
@@ -519,6 +541,8 @@ pub fn cluster(
     let tty = std::io::stderr().is_terminal();
     let options = args.sample_options();
     let ticks: Vec<AtomicU64> = found.here.iter().map(|_| AtomicU64::new(0)).collect();
+    // Read before sampling: a rank that exits meanwhile has none to read.
+    let run_dirs: Vec<PathBuf> = found.here.iter().map(|&(_, pid)| run_dir_of(pid)).collect();
     SIGINT_SEEN.store(false, Ordering::SeqCst);
     let catcher = SigintCatcher::with_sigterm();
     let (results, remote_results) = std::thread::scope(|scope| {
@@ -581,7 +605,9 @@ pub fn cluster(
                     });
                     let mut profile = match sampled {
                         Ok(profile) => profile,
-                        Err(e) if refused(&e) && meta.is_some() => return by_its_probe(),
+                        Err(e) if refused(&e) && meta.is_some() && !options.native => {
+                            return by_its_probe()
+                        }
                         Err(e) => return Err(explain(pid, e)),
                     };
                     profile.rank = Some(rank);
@@ -605,13 +631,13 @@ pub fn cluster(
     }
     let mut job = JobProfile::default();
     let mut before = 0;
-    for ((rank, _), result) in found.here.iter().zip(results) {
+    for (((rank, _), result), run_dir) in found.here.iter().zip(results).zip(&run_dirs) {
         match result {
             Ok((mut profile, kept)) => {
                 before += profile.total();
                 args.filter(&mut profile);
                 if !kept {
-                    if let Err(e) = keep(&profile) {
+                    if let Err(e) = keep(&profile, run_dir) {
                         eprintln!("note: rank {rank}: {e}");
                     }
                 }

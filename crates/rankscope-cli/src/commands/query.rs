@@ -218,16 +218,22 @@ impl RowSource for LiveProbe {
         }
         if tables::is_store_table(table) {
             // Written by the CLI into the process's run store (a profile):
-            // that process's files in its run directory.
+            // that process's files in its run directory, its last profile
+            // (`query --run` reads them all). Rows older than the process
+            // are another's that had its PID before.
             let meta = self.meta()?;
-            return rankscope_store::read_table_of(
+            let batches = rankscope_store::read_table_of(
                 &[self.run_dir()?],
                 table,
-                scan.columns.as_deref(),
+                None,
                 Some((&meta.host, meta.pid)),
             )
-            .map(Fetched::Batches)
-            .map_err(|e| e.to_string());
+            .map_err(|e| e.to_string())?;
+            let started = meta.process_started_at.unwrap_or(meta.started_at);
+            let since_us = ((started - 0.05) * 1e6) as i64;
+            return rankscope_query::last_since(batches, since_us, scan.columns.as_deref())
+                .map(Fetched::Batches)
+                .map_err(|e| e.to_string());
         }
         if table.schema != "python" || !matches!(table.name, "backtrace" | "threads") || self.native
         {
@@ -304,7 +310,7 @@ impl LiveProbe {
 
 /// What is left on disk when no process is asked: the run directories.
 /// A job's run directories, and its processes (host, PID).
-type JobFiles = (Vec<PathBuf>, Vec<(String, u32)>);
+pub type JobFiles = (Vec<PathBuf>, Vec<(String, u32)>);
 
 #[derive(Default)]
 struct RunDirs {
@@ -386,10 +392,17 @@ pub fn run_offline_of(
 
 /// The rows `sql` gives over the run directory `run` (no process), as JSON
 /// objects: for commands that answer from what a job left.
-pub fn offline_rows(run: &std::path::Path, sql: &str) -> Result<Vec<serde_json::Value>> {
+/// With `job`, only that job's processes' rows (its run directories,
+/// its processes).
+pub fn offline_rows(
+    run: &std::path::Path,
+    job: Option<JobFiles>,
+    sql: &str,
+) -> Result<Vec<serde_json::Value>> {
     check_run_dir(run)?;
     let source = Arc::new(RunDirs {
         run: Some(run.to_path_buf()),
+        job,
         ..RunDirs::default()
     });
     let (schema, batches) = run_sql(source, sql).map_err(|e| anyhow::anyhow!("{e:?}"))?;

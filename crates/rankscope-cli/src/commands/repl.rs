@@ -68,6 +68,12 @@ pub fn run(probe: &Probe, timeout_s: Option<f64>, at: &FrameArgs) -> Result<u8> 
                 if buffer.is_empty() && line.trim().is_empty() {
                     continue;
                 }
+                // As Python's own REPL: these leave. Sent, `exit()` would
+                // close the target's sys.stdin (site's Quitter does).
+                if buffer.is_empty() && matches!(line.trim(), "exit()" | "quit()" | "exit" | "quit")
+                {
+                    break;
+                }
                 if !buffer.is_empty() {
                     buffer.push('\n');
                 }

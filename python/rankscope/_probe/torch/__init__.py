@@ -204,6 +204,9 @@ def _parse_env(spec: str):
     return features, options, unknown
 
 
+_said_unknown: list = []
+
+
 def from_env(at_start: bool) -> None:
     """``RANKSCOPE_TORCH=trace[,every=N][,modules=GLOB][,backward]``: the
     trace goes on now if torch is imported, else (probe started with the
@@ -212,7 +215,9 @@ def from_env(at_start: bool) -> None:
     if not spec:
         return
     features, options, unknown = _parse_env(spec)
-    if unknown:
+    # (Read at the probe's start and again after it: said once.)
+    if unknown and not _said_unknown:
+        _said_unknown.append(spec)
         sys.stderr.write(
             f"rankscope: RANKSCOPE_TORCH: ignored {', '.join(unknown)} (known: trace, nan, grads, collectives, every=N, modules=GLOB, backward)\n"
         )

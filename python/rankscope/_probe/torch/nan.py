@@ -310,9 +310,7 @@ class NanWatch:
         self.sentinel_params = None
         self.sentinels_of = {}
         for model in TRACER.live_models():
-            chosen = _sentinel_of(model, lambda p: p.requires_grad)
-            if chosen is not None:
-                self.sentinels.add(id(chosen))
+            self.sentinels.update(id(p) for p in _sentinels_of(model, lambda p: p.requires_grad))
             entry = timed.put_on(model, self._stand_in(model))
             if entry is not None:
                 self.handles.append(entry)
@@ -708,10 +706,10 @@ class NanWatch:
             return mine
         own = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
         for model in TRACER.live_models():
-            chosen = _sentinel_of(model, lambda p: id(p) in own)
-            if chosen is not None:
-                self.sentinels.add(id(chosen))
-                return [chosen]
+            chosen = _sentinels_of(model, lambda p: id(p) in own)
+            if chosen:
+                self.sentinels.update(id(p) for p in chosen)
+                return chosen
         return []
 
     def _backward_since(self) -> bool:
@@ -1070,7 +1068,7 @@ class NanWatch:
         if loss_value is not None and not math.isfinite(loss_value):
             return {
                 "stage": "loss",
-                "module": _loss_name(),
+                "module": _loss_name(step),
                 "module_type": None,
                 "what": "the loss (the model's outputs were finite)",
                 "nonfinite": 1,
@@ -1115,7 +1113,7 @@ class NanWatch:
             # loss: the loss, or the gradient it sent back.
             return {
                 "stage": "loss",
-                "module": _loss_name(),
+                "module": _loss_name(step),
                 "module_type": None,
                 "what": "the loss or the gradient it sent back (the model's forward, and its backward from ones at "
                         "its output, were finite when replayed)",
@@ -1160,7 +1158,18 @@ class NanWatch:
         gradients (backward runs from the output)."""
         names = {}
         order = []
-        for model in TRACER.live_models():
+        found = TRACER.live_models()
+        known = {id(p) for model in found for p in model.parameters()}
+        if any(id(p) not in known for p in params):
+            # A model the watch has not met yet: made since the last step
+            # (a new model replacing the old), or compiled before its first
+            # step was seen. Looked for now, at a trip only.
+            try:
+                fresh = models.discover()[0]
+            except Exception:  # noqa: BLE001 - the models known are searched
+                fresh = []
+            found = found + [m for m in fresh if not any(m is f for f in found)]
+        for model in found:
             for name, module in model.named_modules():
                 order.append((models.qualified(model, name), module))
                 for p in module.parameters(recurse=False):
@@ -1231,17 +1240,38 @@ class NanWatch:
 _FINITE = []
 
 
-def _sentinel_of(model, mine):
-    """The smallest of the parameters `mine` picks in the first module that
-    has one (upstream of everything after it: a non-finite gradient made
-    anywhere after reaches it on its way back), or in the next ones while
-    it is large (a language model's embedding); None where none is."""
-    candidates = []
+def _sentinels_of(model, mine) -> list:
+    """The sentinels among the parameters `mine` picks: the smallest weight
+    of the first module that has one (upstream of everything after it: a
+    non-finite gradient made anywhere after reaches it on its way back), or
+    of the next ones while it is large or a lookup (a language model's
+    embedding), with that module's bias; none where no parameter is picked. A weight's
+    gradient is its output's gradient times its input, so a non-finite
+    input (a bad batch) spoils it too; a bias's is its output's gradient
+    only, which a ReLU after the module zeroes where its output was NaN:
+    the bias alone let a NaN batch through unseen, and the update it
+    spoiled was blamed a step later. A large weight's gradient is read by
+    its first slice (finite.rs, `read_sentinel`), so the size that counts
+    is that slice's."""
+    fallback = []
+    lookups = (torch.nn.Embedding, torch.nn.EmbeddingBag)
     for module in model.modules():
-        candidates += [p for p in module.parameters(recurse=False) if mine(p)]
-        if candidates and min(p.numel() for p in candidates) <= MAX_SENTINEL:
-            break
-    return min(candidates, key=lambda p: p.numel()) if candidates else None
+        own = [(name, p) for name, p in module.named_parameters(recurse=False) if mine(p)]
+        weights = [p for name, p in own if not name.endswith("bias")]
+        fallback += [p for name, p in own]
+        # An embedding's rows are its tokens': a row's gradient is made only
+        # where the batch has that token (and is sparse, with `sparse=True`).
+        if weights and not isinstance(module, lookups):
+            weight = min(weights, key=_slice_size)
+            if _slice_size(weight) <= MAX_SENTINEL:
+                return [weight] + [p for name, p in own if name.endswith("bias")]
+    return [min(fallback, key=_slice_size)] if fallback else []
+
+
+def _slice_size(p) -> int:
+    """What the check reads of `p`'s gradient (see `_sentinels_of`)."""
+    n = p.numel()
+    return n // p.shape[0] if n > 4096 and p.dim() >= 2 and p.shape[0] else n
 
 
 def _finite_now(grads, loss) -> bool:
@@ -1368,12 +1398,12 @@ def _draws(model) -> bool:
     return False
 
 
-def _loss_name() -> str:
-    for ref in TRACER.losses:
-        module = ref()
-        if module is not None:
-            return type(module).__name__
-    return "the loss"
+def _loss_name(step) -> str:
+    """The loss module the step called on the model's output; one the
+    program made and never called (a criterion left over) is not it."""
+    call = step.loss_call
+    module = call[0]() if call is not None else None
+    return type(module).__name__ if module is not None else "the loss"
 
 
 class _CollectiveInReplay(Exception):
@@ -1398,6 +1428,20 @@ def _world() -> int:
     except Exception:  # noqa: BLE001 - no group to ask
         pass
     return 1
+
+
+def _eager():
+    """The replay run eagerly where the program compiled the model: its
+    per-module hooks, traced by dynamo, broke the compiled graph (warnings
+    in the program's stderr) and compiled new frames the program then ran
+    (``model.compile()`` in place, whose root the replay calls)."""
+    stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if stance is not None:
+        return stance("force_eager")
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        return dynamo.config.patch(disable=True)
+    return contextlib.nullcontext()
 
 
 def _no_collectives():
@@ -1543,6 +1587,7 @@ class _Replay:
             with contextlib.ExitStack() as contexts:
                 contexts.enter_context(torch.set_grad_enabled(grad_enabled))
                 contexts.enter_context(_no_collectives())
+                contexts.enter_context(_eager())
                 # Under the autocast the step's forward ran under: float16
                 # overflows where a float32 replay would not.
                 for device, dtype in step.autocast or ():

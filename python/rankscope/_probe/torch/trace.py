@@ -440,6 +440,13 @@ class Tracer(_native.StepClock):
         # module's trained loss waits for its backward.
         self.loss_divisor = None
         self.module_loss = False
+        # Under gradient accumulation the step waits for data before each
+        # micro-batch: from a backward's end to the next forward, summed
+        # (`between`, ns). `output_loss`: the model returned the step's
+        # loss, which its backward must not add again.
+        self.between = 0
+        self.backward_done = None
+        self.output_loss = False
 
     # ---- turning on and off (probe thread, or the env at torch's import)
 
@@ -728,11 +735,13 @@ class Tracer(_native.StepClock):
         loss, event = self.loss, self.loss_event
         return (list(self.acc), self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples,
                 list(loss) if type(loss) is list else loss, list(event) if type(event) is list else event,
-                self.loss_n, self.loss_trained, self.samples_trained, self.loss_divisor, self.module_loss, slots)
+                self.loss_n, self.loss_trained, self.samples_trained, self.loss_divisor, self.module_loss,
+                self.between, self.backward_done, self.output_loss, slots)
 
     def restore(self, held: tuple) -> None:
         (acc, self.first_fwd, self.pass_start, self.fwd_ns, self.bwd_ns, self.samples, self.loss, self.loss_event, self.loss_n,
-         self.loss_trained, self.samples_trained, self.loss_divisor, self.module_loss, slots) = held
+         self.loss_trained, self.samples_trained, self.loss_divisor, self.module_loss,
+         self.between, self.backward_done, self.output_loss, slots) = held
         if len(acc) == len(self.acc):
             self.acc[:] = acc
         for slot, open_events, events, mem_starts, *rest in slots:
@@ -955,7 +964,7 @@ class Tracer(_native.StepClock):
             self.sampled_steps += 1
             acc = self.acc
             if self.first_fwd is not None and self.last_end is not None:
-                row[4] = _ms(self.first_fwd - self.last_end)
+                row[4] = _ms(self.first_fwd - self.last_end + self.between)
             roots = [slot.at for slot in self.slots if slot.depth == 0]
             if any(acc[at + 1] for at in roots):
                 row[5] = _ms(sum(acc[at] for at in roots))
@@ -1141,7 +1150,8 @@ class Tracer(_native.StepClock):
                     loss = _scalar_loss(output)
                     if loss is not None:
                         tracer._take_loss(loss)
-                    elif tracer.backward_watch is None and torch.is_grad_enabled():
+                        tracer.output_loss = True
+                    if tracer.backward_watch is None and torch.is_grad_enabled():
                         tracer._watch_backward()
                 if backward:
                     for tensor in _tensors(output):
@@ -1156,8 +1166,13 @@ class Tracer(_native.StepClock):
         if self.first_fwd is None:
             # The step's first call (the step's figures were taken and reset).
             self.first_fwd = now
-            self.samples_trained = self.module_loss = False
-            self.loss_divisor = None
+            self.samples_trained = self.module_loss = self.output_loss = False
+            self.loss_divisor = self.backward_done = None
+            self.between = 0
+        elif self.backward_done is not None and torch.is_grad_enabled():
+            # The next micro-batch: what it waited since the last backward.
+            self.between += now - self.backward_done
+            self.backward_done = None
         first = args[0] if args else next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
         if isinstance(first, torch.Tensor) and first.dim() > 0:
             # The batches the step trained on: a call without grad (a
@@ -1185,7 +1200,9 @@ class Tracer(_native.StepClock):
         test (the step's first forward is None there). Under gradient
         accumulation the step's loss is the micro-batches' mean, or, where
         the program divides each by their number, their sum (`_loss_into`).
-        A loss module's trained loss is the one its backward takes."""
+        A loss module's trained loss is the one its backward takes. It is
+        put on for a model that returns its loss too: where each backward
+        ends, the wait for the next micro-batch's data begins."""
         own = torch.Tensor.__dict__.get("backward")
         if own is None or getattr(own, _LOSS_WATCHED, None) is not None:
             return
@@ -1194,9 +1211,13 @@ class Tracer(_native.StepClock):
         @functools.wraps(own)
         def backward(self, *args, **kwargs):
             # Compiling first: dynamo folds it, and traces nothing of ours.
-            if not _compiling() and tracer.first_fwd is not None:
-                tracer._backward_loss(self)
-            return own(self, *args, **kwargs)
+            if _compiling() or tracer.first_fwd is None:
+                return own(self, *args, **kwargs)
+            tracer._backward_loss(self)
+            try:
+                return own(self, *args, **kwargs)
+            finally:
+                tracer.backward_done = _perf()
 
         setattr(backward, _LOSS_WATCHED, own)
         torch.Tensor.backward = backward
@@ -1210,6 +1231,8 @@ class Tracer(_native.StepClock):
 
     def _backward_loss(self, tensor):
         try:
+            if self.output_loss:
+                return  # taken at the model's return
             if self.module_loss:
                 # A loss module took this backward's loss (its output, or
                 # a sum the program made of it).
