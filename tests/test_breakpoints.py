@@ -484,3 +484,23 @@ def test_coverage_keeps_working_beside_breakpoints(python, spawn, cli):
     # Lines run after the breakpoint came and went were still recorded.
     missing = report.stdout.strip().splitlines()[-1].split()[-1]
     assert str(line_of(COVERED, "after")) not in missing.split(","), report.stdout
+
+
+def test_a_breakpoint_in_a_torch_program_warns_nothing_into_it(python, spawn, cli):
+    # Finding the functions to arm asked every object's __class__: torch's
+    # deprecated reduce_op answered with a FutureWarning in the program's
+    # stderr, and under -W error every breakpoint failed.
+    from conftest import require_torch
+
+    require_torch(python)
+    source = "import torch.distributed\n" + LOOP
+    target = spawn(python, source, env={"PYTHONWARNINGS": "error"})
+    added = cli(target.pid, "break", "add", f"target.py:{line_of(source, 'body')}", "--max", "1")
+    assert added.returncode == 0, added.stderr
+    watched = cli(target.pid, "watch", "target.py:train", "loss")
+    assert watched.returncode == 0, watched.stderr
+    assert cli(target.pid, "break", "clear").returncode == 0
+    target.proc.kill()
+    target.proc.wait()
+    said = target.proc.stderr.read().decode()
+    assert "Warning" not in said, said

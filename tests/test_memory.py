@@ -122,6 +122,16 @@ while True:
     assert cli(target.pid, "eval", "tracemalloc.is_tracing()").stdout.strip() == "False"
 
 
+def test_a_diff_of_a_program_that_allocates_nothing_names_none_of_the_probes_allocations(python, spawn, cli):
+    # The diff's own imports (tracemalloc, the memory helper's modules)
+    # came first, at importlib's frames.
+    target = spawn(python, 'import time\nprint("READY", flush=True)\nwhile True:\n    time.sleep(0.01)\n')
+    assert cli(target.pid, "memory", "track", "on", "--python").returncode == 0
+    for _ in range(2):
+        sites = memory_json(cli, target.pid, "diff")["sites"]
+        assert not [s for s in sites if "importlib" in s["file"] or "/rankscope/" in s["file"] or "fnmatch" in s["file"]], sites
+
+
 BIG_LEAK = """
 import time
 import torch
@@ -503,6 +513,17 @@ while True:
     assert query_json(cli, target.pid, "SELECT count(*) AS n FROM python.tensors") == [{"n": 0}]
 
 
+def crash_after_a_timeline_row(cli, target) -> None:
+    """Lets the target run out of memory (`go`) once the memory timeline
+    has a row (the sampler's first), and waits for it to exit with 1."""
+    deadline = time.monotonic() + 30
+    while not query_json(cli, target.pid, "SELECT count(*) AS n FROM python.memory")[0]["n"]:
+        assert time.monotonic() < deadline, "no memory timeline row"
+        time.sleep(0.1)
+    assert cli(target.pid, "eval", "go = True").returncode == 0
+    assert target.proc.wait(timeout=60) == 1
+
+
 def test_an_out_of_memory_error_leaves_the_memory_picture_in_its_record(python, spawn, cli):
     source = """
 import resource, time
@@ -518,13 +539,7 @@ while True:
     hog.append(bytearray(16 << 20))
 """
     target = spawn(python, source)
-    # The timeline has a row before the limit is hit (the sampler's first).
-    deadline = time.monotonic() + 30
-    while not query_json(cli, target.pid, "SELECT count(*) AS n FROM python.memory")[0]["n"]:
-        assert time.monotonic() < deadline, "no memory timeline row"
-        time.sleep(0.1)
-    assert cli(target.pid, "eval", "go = True").returncode == 0
-    assert target.proc.wait(timeout=60) == 1
+    crash_after_a_timeline_row(cli, target)
     run_dir = target.script.parent / "run"
     listed = cli("crashes", "--format", "json", env={"RANKSCOPE_RUN_DIR": str(run_dir)})
     assert listed.returncode == 0, listed.stderr
@@ -540,6 +555,27 @@ while True:
     shown = cli("crashes", "show", "1", "--run", run_dir)
     assert shown.returncode == 0, shown.stderr
     assert "Memory at the crash: RSS" in shown.stdout and "rows of python.memory)" in shown.stdout, shown.stdout
+
+
+def test_torchs_cpu_allocation_failure_leaves_the_memory_picture_too(torch_python, spawn, cli):
+    # torch says a CPU allocation failed with a plain RuntimeError
+    # ("DefaultCPUAllocator: can't allocate memory"), which got no timeline
+    # and no largest tensors.
+    source = """
+import time
+import torch
+keep = [torch.ones(1024, 1024) for _ in range(4)]
+print("READY", flush=True)
+while not globals().get("go"):
+    time.sleep(0.01)
+torch.empty(1 << 50)
+"""
+    target = spawn(torch_python, source)
+    crash_after_a_timeline_row(cli, target)
+    record = json.loads(next((target.script.parent / "run").glob("crash-*.json")).read_text())
+    memory = record["memory"]
+    assert memory["timeline"], memory
+    assert any(t["holder"].startswith("keep[") for t in memory["largest_tensors"]), memory["largest_tensors"]
 
 
 HOG = """

@@ -209,6 +209,15 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_ctrl_d_leaves(python, spawn, c
     assert target.alive()
 
 
+def test_exit_leaves_the_repl_and_the_target_keeps_its_stdin(python, spawn, cli, repl):
+    # Sent to the target, site's exit() closed its sys.stdin.
+    target = spawn(python, TARGET)
+    terminal = repl(target.pid)
+    terminal.write(b"exit()\r")
+    assert terminal.proc.wait(timeout=10) == 0
+    assert cli(target.pid, "eval", "__import__('sys').stdin.closed").stdout == "False\n"
+
+
 def test_a_target_that_holds_the_gil_does_not_hang_the_prompt(default_python, spawn, repl):
     target = spawn(default_python, "import ctypes\nprint('READY', flush=True)\nctypes.PyDLL(None).sleep(120)\n")
     terminal = repl(target.pid)  # metadata is served without the GIL

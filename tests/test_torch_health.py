@@ -229,6 +229,10 @@ def test_a_forward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli
     # Steps are numbered from 0: the fifth step is step 4.
     assert "step 4: first non-finite in forward, module boom (Boom): its output (256 non-finite)" in text, text
     assert "inputs:  min 0.0000e0 max" in text and ", 0 non-finite" in text, text
+    if not call:
+        # The loss module's NaN, said as such (JSON has no NaN: it went as
+        # null, and the line was left out). A loss function's is not seen.
+        assert "loss: NaN" in text, text
     rows = query_json(cli, target.pid, "SELECT step, stage, module, module_type, input_nonfinite, weight_nonfinite, record FROM python.nan_events")
     assert len(rows) == 1, rows
     event = rows[0]

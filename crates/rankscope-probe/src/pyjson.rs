@@ -128,13 +128,12 @@ fn write(value: &Bound<'_, PyAny>, depth: usize, out: &mut Sink<'_>) -> PyResult
     }
     if let Ok(f) = value.cast::<PyFloat>() {
         // JSON has no NaN or infinity; Python's json module would write
-        // bare NaN, which no strict parser reads.
+        // bare NaN, which no strict parser reads. They go as text, as the
+        // run store's rows send them ("NaN", "inf"): as null, a NaN loss
+        // vanished from `torch nan`, where it is the point.
         return match Number::from_f64(f.value()) {
             Some(n) => scalar(out, &n),
-            None => {
-                out.extend_from_slice(b"null");
-                Ok(())
-            }
+            None => scalar(out, &f.value().to_string()),
         };
     }
     if let Ok(s) = value.cast::<PyString>() {

@@ -470,9 +470,10 @@ pub fn top(p: &Profile, options: &WriteOptions) -> String {
         }
     };
     let mut out = format!(
-        "{}: {total} samples of {} threads over {:.1} s at {} Hz ({} idle{}{})\n",
+        "{}: {total} samples of {} thread{} over {:.1} s at {} Hz ({} idle{}{})\n",
         process_label(p),
         p.threads.len(),
+        if p.threads.len() == 1 { "" } else { "s" },
         p.duration_s,
         p.rate_hz,
         idle,

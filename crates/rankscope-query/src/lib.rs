@@ -381,7 +381,13 @@ pub fn run_sql(
         .map_err(|e| QueryError::Sql(format!("cannot start the query runtime: {e}")))?;
     runtime.block_on(async move {
         let ctx = context(source);
-        let frame = ctx.sql(sql).await?;
+        // Reads only: `COPY ... TO 'file'` wrote a file on this side, and
+        // no statement here has anything to create, change or set.
+        let reads_only = datafusion::execution::context::SQLOptions::new()
+            .with_allow_ddl(false)
+            .with_allow_dml(false)
+            .with_allow_statements(false);
+        let frame = ctx.sql_with_options(sql, reads_only).await?;
         let schema = Arc::new(frame.schema().as_arrow().clone());
         let batches = frame.collect().await?;
         Ok((schema, batches))
@@ -511,6 +517,25 @@ mod tests {
         assert!(err.to_string().to_lowercase().contains("expected"), "{err}");
         let err = query("SELECT * FROM python.nope").unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn a_query_reads_and_writes_nothing() {
+        let file = std::env::temp_dir().join(format!("rankscope-copy-{}.csv", std::process::id()));
+        let copy = format!(
+            "COPY (SELECT func FROM python.backtrace) TO '{}'",
+            file.display()
+        );
+        assert!(query(&copy).is_err());
+        assert!(!file.exists(), "COPY wrote {}", file.display());
+        for sql in [
+            "CREATE TABLE t AS SELECT 1",
+            "SET datafusion.execution.batch_size = 1",
+        ] {
+            assert!(query(sql).is_err(), "{sql}");
+        }
+        assert!(query("DESCRIBE python.backtrace").unwrap().contains("func"));
+        assert!(query("EXPLAIN SELECT 1").is_ok());
     }
 
     #[test]

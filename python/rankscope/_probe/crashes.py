@@ -194,7 +194,12 @@ def _memory_picture(exc: BaseException) -> dict | None:
     """The process's memory at the crash (RSS, its peak and swap); for an
     out-of-memory error also USS and PSS, CUDA's allocator and the largest tensors with
     their holders (``_probe/memory.py``)."""
-    out_of_memory = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    # torch says a CPU allocation failed with a plain RuntimeError.
+    out_of_memory = (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or (type(exc) is RuntimeError and "DefaultCPUAllocator: can't allocate memory" in str(exc))
+    )
     try:
         from rankscope import _native
 

@@ -848,15 +848,11 @@ def _function_spec(name: str) -> str:
     or a bare (qualified) name, looked for in every loaded file."""
     if ":" in name:
         return name
-    import gc
-    import types
-
     found = set()
-    for obj in gc.get_objects():
-        if isinstance(obj, types.FunctionType):
-            code = obj.__code__
-            if getattr(code, "co_qualname", code.co_name) == name or code.co_name == name:
-                found.add(code.co_filename)
+    for function in breakpoints._functions():
+        code = function.__code__
+        if getattr(code, "co_qualname", code.co_name) == name or code.co_name == name:
+            found.add(code.co_filename)
     if not found:
         raise breakpoints.UserError(f"no loaded function is named {name!r}; give FILE:FUNCTION")
     if len(found) > 1:

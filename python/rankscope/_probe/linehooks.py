@@ -21,7 +21,6 @@ with the *original* code object.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import threading
@@ -215,14 +214,16 @@ class Instrumented:
         """Puts every function back on its original code, then swaps in
         fresh instrumented copies for what is armed now."""
         functions: dict[types.CodeType, list] = {}
-        for obj in gc.get_objects():
-            if type(obj) is types.FunctionType:
-                code = obj.__code__
-                original = self._original_of.get(code)
-                if original is not None:
-                    obj.__code__ = original
-                    code = original
-                functions.setdefault(code, []).append(obj)
+        # The functions alone, walked natively (see breakpoints._functions).
+        from rankscope._probe.breakpoints import _functions
+
+        for obj in _functions():
+            code = obj.__code__
+            original = self._original_of.get(code)
+            if original is not None:
+                obj.__code__ = original
+                code = original
+            functions.setdefault(code, []).append(obj)
         self._original_of.clear()
         self._hooked.clear()
         if not self._armed:

@@ -475,6 +475,13 @@ def _site_of(traceback):
     frames = [f for f in traceback if not _own_file(f.filename)]
     if not frames:
         return None
+    # Made on the probe's behalf: its whole stack (not cut short) begins in
+    # rankscope, a request on the probe's thread (the modules a diff
+    # imports, importlib's frames innermost). A program's call that goes
+    # through a stand-in begins in the program.
+    whole = getattr(traceback, "total_nframe", None) in (None, len(traceback))
+    if whole and _own_file(traceback[0].filename):
+        return None
     # tracemalloc lists the most recent frame last.
     users = [f for f in frames if not _library_file(f.filename)]
     site = users[-1] if users else frames[-1]

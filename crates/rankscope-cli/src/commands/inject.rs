@@ -460,7 +460,34 @@ fn wait_until_ready(pid: u32, dir: &Path, deadline: Instant) -> Result<()> {
     }
 }
 
-fn explain(_pid: u32, err: InjectError) -> anyhow::Error {
+/// The user a process runs as, where it is not this one's.
+fn other_user(pid: u32) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt as _;
+    let uid = std::fs::metadata(format!("/proc/{pid}")).ok()?.uid();
+    // SAFETY: getuid has no preconditions.
+    (uid != unsafe { libc::getuid() }).then_some(uid)
+}
+
+fn explain(pid: u32, err: InjectError) -> anyhow::Error {
+    // The probe library is loaded by the target, as its user: one who may
+    // not read this side's install (a venv under a home of mode 700) could
+    // not open it.
+    let foreign = other_user(pid).map(|uid| {
+        format!("PID {pid} runs as uid {uid}, not as you: run rankscope as that user, from an install it can read")
+    });
+    let hint = match &err {
+        InjectError::NoProcess(_)
+        | InjectError::NotPython(_)
+        | InjectError::TooOld { .. }
+        | InjectError::Exited(_) => None,
+        InjectError::Denied {
+            tracer: Some(_), ..
+        } => None,
+        _ => foreign,
+    };
+    if let Some(hint) = hint {
+        return Hinted::new(err.to_string(), hint).into();
+    }
     let hint = match &err {
         InjectError::NoProcess(_) => "`ps` or `rankscope list` show what is running".to_string(),
         InjectError::NotPython(_) => "inject works on CPython processes, and on a launcher (torchrun) whose children carry a rank; give the PID of the python process itself".into(),

@@ -323,7 +323,7 @@ pub fn run(pid: u32, args: ProfileArgs) -> Result<u8> {
     let result = sample(pid, &options, &SIGINT_SEEN, |ticks, elapsed| {
         if tty {
             eprint!(
-                "\rsampling PID {pid}: {ticks} ticks, {elapsed:.1}/{:.0} s (Ctrl-C ends early) ",
+                "\rsampling PID {pid}: {ticks} ticks, {elapsed:.1}/{} s (Ctrl-C ends early) ",
                 args.duration
             );
             let _ = std::io::stderr().flush();
@@ -596,7 +596,7 @@ pub fn cluster(
                         if tty && at == 0 {
                             let all: u64 = ticks.iter().map(|t| t.load(Ordering::Relaxed)).sum();
                             eprint!(
-                                "\rsampling {} ranks: {all} ticks, {elapsed:.1}/{:.0} s (Ctrl-C ends early) ",
+                                "\rsampling {} ranks: {all} ticks, {elapsed:.1}/{} s (Ctrl-C ends early) ",
                                 ticks.len(),
                                 options.duration.as_secs_f64()
                             );
