@@ -628,31 +628,17 @@ impl Store {
         // text is made, so the program's rows go on being added meanwhile.
         let rows: Vec<Arc<Row>> = {
             let state = lock(&self.state);
-            match state.tables.get(def.name) {
-                None => Vec::new(),
-                Some(t) if count => {
-                    let n = t
-                        .ring
-                        .iter()
-                        .chain(t.open.values().map(|open| &open.row))
-                        .filter(|row| meets(row))
-                        .count();
-                    drop(state);
-                    serde_json::to_writer(&mut *out, &json!({"columns": names, "count": n}))
-                        .map_err(std::io::Error::from)?;
-                    return Ok(());
-                }
-                Some(t) => t
-                    .ring
+            state.tables.get(def.name).map_or_else(Vec::new, |t| {
+                t.ring
                     .iter()
                     .chain(t.open.values().map(|open| &open.row))
                     .filter(|row| meets(row))
                     .cloned()
-                    .collect(),
-            }
+                    .collect()
+            })
         };
         if count {
-            serde_json::to_writer(&mut *out, &json!({"columns": names, "count": 0}))
+            serde_json::to_writer(&mut *out, &json!({"columns": names, "count": rows.len()}))
                 .map_err(std::io::Error::from)?;
             return Ok(());
         }
