@@ -229,10 +229,12 @@ def test_a_forward_nan_is_traced_to_its_module_and_step(torch_python, spawn, cli
     # Steps are numbered from 0: the fifth step is step 4.
     assert "step 4: first non-finite in forward, module boom (Boom): its output (256 non-finite)" in text, text
     assert "inputs:  min 0.0000e0 max" in text and ", 0 non-finite" in text, text
-    if not call:
-        # The loss module's NaN, said as such (JSON has no NaN: it went as
-        # null, and the line was left out). A loss function's is not seen.
-        assert "loss: nan" in text.lower(), text
+    # The loss's NaN, said as such (JSON has no NaN: it went as null, and
+    # the line was left out). A loss function's value is nowhere the
+    # watch's stand-ins look: it is read from the training loop's frame.
+    assert "loss: nan" in text.lower(), text
+    if call:
+        assert "the loss was read from `loss` in train_step (" in text, text
     rows = query_json(cli, target.pid, "SELECT step, stage, module, module_type, input_nonfinite, weight_nonfinite, record FROM python.nan_events")
     assert len(rows) == 1, rows
     event = rows[0]
@@ -577,9 +579,14 @@ def test_a_nan_made_in_a_loss_function_is_named_as_the_loss(torch_python, spawn,
     target = spawn(torch_python, TRAIN, args=["--nan-loss-fn", "2", "--loss", "log"])
     on(cli, target.pid, "nan", "on")
     run_steps(cli, target, 4, 4)
-    rows = query_json(cli, target.pid, "SELECT step, stage, module FROM python.nan_events")
+    rows = query_json(cli, target.pid, "SELECT step, stage, module, what, detail FROM python.nan_events")
     assert [(r["step"], r["stage"], r["module"]) for r in rows] == [(2, "loss", "the loss")], rows
-    assert "step 2: first non-finite in loss" in on(cli, target.pid, "nan")
+    # Its value, read from the training loop's frame at the trip, tells the
+    # loss itself from the gradient it sent back.
+    assert rows[0]["what"] == "the loss (the model's outputs were finite)", rows
+    assert "the loss was read from `loss` in train_step" in rows[0]["detail"], rows
+    text = on(cli, target.pid, "nan")
+    assert "step 2: first non-finite in loss" in text and "loss: nan" in text.lower(), text
 
 
 def test_a_loss_that_sends_nan_back_is_named(torch_python, spawn, cli):
@@ -1093,10 +1100,14 @@ def test_a_divergence_is_named_at_its_step_where_the_sentinels_see_it_or_not(tor
         assert rows[0]["stage"] == "backward" and rows[0]["module"] == "main.4", rows
         assert rows[0]["detail"].startswith("from the parameters' gradients (found at exit"), rows
     else:
-        # Replayed, forward and backward from ones were finite: the loss's
-        # gradient overflowed in the model's backward (the detail says so).
-        assert rows[0]["stage"] == "loss", rows
-        assert "large enough to overflow" in rows[0]["detail"], rows
+        # Replayed, the forward was finite; the loss (a loss function's,
+        # read from the loop's frame at the trip) was not: the squares of
+        # the diverged outputs overflowed in the loss itself.
+        rows = json.loads(cli("query", "--run", run_dir, "SELECT stage, what, CAST(loss AS VARCHAR) AS loss, detail FROM python.nan_events",
+                              "--format", "json").stdout)
+        assert (rows[0]["stage"], rows[0]["what"]) == ("loss", "the loss (the model's outputs were finite)"), rows
+        assert rows[0]["loss"].lower() in ("inf", "nan"), rows
+        assert rows[0]["detail"] == "the loss was read from `loss` in <module> (target.py:42)", rows
 
 
 # A bad batch: its NaN reaches every weight's gradient, but not the
@@ -2144,3 +2155,73 @@ def test_a_nan_from_a_forward_that_draws_its_own_random_numbers_is_named(torch_p
     assert first is not None  # the premise: some step drops every key of a sample
     text = on(cli, target.pid, "nan")
     assert f"step {first}: first non-finite in forward, module attn (Attn): its output" in text, text
+
+
+# Loops whose loss a loss function made, and whose frames hold other
+# scalars with a graph beside it: the event's loss is the one the step's
+# backward ran through, read from the loop's frame at the trip (or from
+# the traceback's, at exit after an uncaught exception).
+LOSS_IN_FRAMES = """
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.manual_seed(0)
+how = sys.argv[1]
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+prev_loss = None
+
+
+def main():
+    global prev_loss
+    for step in range(12):
+        x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+        out = model(x)
+        bad = torch.log(out.abs() * 0).mean() if step == 7 else 0.0  # -inf at step 7, in the loss function's part
+        aux_loss = 1e-3 * out.pow(2).mean()  # finite: declared first, not the loss
+        if how == "total":
+            ce = F.cross_entropy(out, y)
+            reg = aux_loss + bad
+            total = ce + reg
+            opt.zero_grad()
+            total.backward()
+        else:
+            loss = F.cross_entropy(out, y) + aux_loss + bad
+            opt.zero_grad()
+            loss.backward()
+            if how != "goes-on" and not torch.isfinite(loss):
+                if how == "exits":
+                    sys.exit(3)
+                raise FloatingPointError(f"loss {loss.item()} at step {step}")
+            prev_loss = loss  # last step's, finite
+        opt.step()
+
+
+main()
+"""
+
+
+@pytest.mark.parametrize("how, name", [("goes-on", "loss"), ("total", "total"), ("raises", "loss"), ("exits", None)])
+def test_a_loss_functions_value_is_read_from_the_loop_that_made_it(torch_python, spawn, how, name, cli):
+    target = spawn(torch_python, LOSS_IN_FRAMES, args=[how], env={"RANKSCOPE_TORCH": "nan"}, wait=False)
+    code = target.proc.wait(timeout=120)
+    assert code == {"goes-on": 0, "total": 0, "raises": 1, "exits": 3}[how]
+    run_dir = target.script.parent / "run"
+    # (JSON has no NaN or infinity: the CLI writes them as text, as the
+    # live tables send them.)
+    result = cli("query", "--run", run_dir, "SELECT step, stage, what, loss, detail FROM python.nan_events", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    # Found at its step as the loss itself, with its value: not the finite
+    # `aux_loss` or `prev_loss`, nor the `ce` that `total` holds.
+    assert [(r["step"], r["stage"]) for r in rows] == [(7, "loss")], rows
+    if name is None:
+        # `sys.exit` left no frame to read: the gradients, non-finite with
+        # no loss scaler in the program, still make the event.
+        assert rows[0]["loss"] is None and "found at exit" in rows[0]["detail"], rows
+        return
+    assert rows[0]["what"] == "the loss (the model's outputs were finite)", rows
+    assert rows[0]["loss"].lower() in ("-inf", "inf", "nan"), rows
+    assert f"the loss was read from `{name}` in main (target.py:" in rows[0]["detail"], rows

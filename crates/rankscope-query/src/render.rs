@@ -1,6 +1,9 @@
 //! Query results as the user asked for them.
 
-use datafusion::arrow::datatypes::SchemaRef;
+use arrow::json::writer::{Encoder, EncoderFactory, EncoderOptions, NullableEncoder};
+use datafusion::arrow::array::{Array, ArrowPrimitiveType, AsArray, PrimitiveArray};
+use datafusion::arrow::datatypes::{DataType, FieldRef, Float32Type, Float64Type, SchemaRef};
+use datafusion::arrow::error::ArrowError;
 use datafusion::arrow::record_batch::RecordBatch;
 
 use crate::table::{Align, Style, Table};
@@ -54,6 +57,7 @@ pub fn render(
                 // Every row has every column, null included: scripts index by key.
                 let mut writer = arrow::json::WriterBuilder::new()
                     .with_explicit_nulls(true)
+                    .with_encoder_factory(std::sync::Arc::new(NonFiniteAsText))
                     .build::<_, arrow::json::writer::JsonArray>(&mut out);
                 for batch in batches {
                     writer.write(batch).map_err(err)?;
@@ -69,6 +73,49 @@ pub fn render(
         }
     }
 }
+
+/// Floats whose non-finite values go as text ("NaN", "inf", "-inf"), as
+/// a live table's rows already send them (`rankscope_store::Cell::to_json`):
+/// arrow's own writer makes them null, and a NaN loss read from a run
+/// store looked like no loss at all.
+#[derive(Debug)]
+struct NonFiniteAsText;
+
+impl EncoderFactory for NonFiniteAsText {
+    fn make_default_encoder<'a>(
+        &self,
+        _field: &'a FieldRef,
+        array: &'a dyn Array,
+        _options: &'a EncoderOptions,
+    ) -> Result<Option<NullableEncoder<'a>>, ArrowError> {
+        let encoder: Box<dyn Encoder + 'a> = match array.data_type() {
+            DataType::Float64 => Box::new(Floats(array.as_primitive::<Float64Type>())),
+            DataType::Float32 => Box::new(Floats(array.as_primitive::<Float32Type>())),
+            _ => return Ok(None),
+        };
+        Ok(Some(NullableEncoder::new(encoder, array.nulls().cloned())))
+    }
+}
+
+struct Floats<'a, T: ArrowPrimitiveType>(&'a PrimitiveArray<T>);
+
+macro_rules! float_encoder {
+    ($arrow:ty) => {
+        impl Encoder for Floats<'_, $arrow> {
+            fn encode(&mut self, idx: usize, out: &mut Vec<u8>) {
+                let value = self.0.value(idx);
+                if value.is_finite() {
+                    // (Writing to a Vec cannot fail.)
+                    let _ = serde_json::to_writer(&mut *out, &value);
+                } else {
+                    out.extend_from_slice(format!("\"{value}\"").as_bytes());
+                }
+            }
+        }
+    };
+}
+float_encoder!(Float64Type);
+float_encoder!(Float32Type);
 
 fn table(
     schema: &SchemaRef,
@@ -141,4 +188,51 @@ fn flatten(
         )
         .collect::<Result<Vec<_>, _>>()?;
     RecordBatch::try_new(flat_schema.clone(), columns)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use datafusion::arrow::array::{Float32Array, Float64Array};
+    use datafusion::arrow::datatypes::{Field, Schema};
+
+    use super::*;
+
+    #[test]
+    fn json_keeps_non_finite_floats_as_text_and_the_rest_as_numbers() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("loss", DataType::Float64, true),
+            Field::new("half", DataType::Float32, true),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(Float64Array::from(vec![
+                    Some(f64::NAN),
+                    Some(f64::NEG_INFINITY),
+                    Some(0.1),
+                    None,
+                ])),
+                Arc::new(Float32Array::from(vec![
+                    Some(f32::INFINITY),
+                    Some(0.1),
+                    Some(3.0),
+                    None,
+                ])),
+            ],
+        )
+        .unwrap();
+        let text = render(&schema, &[batch], OutputFormat::Json, None).unwrap();
+        let rows: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            rows,
+            serde_json::json!([
+                {"loss": "NaN", "half": "inf"},
+                {"loss": "-inf", "half": 0.1},
+                {"loss": 0.1, "half": 3.0},
+                {"loss": null, "half": null},
+            ])
+        );
+    }
 }

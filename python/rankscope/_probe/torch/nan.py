@@ -45,7 +45,9 @@ ran with (the optimizer's pre-hook, before the update):
   output is non-finite while its inputs were finite is the origin. When a
   module's inputs are non-finite before it ran, its parent's own code made
   them (stage ``forward``);
-* the loss: forward finite, loss not (stage ``loss``);
+* the loss: forward finite, loss not (stage ``loss``; a loss function's
+  value, which no stand-in sees, is read at the trip from the training
+  loop's frame: ``_loss_from_frames``);
 * backward: the same forward again, then ``torch.autograd.grad``; the
   deepest module whose output gradient was finite and whose input or
   parameter gradients are not is the origin (stage ``backward``). The
@@ -911,7 +913,7 @@ class NanWatch:
 
     # ---- the search, on a trip only
 
-    def _trip(self, step_number, step, params, unapplied=False, forwards=None, certain=False):
+    def _trip(self, step_number, step, params, unapplied=False, forwards=None, certain=False, frames=None):
         """`unapplied`: a step whose update never ran, found at exit (see
         `check_at_exit`; or the detail to give, for a step a GradScaler
         skipped, see `_repeated`): recorded only where the replay names an
@@ -920,6 +922,11 @@ class NanWatch:
         self.tripped_at = step_number
         if callable(params):
             params = params()
+        loss_from = None
+        if step.loss is None:
+            found = _loss_from_frames(frames)
+            if found is not None:
+                step.loss, loss_from = found
         self.searching = True
         # The replay runs inside a step the trace may be sampling: what its
         # stand-ins count during it is taken back.
@@ -940,6 +947,8 @@ class NanWatch:
                 "backward)")
             event["detail"] = f"{found}; {event['detail']}" if event.get("detail") else found
         event.pop("unfound", None)
+        if loss_from is not None and event.get("loss") is not None:
+            event["detail"] = f"{event['detail']}; {loss_from}" if event.get("detail") else loss_from
         # Weights spoiled before the step began: the step before spoiled them.
         self._record(max(step_number - 1, 0) if event.pop("previous_step", False) else step_number, event)
 
@@ -979,7 +988,14 @@ class NanWatch:
                 first, found = self._first_skipped(
                     "found at exit, in the gradients of a step whose update never ran (no optimizer step came "
                     "after its backward)", running)
-                self._trip(first, step, params, unapplied=found)
+                # Where no loss scaler can have overflowed (no autocast in
+                # the step, no GradScaler seen), the gradients are
+                # non-finite by the program's own arithmetic: the event is
+                # recorded though the replay names no module (a loss
+                # function's NaN, whose program stopped at it).
+                scaler = self._arm.scaler
+                certain = step.autocast is None and (scaler is None or scaler() is None)
+                self._trip(first, step, params, unapplied=found, certain=certain, frames=_exit_frames())
                 tables.flush()
                 _native.store_flush()
                 return
@@ -1396,6 +1412,138 @@ def _draws(model) -> bool:
         if _draws_in_code(type(module)):
             return True
     return False
+
+
+# Frames of the program's own code looked at for the loss, up from the
+# optimizer step or the zero_grad that tripped (see `_loss_from_frames`),
+# and the nodes of a candidate's graph walked to rank it.
+LOSS_FRAMES, LOSS_GRAPH_NODES = 8, 256
+
+
+def _loss_candidates(name, value, depth=0):
+    """(name, tensor) of the one-element float tensors with a graph in a
+    local: itself, or an entry of a dict, tuple or list it holds (a trainer
+    that keeps ``losses = {"ce": ..., "total": ...}``, or returns
+    ``(loss, logs)``)."""
+    if isinstance(value, torch.Tensor):
+        if (value.grad_fn is not None and value.is_floating_point() and value.numel() == 1
+                and value.device.type != "meta"):
+            yield name, value
+    elif depth == 0 and isinstance(value, dict):
+        for key, item in list(value.items())[:64]:
+            yield from _loss_candidates(f"{name}[{key!r}]", item, 1)
+    elif depth == 0 and isinstance(value, (tuple, list)):
+        for i, item in enumerate(value[:64]):
+            yield from _loss_candidates(f"{name}[{i}]", item, 1)
+
+
+def _graph_of(tensor) -> tuple[set, bool | None]:
+    """The ids of the nodes of `tensor`'s graph (up to LOSS_GRAPH_NODES),
+    and whether a backward ran through it: True where a saved tensor of one
+    of its nodes was freed (a backward without ``retain_graph`` frees them
+    as it goes), False where one could still be read, None where none of
+    its nodes saved a tensor."""
+    seen: set = set()
+    ran = None
+    todo = [tensor.grad_fn]
+    while todo and len(seen) < LOSS_GRAPH_NODES:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if ran is None:
+            for attr in dir(node):
+                if not attr.startswith("_saved_"):
+                    continue
+                try:
+                    saved = getattr(node, attr)
+                except RuntimeError:  # "... after they have already been freed"
+                    ran = True
+                    break
+                if isinstance(saved, torch.Tensor):
+                    ran = False
+                    break
+        todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    return seen, ran
+
+
+def _loss_from_frames(frames=None):
+    """(the loss, where it was read) where no stand-in saw the step's loss:
+    a loss function's (``F.cross_entropy``), whose value nothing of the
+    watch's holds. The training loop still holds it when a check trips, in
+    its optimizer step or its zero_grad (or, at exit after an uncaught
+    exception, in the traceback's frames: `frames`, innermost first).
+    Looked for at a trip only, so an armed step pays nothing for it; the
+    frames are read, never changed.
+
+    The candidates are one-element float tensors with a graph in the locals
+    of the nearest LOSS_FRAMES of the program's frames, through which a
+    backward ran (not the next step's loss, made before the program
+    cleared the gradients it skipped). The loss is the one named ``loss``
+    (not ``aux_loss``, ``running_loss`` or ``prev_loss``), else one that no
+    other candidate's graph holds (``total`` over ``ce`` and ``aux_loss``),
+    named with "loss" first, then a non-finite one (a GAN's loss that went
+    NaN, not the other model's). A tensor named for nothing of the kind is
+    taken only where its graph holds every other candidate of its frame
+    (``total = ce + reg``; a weight norm the program's step helper computed
+    beside it is not its loss). None: not found."""
+    try:
+        if frames is None:
+            frames = []
+            frame = sys._getframe(1)
+            while frame is not None and len(frames) < 4 * LOSS_FRAMES:
+                frames.append(frame)
+                frame = frame.f_back
+        candidates = []  # (frame's rank, name, tensor, frame)
+        looked = 0
+        for frame in frames:
+            if looked >= LOSS_FRAMES:
+                break
+            module = frame.f_globals.get("__name__") or ""
+            if module.startswith(("rankscope", "torch")):
+                continue
+            for name, value in list(frame.f_locals.items()):
+                candidates.extend((looked, n, t, frame) for n, t in _loss_candidates(name, value))
+            looked += 1
+        graphs = {id(c[2]): _graph_of(c[2]) for c in candidates}
+        # A graph no backward has run through is a loss still to come (the
+        # next step's, made before the program cleared the gradients it
+        # skipped), or one kept with `retain_graph`: not this step's to
+        # say, where a wrong value would mislead more than none.
+        candidates = [c for c in candidates if graphs[id(c[2])][1] is not False]
+        if not candidates:
+            return None
+
+        def rank(candidate):
+            at, name, tensor, _ = candidate
+            held = any(id(tensor.grad_fn) in graphs[id(other[2])][0]
+                       for other in candidates if other[2] is not tensor)
+            finite = bool(torch.isfinite(_local(tensor).detach()).all())
+            return (name != "loss", held, "loss" not in name.lower(), finite, at)
+
+        best = min(candidates, key=rank)
+        at, name, tensor, frame = best
+        if "loss" not in name.lower() and any(
+                c[0] == at and c[2] is not tensor and id(c[2].grad_fn) not in graphs[id(tensor)][0] for c in candidates):
+            return None
+        code = frame.f_code
+        where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+        return tensor.detach().reshape(()), f"the loss was read from `{name}` in {code.co_name} ({where})"
+    except Exception:  # noqa: BLE001 - a local that will not be read leaves the event without its loss, as before
+        return None
+
+
+def _exit_frames():
+    """The frames of the exception the program ended with, innermost
+    first (the interpreter keeps it for the exit's handlers); None where
+    it ended without one (`sys.exit`: its loop's frames are gone)."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    tb = getattr(exc, "__traceback__", None)
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames[::-1] or None
 
 
 def _loss_name(step) -> str:
