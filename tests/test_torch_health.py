@@ -2225,3 +2225,50 @@ def test_a_loss_functions_value_is_read_from_the_loop_that_made_it(torch_python,
     assert rows[0]["what"] == "the loss (the model's outputs were finite)", rows
     assert rows[0]["loss"].lower() in ("-inf", "inf", "nan"), rows
     assert f"the loss was read from `{name}` in main (target.py:" in rows[0]["detail"], rows
+
+
+COMPILED_NAMES = """
+import sys
+import torch
+from torch import nn
+
+
+class Root(nn.Module):
+    def forward(self, h, bad):
+        return torch.sqrt(h - bad)  # NaN where `bad` is large
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.root, self.fc2 = nn.Linear(8, 16), Root(), nn.Linear(16, 4)
+
+    def forward(self, x, bad):
+        return self.fc2(self.root(torch.relu(self.fc1(x)), bad))
+
+
+torch.manual_seed(0)
+model = Net()
+compiled = torch.compile(model, backend="aot_eager")  # (inductor's C++ build takes minutes here)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(10):
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(compiled(x, torch.tensor(1e6 if step == 6 else -1.0)), y)
+    loss.backward()
+    if torch.isfinite(loss):
+        opt.step()
+"""
+
+
+def test_a_compiled_models_modules_go_by_their_own_names(torch_python, spawn, cli):
+    # Not `_orig_mod.root`, the name under torch.compile's wrapper: the
+    # name the program's code gives it, in the NaN event and in the
+    # gradient statistics alike.
+    target = spawn(torch_python, COMPILED_NAMES, env={"RANKSCOPE_TORCH": "nan,grads"}, wait=False)
+    assert target.proc.wait(timeout=240) == 0, target.proc.stderr.read().decode()[-2000:]
+    run_dir = target.script.parent / "run"
+    events = json.loads(cli("query", "--run", run_dir, "SELECT step, stage, module FROM python.nan_events", "--format", "json").stdout)
+    assert [(e["step"], e["stage"], e["module"]) for e in events] == [(6, "forward", "root")], events
+    names = json.loads(cli("query", "--run", run_dir, "SELECT DISTINCT param FROM python.grad_stats ORDER BY param", "--format", "json").stdout)
+    assert [n["param"] for n in names] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"], names

@@ -112,11 +112,21 @@ def _label(found: list) -> None:
     _LABELS = labels
 
 
+# What torch.compile's wrapper calls the module it wraps, with the dot.
+_WRAPPED = "_orig_mod."
+
+
 def qualified(model, name: str) -> str:
     """The name the tables give `model`'s module (or parameter) `name`
     (as ``named_modules()`` names it; "" for the root): the name itself,
     the root by its class; with several models, each name after its
-    model's label (the variable in ``__main__`` that holds it, else its class)."""
+    model's label (the variable in ``__main__`` that holds it, else its class).
+    The module ``torch.compile`` wrapped goes by its own names: ``root``,
+    not ``_orig_mod.root`` (the wrapper's), as the program's code and its
+    saved checkpoints of the uncompiled model name it."""
+    if name.startswith(_WRAPPED) or name == _WRAPPED[:-1]:
+        if is_compiled(model):
+            name = name[len(_WRAPPED):]
     label = _LABELS.get(id(model))
     if label is None:
         return name or root_name(model)
