@@ -1424,15 +1424,18 @@ def _loss_candidates(name, value, depth=0):
     """(name, tensor) of the one-element float tensors with a graph in a
     local: itself, or an entry of a dict, tuple or list it holds (a trainer
     that keeps ``losses = {"ce": ..., "total": ...}``, or returns
-    ``(loss, logs)``)."""
-    if isinstance(value, torch.Tensor):
+    ``(loss, logs)``). By exact type: nothing of the program's runs (a
+    proxy's ``__class__``, a mapping's own ``items``)."""
+    kind = type(value)
+    if issubclass(kind, torch.Tensor):
         if (value.grad_fn is not None and value.is_floating_point() and value.numel() == 1
                 and value.device.type != "meta"):
             yield name, value
-    elif depth == 0 and isinstance(value, dict):
+    elif depth == 0 and kind is dict:
         for key, item in list(value.items())[:64]:
-            yield from _loss_candidates(f"{name}[{key!r}]", item, 1)
-    elif depth == 0 and isinstance(value, (tuple, list)):
+            if type(key) in (str, int):
+                yield from _loss_candidates(f"{name}[{key!r}]", item, 1)
+    elif depth == 0 and kind in (tuple, list):
         for i, item in enumerate(value[:64]):
             yield from _loss_candidates(f"{name}[{i}]", item, 1)
 
