@@ -993,8 +993,7 @@ class NanWatch:
                 # non-finite by the program's own arithmetic: the event is
                 # recorded though the replay names no module (a loss
                 # function's NaN, whose program stopped at it).
-                scaler = self._arm.scaler
-                certain = step.autocast is None and (scaler is None or scaler() is None)
+                certain = step.autocast is None and not _any_grad_scaler()
                 self._trip(first, step, params, unapplied=found, certain=certain, frames=_exit_frames())
                 tables.flush()
                 _native.store_flush()
@@ -1534,6 +1533,17 @@ def _loss_from_frames(frames=None):
         return tensor.detach().reshape(()), f"the loss was read from `{name}` in {code.co_name} ({where})"
     except Exception:  # noqa: BLE001 - a local that will not be read leaves the event without its loss, as before
         return None
+
+
+def _any_grad_scaler() -> bool:
+    """Whether the program holds a GradScaler (or one is left to the
+    collector): looked for by type among every object, at exit, where the
+    frames `_find_scaler` looks in are gone. A scaler on a CPU needs no
+    autocast, and its overflows look like a NaN step's."""
+    cuda_amp = sys.modules.get("torch.cuda.amp")
+    kinds = tuple(k for k in (getattr(torch.amp, "GradScaler", None), getattr(cuda_amp, "GradScaler", None))
+                  if isinstance(k, type))
+    return bool(kinds) and bool(_native.gc_instances(kinds))
 
 
 def _exit_frames():
