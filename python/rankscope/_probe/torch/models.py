@@ -313,17 +313,22 @@ def root_name(model) -> str:
     return type(model).__name__
 
 
+def grad_scaler_kinds() -> tuple:
+    """The GradScaler classes: torch.amp's, and torch.cuda.amp's (older
+    torch's, or a subclass of torch.amp's) only where the program imported
+    it: asked for, it warns."""
+    cuda_amp = sys.modules.get("torch.cuda.amp")
+    return tuple(k for k in (getattr(torch.amp, "GradScaler", None), getattr(cuda_amp, "GradScaler", None))
+                 if isinstance(k, type))
+
+
 def find_grad_scaler(frame, frames: int, objects: int):
     """The program's GradScaler: in the locals of `frame` and the frames
     that called it (the training loop), and in the attributes of the
     objects they hold, two deep (a trainer's `scaler`, its
     accelerator's); None where there is none. At most `frames` frames
     and `objects` objects are looked at."""
-    # torch.cuda.amp's (older torch's, or a subclass of torch.amp's)
-    # only where the program imported it: asked for, it warns.
-    cuda_amp = sys.modules.get("torch.cuda.amp")
-    kinds = tuple(k for k in (getattr(torch.amp, "GradScaler", None), getattr(cuda_amp, "GradScaler", None))
-                  if isinstance(k, type))
+    kinds = grad_scaler_kinds()
     if not kinds:
         return None
     seen, budget = set(), [objects]

@@ -1540,9 +1540,7 @@ def _any_grad_scaler() -> bool:
     collector): looked for by type among every object, at exit, where the
     frames `_find_scaler` looks in are gone. A scaler on a CPU needs no
     autocast, and its overflows look like a NaN step's."""
-    cuda_amp = sys.modules.get("torch.cuda.amp")
-    kinds = tuple(k for k in (getattr(torch.amp, "GradScaler", None), getattr(cuda_amp, "GradScaler", None))
-                  if isinstance(k, type))
+    kinds = models.grad_scaler_kinds()
     return bool(kinds) and bool(_native.gc_instances(kinds))
 
 
