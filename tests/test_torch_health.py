@@ -1336,6 +1336,63 @@ def test_gradient_statistics_read_in_place_agree_with_torch(torch_python):
     assert result.stdout.strip() == "IN PLACE OK", result.stderr
 
 
+# The NaN watch's check read in place (finite.rs): for each tensor it reads,
+# torch's own answer; None for what it leaves to torch. A plain tensor's
+# metadata comes through torch's C shim where the torch has one
+# (torch_abi.rs), a subclass's through Python: both ways are compared.
+FINITE = """
+import ctypes, torch
+from rankscope import _native
+
+check = _native.FiniteCheck((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+libtorch = next(line.split()[5] for line in open("/proc/self/maps") if line.rstrip().endswith("/libtorch_cpu.so"))
+assert check.c_shim == hasattr(ctypes.CDLL(libtorch), "aoti_torch_is_contiguous"), check.c_shim
+
+class Sub(torch.Tensor):
+    pass
+
+def both(t):
+    answers = {check.check([t]), check.check([t.as_subclass(Sub)])}
+    assert len(answers) == 1, (t.dtype, t.shape, answers)
+    return answers.pop()
+
+for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    for n in (1, 17, 1024, 4099):
+        t = torch.randn(n).to(dtype)
+        assert both(t) is True
+        for at in (0, n // 2, n - 1):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                u = t.clone()
+                u[at] = bad
+                assert both(u) is False, (dtype, n, at, bad)
+    assert both(torch.tensor(torch.finfo(dtype).max, dtype=dtype)) is True
+assert both(torch.zeros(0)) is True and both(torch.randn(100)[1:]) is True
+assert both(torch.tensor(float("nan"))) is False
+# Left to torch: strided, integer, sparse, on the meta device, past 2^20.
+assert both(torch.randn(8, 8).t()) is None and both(torch.arange(5)) is None
+assert check.check([torch.randn(3, 3).to_sparse()]) is None
+assert both(torch.empty(4, device="meta")) is None and both(torch.zeros(1 << 21)) is None
+# A sentinel's gradient: a weight over 4,096 elements is read in its first row only.
+weight = torch.nn.Parameter(torch.randn(5000, 3))
+weight.grad = torch.zeros(5000, 3)
+assert check.check_grads([weight], None) is True
+weight.grad[1, 0] = float("nan")
+assert check.check_grads([weight], None) is True
+weight.grad[0, 2] = float("inf")
+assert check.check_grads([weight], torch.tensor(1.0)) is False
+assert check.check_grads([torch.nn.Parameter(torch.ones(2))], None) is None
+assert check.check_grads([weight], torch.tensor(float("nan"))) is False
+print("FINITE OK")
+"""
+
+
+def test_the_nan_watchs_check_read_in_place_agrees_with_torch(torch_python):
+    result = subprocess.run([torch_python, "-c", FINITE], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "FINITE OK", result.stderr
+    # Nothing written to the program's stderr by the shim's calls.
+    assert result.stderr == "", result.stderr
+
+
 # Two DDP ranks; rank 1's input at step 5 holds a NaN, which DDP's
 # all-reduce then hands to rank 0's gradients. The model has BatchNorm
 # (DDP's forward broadcasts its buffers) and, with COLLECTIVE, a module of
@@ -2076,6 +2133,8 @@ for step in range(30):
     x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
     if ORDER == "top":
         optimizer.zero_grad()
+    elif ORDER == "top-to-none":
+        optimizer.zero_grad(set_to_none=True)
     loss = nn.functional.mse_loss(model(x), y)
     if ORDER == "after-forward":
         optimizer.zero_grad()
@@ -2090,13 +2149,20 @@ while True:
 """
 
 
-@pytest.mark.parametrize("order,opt", [("top", "adam"), ("after-forward", "adam"), ("after-forward", "nesterov"), ("in-place", "nesterov")])
+@pytest.mark.parametrize("order,opt", [("top", "adam"), ("top-to-none", "adam"), ("after-forward", "adam"),
+                                       ("after-forward", "nesterov"), ("in-place", "nesterov")])
 def test_a_healthy_loop_has_no_gradients_checked_at_zero_grad(torch_python, spawn, cli, order, opt):
     target = spawn(torch_python, ORDERS, args=[order, opt], env={"RANKSCOPE_TORCH": "nan"}, wait=False)
     target.wait_for_line("READY")
     shown = json.loads(cli(target.pid, "torch", "--format", "json").stdout)["features"]["nan"]
     assert shown["checked_steps"] >= 25 and shown["events"] == [], shown
     assert shown["unstepped_checks"] == 0, shown
+    if order != "in-place":
+        # Cleared to None, told so or not, by an optimizer whose step
+        # changes its gradients or not: the stand-in's inline way, past
+        # the first steps (`zero_grad(set_to_none=True)` used to take the
+        # long way at every step).
+        assert shown["zero_grads_in_python"] <= 3, shown
 
 
 # A forward that draws its own random numbers (random key dropping, with

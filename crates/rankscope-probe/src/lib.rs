@@ -27,6 +27,7 @@ mod stand_in;
 mod step_clock;
 mod store;
 mod tensor_scan;
+mod torch_abi;
 
 use std::sync::{Arc, Mutex};
 

@@ -9,8 +9,9 @@
 //! made native"). Here the stand-in stores the step's input into a
 //! `NanStep` it shares with the watch, the step clock's pre-hook reads the
 //! sentinels in place (finite.rs) and lets the step go, and the watch's
-//! Python hears of a step only where it has something to do: every
-//! `full_every`-th step (all the gradients), a trip, a GPU's check, a
+//! Python hears of a step only where it has something to do (every
+//! `full_every`-th step's check of all the gradients is made here too): a
+//! trip, a GPU's check, a
 //! random forward (the RNG state is Python's to
 //! copy), a loss to find in the output, new models, `rankscope.step()`,
 //! a second forward with grad in a step (accumulation, or a step a
@@ -170,6 +171,10 @@ pub struct NanArm {
     sentinel_params: Option<Py<PyAny>>,
     /// The Tracer's `models` when the watch last hooked their roots.
     models_seen: Option<Py<PyAny>>,
+    /// nan.py's `sentinels_of` (the watch clears it, never replaces it):
+    /// id(optimizer or root model) -> (a weak reference to it, its
+    /// sentinel parameters), for `nothing_new`.
+    sentinels_of: Option<Py<PyDict>>,
     finite: Py<FiniteCheck>,
     tensor: Py<PyType>,
     /// `torch.is_grad_enabled`: a root call without grad (a metric on the
@@ -276,6 +281,30 @@ pub(crate) fn note_stepped(arm: &Bound<'_, NanArm>, optimizer: &Bound<'_, PyAny>
     }
 }
 
+/// `NanArm.unapplied`.
+fn unapplied(slf: &Bound<'_, NanArm>, params: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = slf.py();
+    let now = grads_now(params)?;
+    let held = slf.try_borrow()?;
+    for (at, seen) in &now {
+        let Some((grad, version)) = seen else {
+            continue;
+        };
+        let fresh = match held.applied.get(at) {
+            None => held.checked_steps == 0,
+            Some(None) => true,
+            Some(Some((before, before_version))) => {
+                !(before_version == version
+                    && before.bind(py).upgrade().is_some_and(|g| g.is(grad)))
+            }
+        };
+        if fresh {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 #[pymethods]
 impl NanArm {
     #[new]
@@ -299,6 +328,7 @@ impl NanArm {
             full_every: full_every.max(1),
             sentinel_params: None,
             models_seen: None,
+            sentinels_of: None,
             finite,
             tensor,
             grad_enabled,
@@ -320,26 +350,33 @@ impl NanArm {
     /// program that skipped every step so far); after that it is none of
     /// the watch's sentinels.
     fn unapplied(slf: &Bound<'_, Self>, params: &Bound<'_, PyAny>) -> PyResult<bool> {
+        unapplied(slf, params)
+    }
+
+    /// nan.py's `nothing_new`: whether a zero_grad of `owner` clears only
+    /// gradients the last check saw (or the watch is off), so that the
+    /// step clock's zero_grad stand-in takes its inline way. Here, not in
+    /// Python, because it is asked at every step.
+    fn nothing_new(slf: &Bound<'_, Self>, owner: &Bound<'_, PyAny>) -> PyResult<bool> {
         let py = slf.py();
-        let now = grads_now(params)?;
-        let held = slf.try_borrow()?;
-        for (at, seen) in &now {
-            let Some((grad, version)) = seen else {
-                continue;
-            };
-            let fresh = match held.applied.get(at) {
-                None => held.checked_steps == 0,
-                Some(None) => true,
-                Some(Some((before, before_version))) => {
-                    !(before_version == version
-                        && before.bind(py).upgrade().is_some_and(|g| g.is(grad)))
-                }
-            };
-            if fresh {
+        let of = {
+            let held = slf.try_borrow()?;
+            if !held.armed {
                 return Ok(true);
             }
+            match &held.sentinels_of {
+                Some(of) => of.clone_ref(py),
+                None => return Ok(false),
+            }
+        };
+        let Some(known) = of.bind(py).get_item(owner.as_ptr() as usize)? else {
+            return Ok(false);
+        };
+        if !known.get_item(0)?.call0()?.is(owner) {
+            return Ok(false);
         }
-        Ok(false)
+        let mine = known.get_item(1)?;
+        Ok(!mine.is_truthy()? || !unapplied(slf, &mine)?)
     }
 
     /// One check made, of step `step`.
@@ -374,6 +411,14 @@ impl NanArm {
         replace_after_borrow(slf, |a| &mut a.scaler, value)
     }
     #[getter]
+    fn get_sentinels_of(&self, py: Python<'_>) -> Option<Py<PyDict>> {
+        self.sentinels_of.as_ref().map(|v| v.clone_ref(py))
+    }
+    #[setter]
+    fn set_sentinels_of(slf: &Bound<'_, Self>, value: Option<Py<PyDict>>) -> PyResult<()> {
+        replace_after_borrow(slf, |a| &mut a.sentinels_of, value)
+    }
+    #[getter]
     fn get_models_seen(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         self.models_seen.as_ref().map(|v| v.clone_ref(py))
     }
@@ -386,6 +431,7 @@ impl NanArm {
         visit.call(&self.step)?;
         visit.call(&self.sentinel_params)?;
         visit.call(&self.models_seen)?;
+        visit.call(&self.sentinels_of)?;
         visit.call(&self.finite)?;
         visit.call(&self.tensor)?;
         visit.call(&self.grad_enabled)?;
@@ -401,6 +447,7 @@ impl NanArm {
     fn __clear__(&mut self) {
         self.sentinel_params = None;
         self.models_seen = None;
+        self.sentinels_of = None;
         self.scaler = None;
         self.applied.clear();
     }
@@ -547,11 +594,12 @@ impl NanArm {
     }
 }
 
-/// The check at the optimizer's pre-hook, where nothing but the sentinel
-/// gradients (and a CPU loss) is to be read: true when they are all
-/// finite and read in place. The step's input is then let go of where
+/// The check at the optimizer's pre-hook: the sentinel gradients (and a
+/// CPU loss), or every gradient of the optimizer's at a full check's step
+/// (nan.py's `FULL_EVERY`): true when they are all finite and read in
+/// place. The step's input is then let go of where
 /// `primary` (asked only then) says this optimizer marks steps. False leaves the step
-/// to the watch's Python: a full check, a trip, a tensor this cannot read,
+/// to the watch's Python: a trip, a tensor this cannot read,
 /// an optimizer it has no sentinels for yet.
 pub(crate) fn check_sentinels(
     arm: &Bound<'_, NanArm>,
@@ -560,11 +608,11 @@ pub(crate) fn check_sentinels(
     primary: impl FnOnce() -> PyResult<bool>,
 ) -> PyResult<bool> {
     let py = arm.py();
-    let (cached, step, finite) = {
+    let (cached, step, finite, full) = {
         let Ok(arm) = arm.try_borrow() else {
             return Ok(false);
         };
-        if !arm.armed || arm.searching || arm.checked_steps % arm.full_every == 0 {
+        if !arm.armed || arm.searching {
             return Ok(false);
         }
         let Some(cached) = &arm.sentinel_params else {
@@ -574,6 +622,7 @@ pub(crate) fn check_sentinels(
             cached.clone_ref(py),
             arm.step.clone_ref(py),
             arm.finite.clone_ref(py),
+            arm.checked_steps % arm.full_every == 0,
         )
     };
     let cached = cached.bind(py).cast::<PyTuple>()?.clone();
@@ -588,7 +637,12 @@ pub(crate) fn check_sentinels(
         return Ok(false);
     };
     let params = cached.get_item(1)?;
-    if finite.get().check_grads(&params, &loss)? != Some(true) {
+    let checked = if full {
+        finite.get().check_optimizer(optimizer, &loss)?
+    } else {
+        finite.get().check_grads(&params, &loss)?
+    };
+    if checked != Some(true) {
         return Ok(false);
     }
     let Ok(mut held) = arm.try_borrow_mut() else {
@@ -596,7 +650,10 @@ pub(crate) fn check_sentinels(
     };
     held.count(step_number);
     drop(held);
-    note_applied(arm, &params)?;
+    // What the check saw is noted once, after the step (`note_stepped`): a
+    // step that raises before its post-hook applied nothing, and the next
+    // zero_grad takes the watch's longer way for it (nan.py,
+    // `_before_zero_grad`), which finds this step's input already let go.
     // Where the step's own clear cannot take its borrow, the boundary's
     // does it.
     let released = if primary()? {

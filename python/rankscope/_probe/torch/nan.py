@@ -239,10 +239,15 @@ class NanWatch:
     def __init__(self):
         self._arm = _native.NanArm(_finite_check(), torch.Tensor, FULL_EVERY, torch.is_grad_enabled,
                                    getattr(torch._C, "_is_any_autocast_enabled", None), _autocast_now)
+        # `nothing_new` as the step clock's zero_grad stand-in asks it.
+        self.quiet_zero_grad = self._arm.nothing_new
         self.events: list = []
         self.disabled = None
         self.gpu_waits = 0  # checks that waited for a GPU (`torch nan` says so)
         self.unstepped_checks = 0
+        # zero_grad calls that came to the watch's Python (the stand-in's
+        # inline way asks the arm only): a usual loop's are its first few.
+        self.zero_grads_in_python = 0
         self.handles: list = []
         self.tripped_at = None
         self.hooked: set = set()
@@ -261,8 +266,11 @@ class NanWatch:
         self.skips, self.skip_mark = 0, -1
         # The step number of the first of those skips.
         self.skip_first = None
-        # id(optimizer or root model) -> (a weak reference to it, its sentinels).
+        # id(optimizer or root model) -> (a weak reference to it, its
+        # sentinels); cleared, never replaced: the arm reads the same dict
+        # (`nothing_new`).
         self.sentinels_of: dict = {}
+        self._arm.sentinels_of = self.sentinels_of
 
     # ---- on and off (probe thread)
 
@@ -310,7 +318,7 @@ class NanWatch:
         self.models_seen = TRACER.models
         self.sentinels = set()
         self.sentinel_params = None
-        self.sentinels_of = {}
+        self.sentinels_of.clear()
         for model in TRACER.live_models():
             self.sentinels.update(id(p) for p in _sentinels_of(model, lambda p: p.requires_grad))
             entry = timed.put_on(model, self._stand_in(model))
@@ -655,6 +663,7 @@ class NanWatch:
         """Checks what no step used; returns what `after_zero_grad` needs."""
         if not self._arm.armed:
             return None
+        self.zero_grads_in_python += 1
         if not self.nothing_new(owner):
             self._before_zero_grad(owner, of_optimizer)
         return self.sentinels_of.get(id(owner))
@@ -663,12 +672,9 @@ class NanWatch:
         """Whether a zero_grad of `owner` clears only gradients the last
         check saw (the usual step: the sentinels' gradients are the ones it
         saw, or the owner has none, a submodule), so that nothing is checked;
-        asked inline by the step clock's stand-in too."""
-        arm = self._arm
-        if not arm.armed:
-            return True
-        known = self.sentinels_of.get(id(owner))
-        return known is not None and known[0]() is owner and not (known[1] and arm.unapplied(known[1]))
+        asked inline by the step clock's stand-in too, of the arm itself
+        (`quiet_zero_grad`): no frame of Python at every step."""
+        return self._arm.nothing_new(owner)
 
     def after_zero_grad(self, known, args, kwargs):
         if known is not None and known[1] and (args[:1] == (False,) or kwargs.get("set_to_none") is False):
@@ -690,7 +696,7 @@ class NanWatch:
         else:
             mine = []
         if len(self.sentinels_of) > 64:
-            self.sentinels_of = {}
+            self.sentinels_of.clear()
         self.sentinels_of[id(owner)] = (weakref.ref(owner), mine)
         return mine
 
@@ -1245,6 +1251,7 @@ class NanWatch:
             "gpu_waits": self.gpu_waits,
             # Gradients a zero_grad found that no optimizer step used, checked.
             "unstepped_checks": self.unstepped_checks,
+            "zero_grads_in_python": self.zero_grads_in_python,
             "tripped_at": self.tripped_at,
             "events": self.events,
             "disabled": self.disabled,

@@ -237,15 +237,17 @@ def _zero_grad_stand_in(tracer, own, of_optimizer):
         if _compiling() or not tracer.on:
             return own(self, *args, **kwargs)
         # The usual step, inline (a call less): a boundary came since this
-        # owner's last zero_grad, and it clears to None.
+        # owner's last zero_grad, and it clears to None (by default, or
+        # told so: `zero_grad(set_to_none=True)`, as many loops write it).
         mark = marks.get(id(self))
-        if (mark is not None and not args and not kwargs
-                and mark[1] != tracer.step and mark[0]() is self and mark[2] is tracer.primary):
+        if (mark is not None and mark[1] != tracer.step and mark[0]() is self and mark[2] is tracer.primary
+                and (not args or (len(args) == 1 and args[0] is True))
+                and (not kwargs or (len(kwargs) == 1 and kwargs.get("set_to_none") is True))):
             # An armed NaN watch has nothing to check where no backward made
-            # a gradient its last check did not see.
+            # a gradient its last check did not see (asked of its native arm).
             watch = tracer.zero_grad_watch
-            if watch is None or watch.nothing_new(self):
-                out = own(self)
+            if watch is None or watch.quiet_zero_grad(self):
+                out = own(self, *args, **kwargs)
                 marks[id(self)] = (mark[0], tracer.step, mark[2], None, None)
                 return out
         return tracer._zero_grad(own, self, of_optimizer, args, kwargs)
