@@ -4,8 +4,14 @@ the NaN watch armed (or `grads --every 10`), in the training thread only.
 
 Timing this machine's 1.5 ms step moves by 5-10 us between runs, more than
 most changes to the probe's per-step work; the count of instructions run
-does not move, and callgrind's cache model (``--cache``) says how much of
-the rest is the misses of code and data gone cold after the step's kernels.
+moves less, and callgrind's cache model (``--cache``) says how much of the
+rest is the misses of code and data gone cold after the step's kernels.
+What the probe does by the clock rather than by the step (the step row
+every 20 ms, the hand-over of rows every 250 ms) runs at almost every
+step under valgrind, whose steps take 50 times as long, and more or less
+often with the machine's load: a mode's count moves by up to 15,000
+instructions a step between runs. Compare modes within one run, and
+builds in runs made side by side.
 Each mode runs in its own process under valgrind, which counts only the
 measured steps (instrumentation switched on with ``callgrind_control``
 once the warm-up is done); the modes run side by side, one a core, which
@@ -92,7 +98,13 @@ def count(python: str, mode: str, steps: int, cache: bool, work: Path) -> dict:
     script.write_text(TARGET)
     marker = work / f"mark_{mode}"
     out = work / f"cg_{mode}.out"
-    env = {**os.environ, "RANKSCOPE": "1", "OMP_NUM_THREADS": "1"}
+    # The probe's work that runs by the clock (the run store's flushes, the
+    # memory sampler) would run more often in a step slowed 50x, and by how
+    # much depends on the machine's load: put off past the run. The step
+    # row, told every 20 ms, still runs at every step counted here (once in
+    # about 13 steps of 1.5 ms outside valgrind), in every mode the clock runs.
+    env = {**os.environ, "RANKSCOPE": "1", "OMP_NUM_THREADS": "1", "RANKSCOPE_STORE_FLUSH_S": "86400",
+           "RANKSCOPE_MEMORY_INTERVAL_S": "86400"}
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
            f"--callgrind-out-file={out}"] + (["--cache-sim=yes"] if cache else []) + [python, str(script), mode,
                                                                                    str(steps), str(marker)]
