@@ -1389,8 +1389,10 @@ print("FINITE OK")
 def test_the_nan_watchs_check_read_in_place_agrees_with_torch(torch_python):
     result = subprocess.run([torch_python, "-c", FINITE], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "FINITE OK", result.stderr
-    # Nothing written to the program's stderr by the shim's calls.
-    assert result.stderr == "", result.stderr
+    # Nothing written to the program's stderr by the shim's calls: only what
+    # importing torch writes here (a torch without numpy warns of it).
+    bare = subprocess.run([torch_python, "-c", "import torch"], capture_output=True, text=True, timeout=120)
+    assert result.stderr == bare.stderr, result.stderr
 
 
 # Two DDP ranks; rank 1's input at step 5 holds a NaN, which DDP's
