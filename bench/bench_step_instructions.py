@@ -1,6 +1,7 @@
 """Instructions a training step costs, counted by callgrind: the MLP of
 bench_torch_health.py with nothing on, with the step clock alone, and with
-the NaN watch armed (or `grads --every 10`), in the training thread only.
+the NaN watch armed (or `grads --every 10`, or the trace: `trace` is `--every 1`,
+`trace20` `--every 20`), in the training thread only.
 
 Timing this machine's 1.5 ms step moves by 5-10 us between runs, more than
 most changes to the probe's per-step work; the count of instructions run
@@ -17,7 +18,8 @@ measured steps (instrumentation switched on with ``callgrind_control``
 once the warm-up is done); the modes run side by side, one a core, which
 changes no count. A run takes a few minutes.
 
-    python bench/bench_step_instructions.py [--steps 50] [--modes off,clock,nan] [--cache]
+    python bench/bench_step_instructions.py [--steps 50] [--modes off,clock,nan,grads,trace,trace20]
+                                            [--cache] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ elif mode == "clock":
     # The step clock with a listener that is never called.
     from rankscope._probe.torch.stats import GRADS
     GRADS.turn_on(10**9)
+elif mode.startswith("trace"):
+    # trace, trace20: `torch trace on [--every 20]`, forward only.
+    from rankscope._probe.torch.trace import TRACER
+    TRACER.turn_on(int(mode[5:] or 1), "*", False, wait_s=0)
 for _ in range(20):
     step()
 open(marker + ".ready", "w").close()
@@ -93,7 +99,7 @@ def wait_for(path: Path, proc: subprocess.Popen, limit: float = 1800) -> None:
         time.sleep(0.5)
 
 
-def count(python: str, mode: str, steps: int, cache: bool, work: Path) -> dict:
+def count(python: str, mode: str, steps: int, cache: bool, work: Path, keep: Path | None) -> dict:
     script = work / "target.py"
     script.write_text(TARGET)
     marker = work / f"mark_{mode}"
@@ -123,6 +129,9 @@ def count(python: str, mode: str, steps: int, cache: bool, work: Path) -> dict:
     # The dump of the first thread (the training thread): <out>.1-01.
     dump = Path(f"{out}.1-01")
     text = dump.read_text()
+    if keep is not None:
+        # For callgrind_annotate --inclusive=yes, or kcachegrind.
+        shutil.copy(dump, keep / f"callgrind.{mode}.out")
     names = EVENTS.search(text).group(1).split()
     values = [int(v) for v in TOTALS.search(text).group(1).split()]
     return dict(zip(names, values))
@@ -134,15 +143,18 @@ def main() -> None:
     parser.add_argument("--modes", default="off,clock,nan")
     parser.add_argument("--cache", action="store_true", help="simulate the caches too (slower)")
     parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--keep", type=Path, help="a folder to keep each mode's callgrind dump in")
     args = parser.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind (callgrind) is not installed: apt install valgrind")
     modes = args.modes.split(",")
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rankscope-cg-") as tmp:
         def one(mode: str) -> dict:
             work = Path(tmp) / mode
             work.mkdir()
-            return count(args.python, mode, args.steps, args.cache, work)
+            return count(args.python, mode, args.steps, args.cache, work, args.keep)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(modes), os.cpu_count() or 1))) as pool:
             results = dict(zip(modes, pool.map(one, modes)))

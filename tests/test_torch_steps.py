@@ -555,3 +555,44 @@ def test_a_step_whose_optimizer_step_was_skipped_is_a_step_of_its_own(python, sp
         # (The model is found at the first boundary: steps 0 and 1 have no loss.)
         if r["step"] >= 2 and program["losses"][r["step"]] is not None:
             assert r["loss"] == program["losses"][r["step"]], (r, program)
+
+
+# Steps' rows are kept natively and taken by the store (before a read, and
+# on its own thread before each write to disk). A store that writes nothing
+# to disk (RANKSCOPE_STORE=0) and that no one reads still keeps a bounded
+# number: past 4,096 the thread that keeps them hands them over itself.
+MANY_STEPS = """
+import sys, time
+import torch
+import torch.nn as nn
+
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(8, 4), torch.randn(8, 1)
+for _ in range(int(sys.argv[1])):
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+print("DONE", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_rows_kept_for_a_store_that_writes_nothing_stay_bounded_and_all_reach_a_reader(python, spawn, cli):
+    require_torch(python)
+    steps = 9000
+    target = spawn(python, MANY_STEPS, args=[str(steps)], env={"RANKSCOPE_TORCH": "trace,every=1", "RANKSCOPE_STORE": "0"},
+                   wait=False)
+    target.wait_for_line("DONE")
+    kept = cli(target.pid, "eval", "__import__('rankscope._native').__dict__['_native'].torch_rows_kept()")
+    assert kept.returncode == 0, kept.stderr
+    step_rows, traced = eval(kept.stdout.strip())  # noqa: S307 - a tuple of two ints, printed by our own probe
+    assert 0 < step_rows < 4096 and 0 < traced < 4096, kept.stdout
+    rows = query(cli, target.pid, "SELECT count(*) AS n, min(step) AS first, max(step) AS last FROM python.torch_steps")
+    # Every step, none lost or doubled on its way.
+    assert rows[0]["n"] == rows[0]["last"] - rows[0]["first"] + 1 and rows[0]["last"] == steps - 1, rows
+    assert rows[0]["n"] >= steps - 1, rows
+    sampled = query(cli, target.pid, "SELECT count(*) AS n FROM python.torch_steps WHERE sampled")
+    trace = query(cli, target.pid, "SELECT count(DISTINCT step) AS n FROM python.torch_trace")
+    assert trace[0]["n"] == sampled[0]["n"] >= steps - 2, (trace, sampled)

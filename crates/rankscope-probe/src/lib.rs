@@ -309,9 +309,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::table_rows_waiting, m)?)?;
     m.add_function(wrap_pyfunction!(store::trace_plan, m)?)?;
     m.add_function(wrap_pyfunction!(store::step_row, m)?)?;
-    m.add_function(wrap_pyfunction!(store::step_rows_hand_over, m)?)?;
-    m.add_function(wrap_pyfunction!(store::step_rows_waiting, m)?)?;
-    m.add_function(wrap_pyfunction!(store::trace_extend, m)?)?;
+    m.add_function(wrap_pyfunction!(store::torch_rows_kept, m)?)?;
+    m.add_function(wrap_pyfunction!(store::torch_rows_refused, m)?)?;
+    m.add_function(wrap_pyfunction!(store::trace_keep, m)?)?;
     m.add_function(wrap_pyfunction!(memory::set_step, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_now, m)?)?;
     m.add_function(wrap_pyfunction!(memory::memory_row, m)?)?;

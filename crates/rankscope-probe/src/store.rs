@@ -147,7 +147,7 @@ pub(crate) fn store() -> Arc<Store> {
     }
     let store = Store::new(config);
     store.set_rank(rank);
-    store.set_feed(Arc::new(crate::collective::feed_all));
+    store.set_feed(Arc::new(feed_all));
     *slot = Some(store.clone());
     store
 }
@@ -253,46 +253,122 @@ pub fn table_extend(name: &str, rows: &Bound<'_, PyAny>) -> PyResult<()> {
 }
 
 /// The step clock's `torch_steps` rows, one a step, kept as cells until
-/// the next hand-over (tables.py's `flush`). A row made by the short way
-/// never becomes a Python object: a tuple of eleven values made at every
-/// step and converted at the hand-over cost about 3 us a step on a small
-/// MLP's 1.5 ms step, most of what a step the trace does not sample paid
-/// beyond the clock (docs/performance.md, "Sampled steps by the short way").
+/// the store asks for them (`feed_all`: before a read, and at each of its
+/// writes to disk, on its own thread). A row made by the short way never
+/// becomes a Python object: a tuple of eleven values made at every step
+/// and converted at the hand-over cost about 3 us a step on a small MLP's
+/// 1.5 ms step, most of what a step the trace does not sample paid beyond
+/// the clock (docs/performance.md, "Sampled steps by the short way"); and
+/// the rows are made on the store's thread, not the program's: handing
+/// 166 steps of rows over on the training thread cost it 0.6 ms with the
+/// trace's forward rows (docs/performance.md, "The trace's rows made off
+/// the training thread").
 static STEP_ROWS: Mutex<Vec<(f64, Vec<Cell>)>> = Mutex::new(Vec::new());
 
-/// Keeps one `torch_steps` row; true where it is the first since the
-/// last hand-over (the caller then says when the batch goes).
-pub(crate) fn keep_step_row(ts: f64, cells: Vec<Cell>) -> bool {
-    let mut rows = STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner());
-    rows.push((ts, cells));
-    rows.len() == 1
+/// The sampled steps' trace counters, `(plan, ts, step, acc)`, kept until
+/// the store asks (as `STEP_ROWS`), which then makes their rows.
+static TRACE_STEPS: Mutex<Vec<TraceStep>> = Mutex::new(Vec::new());
+type TraceStep = (TracePlan, f64, i64, Vec<i64>);
+
+/// One feed at a time: two batches taken by two threads would otherwise
+/// reach the store in either order.
+static FEEDING: Mutex<()> = Mutex::new(());
+
+/// Rows kept past this many (a store that writes nothing to disk, and
+/// that no one reads) go to the store from the thread that keeps them.
+const KEPT_MAX: usize = 4096;
+
+/// How soon the store's thread takes the first row kept after its last
+/// feed: what a SIGKILL may lose, as the store's own writes go.
+const KEPT_FOR: Duration = Duration::from_secs(1);
+
+/// What the store's feed does with a count of rows kept just now.
+fn kept(count: usize) {
+    if count == 1 {
+        // The first since the last feed: the store's thread, started here
+        // if no row started it before, takes them within KEPT_FOR.
+        store().spill_soon(KEPT_FOR);
+    } else if count >= KEPT_MAX {
+        feed_torch(&store(), None);
+    }
+}
+
+/// Keeps one `torch_steps` row until the store asks for it.
+pub(crate) fn keep_step_row(ts: f64, cells: Vec<Cell>) {
+    let count = {
+        let mut rows = STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner());
+        rows.push((ts, cells));
+        rows.len()
+    };
+    kept(count);
 }
 
 /// `step_row(row)`: a `torch_steps` row made in Python (a sampled step's,
-/// by the long way), kept with the others; true as `keep_step_row`.
+/// by the long way), kept with the others. A row of the wrong length is
+/// refused here, where the caller hears of it.
 #[pyfunction]
-pub fn step_row(row: &Bound<'_, PyAny>) -> PyResult<bool> {
+pub fn step_row(row: &Bound<'_, PyAny>) -> PyResult<()> {
     let (ts, cells) = ts_and_cells(row)?;
-    Ok(keep_step_row(ts, cells))
-}
-
-/// How many `torch_steps` rows wait for the hand-over.
-#[pyfunction]
-pub fn step_rows_waiting() -> usize {
-    STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner()).len()
-}
-
-/// Hands the kept `torch_steps` rows to the store; how many there were.
-#[pyfunction]
-pub fn step_rows_hand_over() -> PyResult<usize> {
-    let rows = std::mem::take(&mut *STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner()));
-    let n = rows.len();
-    if n > 0 {
-        store()
-            .append_rows("torch_steps", rows)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let columns = rankscope_core::tables::TORCH_STEPS.columns.len();
+    if cells.len() != columns {
+        return Err(PyValueError::new_err(format!(
+            "a torch_steps row has {} values after ts, not {}",
+            cells.len(),
+            columns
+        )));
     }
-    Ok(n)
+    keep_step_row(ts, cells);
+    Ok(())
+}
+
+/// How many `torch_steps` rows and sampled steps' trace counters wait
+/// for the store.
+#[pyfunction]
+pub fn torch_rows_kept() -> (usize, usize) {
+    let steps = STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner()).len();
+    let traced = TRACE_STEPS.lock().unwrap_or_else(|e| e.into_inner()).len();
+    (steps, traced)
+}
+
+/// Part of the store's feed (`feed_all`): the kept `torch_steps` rows and
+/// the `torch_trace` rows of the kept counters, for a read of `table` or
+/// (None) a write to disk. A row the store refuses is counted, not raised:
+/// this runs on the store's thread or a reader's.
+fn feed_torch(store: &Arc<Store>, table: Option<&'static str>) {
+    let _one = FEEDING.lock().unwrap_or_else(|e| e.into_inner());
+    if table.is_none_or(|t| t == "torch_steps") {
+        let rows = std::mem::take(&mut *STEP_ROWS.lock().unwrap_or_else(|e| e.into_inner()));
+        let count = rows.len() as u64;
+        if count > 0 && store.append_rows("torch_steps", rows).is_err() {
+            ROWS_REFUSED.fetch_add(count, Ordering::Relaxed);
+        }
+    }
+    if table.is_none_or(|t| t == "torch_trace") {
+        let steps = std::mem::take(&mut *TRACE_STEPS.lock().unwrap_or_else(|e| e.into_inner()));
+        if steps.is_empty() {
+            return;
+        }
+        let rows = trace_rows(steps);
+        let count = rows.len() as u64;
+        if count > 0 && store.append_rows("torch_trace", rows).is_err() {
+            ROWS_REFUSED.fetch_add(count, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Rows the store refused from the feed (none should be: their cells are
+/// made here, to the tables' shapes).
+static ROWS_REFUSED: AtomicU64 = AtomicU64::new(0);
+
+#[pyfunction]
+pub fn torch_rows_refused() -> u64 {
+    ROWS_REFUSED.load(Ordering::Relaxed)
+}
+
+/// The store's `Feed`: the probe's producers that keep rows their own way.
+pub(crate) fn feed_all(store: &Arc<Store>, table: Option<&'static str>, reading: bool) {
+    crate::collective::feed_all(store, table, reading);
+    feed_torch(store, table);
 }
 
 /// The trace's timed modules, by plan: the cells of their rows that do
@@ -333,13 +409,10 @@ pub fn trace_plan(plan: &Bound<'_, PyAny>) -> PyResult<u64> {
     Ok(id)
 }
 
-/// `python.torch_trace` rows of sampled steps, made here from the trace's
-/// counters: `steps` holds `(ts, step, acc)`, where `acc` has each timed
-/// module's nanoseconds and calls side by side, in the plan's order. A
-/// module with no call that step has no row. Building the rows here, not
-/// as Python lists, is most of what a sampled step's rows cost.
-#[pyfunction]
-pub fn trace_extend(plan: u64, steps: &Bound<'_, PyAny>) -> PyResult<()> {
+/// Keeps a sampled step's trace counters, `acc` (each timed module's
+/// nanoseconds and calls side by side, in the plan's order), until the
+/// store asks for their rows.
+pub(crate) fn keep_trace_step(plan: u64, ts: f64, step: i64, acc: Vec<i64>) -> PyResult<()> {
     let fixed = {
         let plans = TRACE_PLANS.lock().unwrap_or_else(|e| e.into_inner());
         match plans.iter().find(|(id, _)| *id == plan) {
@@ -347,9 +420,33 @@ pub fn trace_extend(plan: u64, steps: &Bound<'_, PyAny>) -> PyResult<()> {
             None => return Err(PyValueError::new_err(format!("no trace plan {plan}"))),
         }
     };
-    let mut rows = Vec::new();
+    let count = {
+        let mut steps = TRACE_STEPS.lock().unwrap_or_else(|e| e.into_inner());
+        steps.push((fixed, ts, step, acc));
+        steps.len()
+    };
+    kept(count);
+    Ok(())
+}
+
+/// `trace_keep(plan, steps)`: the long way's sampled steps, each
+/// `(ts, step, acc)`, kept as `keep_trace_step` keeps the short way's.
+#[pyfunction]
+pub fn trace_keep(plan: u64, steps: &Bound<'_, PyAny>) -> PyResult<()> {
     for entry in steps.try_iter()? {
         let (ts, step, acc): (f64, i64, Vec<i64>) = entry?.extract()?;
+        keep_trace_step(plan, ts, step, acc)?;
+    }
+    Ok(())
+}
+
+/// `python.torch_trace` rows of kept sampled steps: a module with no call
+/// that step has none. Building the rows here, not as Python lists, is
+/// most of what a sampled step's rows cost, and it is the store's thread
+/// that builds them.
+fn trace_rows(steps: Vec<TraceStep>) -> Vec<(f64, Vec<Cell>)> {
+    let mut rows = Vec::new();
+    for (fixed, ts, step, acc) in steps {
         for (i, cells) in fixed.iter().enumerate() {
             let (Some(cells), Some(&ns), Some(&calls)) =
                 (cells, acc.get(2 * i), acc.get(2 * i + 1))
@@ -368,9 +465,7 @@ pub fn trace_extend(plan: u64, steps: &Bound<'_, PyAny>) -> PyResult<()> {
             rows.push((ts, row));
         }
     }
-    store()
-        .append_rows("torch_trace", rows)
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    rows
 }
 
 /// The Python side holds rows it has not handed over yet

@@ -6,14 +6,19 @@ answers ``GET /v1/table`` without the GIL, and spills the rows to the run
 directory. A row is a list in the order of ``COLUMNS`` (``ts`` first, in
 seconds; the store adds pid, rank and host).
 
-The step clock's rows (``torch_steps`` each step, kept natively as
-cells; ``torch_trace``, ``grad_stats`` and ``activation_stats`` each
-sampled step, in ``outbox``) wait and are handed over together, at a step
-boundary at least ``HAND_OVER_NS`` after the last, at exit, and when a
-reader asks (the probe's table endpoint does, before it reads). A call into
-the store right after a step's kernels costs about 10 us, most of it cache
-misses on the way in; one call per batch instead of one per row is most of
-what takes the trace from +5 % of a small model's step to under 1 %.
+The step clock's rows of every step and sampled step (``torch_steps``,
+and the CPU forward rows of ``torch_trace``) are kept natively, as cells
+and counters (``_native.step_row``, ``trace_keep``; the short way keeps
+its own without a Python object), and the store makes and takes them on
+its own thread, before each read and each write to disk: the training
+thread only keeps them. The other rows of sampled steps (``grad_stats``,
+``activation_stats``, the trace's rows with GPU times) wait in ``outbox``
+and are handed over together, at a step boundary at least
+``HAND_OVER_NS`` after the last, at exit, and when a reader asks (the
+probe's table endpoint does, before it reads). A call into the store
+right after a step's kernels costs about 10 us, most of it cache misses
+on the way in; one call per batch instead of one per row is most of what
+takes the trace from +5 % of a small model's step to under 1 %.
 
 A row may hold a value still on its way from a GPU (a CUDA event's time, a
 loss on the device): it waits here, in ``waiting``, until every such value
@@ -56,17 +61,13 @@ _flush_at_exit = False
 # perf_counter_ns), far off while there are none.
 OUTBOX_TABLES = frozenset(("torch_steps", "torch_trace", "grad_stats", "activation_stats"))
 outbox: dict = {}
-# The step clock's one row a step is kept apart, natively
-# (`_native.step_row`; the clock's short way keeps its own there without
-# making a Python object), since it is the only cost of a step that is not
-# sampled.
 NEVER = 1 << 62
 due = NEVER
 # A reader's hand-over runs on a probe thread while the training thread may post.
 _outbox_lock = _thread.allocate_lock()
 # A reader's hand-over may hold it when the program forks: free in the child.
 os.register_at_fork(after_in_child=_outbox_lock._at_fork_reinit)
-# Half the store's own spill interval (1 s): a batch of a few hundred rows
+# A quarter of the store's own spill interval (1 s): a batch of a few hundred rows
 # costs the training thread about what a batch of 30 did.
 HAND_OVER_NS = 250_000_000
 # The thread that runs the program's exit (see `flush`).
@@ -91,12 +92,12 @@ def extend(table: str, rows: list) -> None:
 
 def post(table: str, rows: list) -> None:
     """Rows for the outbox (the step clock's): handed over with the next
-    batch."""
+    batch. A ``torch_steps`` row is kept natively instead."""
     if not rows:
         return
     if table == "torch_steps":
         for row in rows:
-            post_step(row)
+            _native.step_row(row)
         return
     with _outbox_lock:
         box = outbox.get(table)
@@ -104,19 +105,6 @@ def post(table: str, rows: list) -> None:
             box = outbox[table] = []
         box += rows
         _waiting()
-
-
-def post_step(row) -> None:
-    """A ``torch_steps`` row (a list or tuple)."""
-    if _native.step_row(row):
-        steps_waiting()
-
-
-def steps_waiting() -> None:
-    """The first ``torch_steps`` row since the last hand-over was kept."""
-    if due == NEVER:
-        with _outbox_lock:
-            _waiting()
 
 
 def _waiting() -> None:
@@ -129,9 +117,10 @@ def _waiting() -> None:
 
 
 def post_trace(plan: int, counters: tuple) -> None:
-    """A sampled step's trace counters, ``(ts, step, acc)``: the store
-    makes their rows (``_native.trace_extend``)."""
-    post(("plan", plan), [counters])
+    """A sampled step's trace counters, ``(ts, step, acc)``: kept natively,
+    the store makes their rows (``_native.trace_keep``)."""
+    _flush_at_exit_once()
+    _native.trace_keep(plan, [counters])
 
 
 def hand_over_if_due(now_ns: int) -> None:
@@ -147,8 +136,7 @@ def flush() -> None:
         # since the last step boundary. Never from a probe thread: a CUDA
         # call there would break a CUDA graph the program is capturing.
         resolve_pending()
-    if due == NEVER and not _native.step_rows_waiting():
-        # (Rows kept while `due` was never set, if setting it failed, go too.)
+    if due == NEVER and not outbox:
         return
     with _outbox_lock:
         # Handed over under the lock: batches reach the store in order.
@@ -156,17 +144,9 @@ def flush() -> None:
         tables = list(outbox.items())
         outbox.clear()
         failed = None
-        try:
-            _native.step_rows_hand_over()
-        except Exception as exc:  # noqa: BLE001 - the other tables' rows still go
-            failed = exc
         for table, rows in tables:
             try:
-                if not rows:
-                    continue
-                if type(table) is tuple:
-                    _native.trace_extend(table[1], rows)
-                else:
+                if rows:
                     _native.table_extend(table, rows)
             except Exception as exc:  # noqa: BLE001 - the other tables' rows still go
                 failed = exc

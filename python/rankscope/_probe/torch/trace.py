@@ -227,30 +227,17 @@ _ZERO_GRAD_WATCHED = "_rankscope_zero_grad_watched"
 
 
 def _zero_grad_stand_in(tracer, own, of_optimizer):
-    """`zero_grad` as the class had it, the step clock told first."""
+    """`zero_grad` as the class had it, the step clock told first (the
+    usual step's call passes through natively: `StepClock.zero_grad_call`)."""
 
-    marks = tracer.zero_marks
+    call = tracer.zero_grad_call
 
     @functools.wraps(own)
     def zero_grad(self, *args, **kwargs):
         # Compiling first: dynamo folds it, and traces nothing of ours.
-        if _compiling() or not tracer.on:
+        if _compiling():
             return own(self, *args, **kwargs)
-        # The usual step, inline (a call less): a boundary came since this
-        # owner's last zero_grad, and it clears to None (by default, or
-        # told so: `zero_grad(set_to_none=True)`, as many loops write it).
-        mark = marks.get(id(self))
-        if (mark is not None and mark[1] != tracer.step and mark[0]() is self and mark[2] is tracer.primary
-                and (not args or (len(args) == 1 and args[0] is True))
-                and (not kwargs or (len(kwargs) == 1 and kwargs.get("set_to_none") is True))):
-            # An armed NaN watch has nothing to check where no backward made
-            # a gradient its last check did not see (asked of its native arm).
-            watch = tracer.zero_grad_watch
-            if watch is None or watch.quiet_zero_grad(self):
-                out = own(self, *args, **kwargs)
-                marks[id(self)] = (mark[0], tracer.step, mark[2], None, None)
-                return out
-        return tracer._zero_grad(own, self, of_optimizer, args, kwargs)
+        return call(own, self, of_optimizer, args, kwargs)
 
     setattr(zero_grad, _ZERO_GRAD_WATCHED, own)
     return zero_grad
@@ -475,6 +462,9 @@ class Tracer(_native.StepClock):
             self.partial = not self.before_first_step
             self.tracing = True
             self.disabled = None
+        # The step rows are kept natively and taken by the store's thread:
+        # the last second's reach the disk at a clean exit too.
+        tables._flush_at_exit_once()
         installed = self._start_clock(wait_s)
         return {"models": len(found), "modules": self._traced_modules(), "optimizer_hooks": installed}
 
@@ -1281,6 +1271,8 @@ class Tracer(_native.StepClock):
         (the batch's loss), not the last micro-batch's. `trained`: whether
         it needs grad, where `loss` was detached already."""
         loss = _local(loss)
+        # (Given `trained`, the caller has detached it.)
+        detached = trained is not None
         trained = loss.requires_grad if trained is None else trained
         if trained != self.loss_trained:
             if not trained and self.loss is not None:
@@ -1310,7 +1302,7 @@ class Tracer(_native.StepClock):
         elif held is None or type(held) is list:
             # (The first; or a CPU loss after GPU ones, which a step of
             # one model does not make: the CPU's alone count then.)
-            self.loss, self.loss_event = loss.detach(), None
+            self.loss, self.loss_event = (loss if detached else loss.detach()), None
         else:
             # Summed in the order seen, as a loop of `total += loss` does.
             n, total = self.loss_n if type(held) is float else (1, float(held))
