@@ -1609,10 +1609,12 @@ def test_fsdp2_sharded_parameters_are_read_by_their_shards_and_no_collective_is_
 
 # The NaN watch armed at start watches the first step through torch's global
 # module hooks until a model is known. A compiled model with fullgraph=True
-# (dynamo traced into those hooks: Unsupported, the program died) and a
+# (dynamo traced into those hooks: Unsupported, the program died), a
 # forward that raises before the first step (torch's always_call hook is
 # then called without kwargs: a TypeError, a warning in stderr, which
-# warnings-as-errors turned into the program's own failure).
+# warnings-as-errors turned into the program's own failure), and a model
+# compiled in place, which prints how many graphs dynamo made (one more,
+# made when the hooks went, before `torch.compile` took them off).
 FIRST_STEP_PROGRAMS = {
     "compiled-fullgraph": """
 import torch
@@ -1626,6 +1628,22 @@ for step in range(4):
     loss.backward()
     optimizer.step()
     print(step, loss.item().hex())
+""",
+    "module-compile": """
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+model.compile(backend="eager")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1))
+    loss.backward()
+    optimizer.step()
+    print(step, loss.item().hex())
+print("graphs", counters["stats"]["unique_graphs"])
 """,
     "forward-raises-first": """
 import warnings
@@ -1665,6 +1683,53 @@ def test_the_first_step_watch_leaves_compiled_and_failing_forwards_as_they_were(
     assert bare[0] == 0, bare
     watched = run({**clean, "RANKSCOPE": "1", "RANKSCOPE_DIR": endpoint_dir, "RANKSCOPE_TORCH": "nan"})
     assert watched == bare
+
+
+# A function compiled with fullgraph=True that calls a plain model: a
+# stand-in on the model's forward was traced by dynamo, a graph break, and
+# under fullgraph=True an error that ended the program. The stand-ins come
+# off plain modules as dynamo begins to compile, and stay off: the program
+# runs to the same losses, with no graph break and at most one graph more
+# (the compile that the stand-ins going on set off, once).
+COMPILED_FUNCTION = """
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loss_of = torch.compile(lambda x, y: nn.functional.mse_loss(model(x), y), backend="eager", fullgraph=True)
+data = torch.Generator().manual_seed(1)
+for step in range(12):
+    optimizer.zero_grad()
+    loss = loss_of(torch.randn(4, 8, generator=data), torch.randn(4, 1, generator=data))
+    loss.backward()
+    optimizer.step()
+    print(step, loss.item().hex())
+print("breaks", sum(counters["graph_break"].values()))
+print("graphs", counters["stats"]["unique_graphs"])
+"""
+
+
+@pytest.mark.parametrize("feature", ["trace,every=2", "nan", "trace,nan"])
+def test_a_compiled_function_that_calls_a_plain_model_runs_as_it_did(torch_python, endpoint_dir, tmp_path, feature):
+    import os
+
+    script = tmp_path / "program.py"
+    script.write_text(COMPILED_FUNCTION)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE")}
+
+    def run(env):
+        done = subprocess.run([torch_python, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = done.stdout.splitlines()
+        return lines[:-1], int(lines[-1].split()[1]), done.stderr
+
+    bare, bare_graphs, bare_err = run(clean)
+    watched, graphs, err = run({**clean, "RANKSCOPE": "1", "RANKSCOPE_DIR": endpoint_dir, "RANKSCOPE_TORCH": feature})
+    assert watched == bare and bare[-1] == "breaks 0"
+    assert bare_graphs <= graphs <= bare_graphs + 1, (bare_graphs, graphs)
+    assert err == bare_err
 
 
 # A module called three times a step on outputs of different sizes and

@@ -11,6 +11,7 @@ their outputs are the step's loss.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -290,7 +291,137 @@ def outside_compiled(model):
             continue
         if is_compiled(module):
             compiled.append(name + "." if name else "")
+        elif COMPILED_CALLERS:
+            continue
         yield name, module
+
+
+# ---- code that dynamo compiles, calling plain modules
+
+# Set once dynamo has begun to compile code while a stand-in of ours sat on
+# a plain module's `forward` (one not compiled itself): code the program
+# compiles (`torch.compile(fn)`, not of a module) may call plain modules,
+# and a stand-in there is seen by dynamo: a graph break (an error that ended
+# the program under `fullgraph=True`), and a compile again each time one is
+# put on or taken off. From then on stand-ins go on compiled modules'
+# boundaries only (`outside_compiled`), and the features say so.
+COMPILED_CALLERS = False
+# Each feature's `take_off_plain()`: its stand-ins taken off plain modules
+# now, True where it had any on.
+_HOLDERS: list = []
+# Called once each at the program's next `torch.compile` call, before it.
+_BEFORE_COMPILE: list = []
+_COMPILE_WATCHED = "_rankscope_compile_watched"
+_WATCHING_DYNAMO = False
+
+
+def hold(take_off_plain) -> None:
+    """A feature puts stand-ins on modules: dynamo's compiles are watched
+    from now on (`_compile_starts`)."""
+    if take_off_plain not in _HOLDERS:
+        _HOLDERS.append(take_off_plain)
+    _watch_dynamo()
+
+
+def release(take_off_plain) -> None:
+    """The feature's stand-ins are off: with no feature holding any,
+    dynamo's callback goes too (no hook of ours stays)."""
+    global _WATCHING_DYNAMO
+    if take_off_plain in _HOLDERS:
+        _HOLDERS.remove(take_off_plain)
+    if not _HOLDERS and _WATCHING_DYNAMO:
+        handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
+        remove = getattr(handler, "remove_start_callback", None)
+        if remove is not None:
+            try:
+                remove(_compile_starts)
+                _WATCHING_DYNAMO = False
+            except ValueError:
+                _WATCHING_DYNAMO = False
+    _unwatch_compile()
+
+
+def before_compile(call) -> None:
+    """`call()` runs at the program's next `torch.compile` call, before it
+    (`module.compile()` calls it too): nothing is compiled until then."""
+    if call not in _BEFORE_COMPILE:
+        _BEFORE_COMPILE.append(call)
+    _watch_compile()
+
+
+def forget_before_compile(call) -> None:
+    if call in _BEFORE_COMPILE:
+        _BEFORE_COMPILE.remove(call)
+    _unwatch_compile()
+
+
+def _watch_dynamo() -> None:
+    """dynamo's compile-start callback, registered once dynamo is imported
+    (it is not imported here: before the program's first `torch.compile`
+    call, a stand-in on it registers the callback after that call, and the
+    compile itself waits for the compiled code's first call)."""
+    global _WATCHING_DYNAMO
+    if _WATCHING_DYNAMO:
+        return
+    handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
+    register = getattr(handler, "register_start_callback", None)
+    if register is None:
+        _watch_compile()
+        return
+    register(_compile_starts)
+    _WATCHING_DYNAMO = True
+
+
+def _compile_starts(args=None) -> None:
+    """dynamo begins to compile a frame, before it traces anything: the
+    stand-ins on plain modules come off first, where any is on."""
+    global COMPILED_CALLERS
+    if COMPILED_CALLERS or not _HOLDERS:
+        return
+    took = False
+    for take_off_plain in list(_HOLDERS):
+        try:
+            took = take_off_plain() or took
+        except Exception:  # noqa: BLE001 - the compile goes on; the flag keeps them off
+            took = True
+    if took:
+        COMPILED_CALLERS = True
+
+
+def _watch_compile() -> None:
+    own = torch.__dict__.get("compile")
+    if not callable(own) or getattr(own, _COMPILE_WATCHED, None) is not None:
+        return
+
+    @functools.wraps(own)
+    def compile(*args, **kwargs):
+        calls = list(_BEFORE_COMPILE)
+        _BEFORE_COMPILE.clear()
+        for call in calls:
+            try:
+                call()
+            except Exception:  # noqa: BLE001 - the program's compile goes on
+                pass
+        try:
+            return own(*args, **kwargs)
+        finally:
+            if torch.__dict__.get("compile") is compile:
+                torch.compile = own
+            if _HOLDERS:
+                _watch_dynamo()
+
+    setattr(compile, _COMPILE_WATCHED, own)
+    torch.compile = compile
+
+
+def _unwatch_compile() -> None:
+    # Only where it is still ours, and nothing waits for it.
+    if _BEFORE_COMPILE or (_HOLDERS and not _WATCHING_DYNAMO):
+        return
+    ours = torch.__dict__.get("compile")
+    own = getattr(ours, _COMPILE_WATCHED, None)
+    if own is not None:
+        torch.compile = own
 
 
 def no_match(glob: str, names: list, found: list = ()) -> str:
@@ -299,7 +430,10 @@ def no_match(glob: str, names: list, found: list = ()) -> str:
     a compiled model's modules are not among them, where one of `found` has one."""
     more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
     text = f"no module matches {glob!r}; modules: {', '.join(names[:NAMES_SHOWN])}{more}"
-    if any(is_compiled(m) for model in found for m in model.modules()):
+    if COMPILED_CALLERS:
+        text += (" (this process compiles code that calls modules (torch.compile of a function): only compiled"
+                 " modules are traced, at their boundary, since dynamo would trace a stand-in on any other)")
+    elif any(is_compiled(m) for model in found for m in model.modules()):
         text += " (a torch.compile'd module is watched at its boundary only: a hook inside it would make dynamo recompile)"
     return text
 

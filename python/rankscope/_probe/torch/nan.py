@@ -297,12 +297,23 @@ class NanWatch:
         handles, self.handles = self.handles, []
         for entry in handles:
             timed.take_off(entry)
+        models.release(self.take_off_plain)
         self._unwatch_first_forward()
         if TRACER.zero_grad_watch is self:
             TRACER.zero_grad_watch = None
         TRACER.remove_listener(self)
         self.step = _Step()
         return {} if quiet else self.describe()
+
+    def take_off_plain(self) -> bool:
+        """dynamo begins to compile (`models.hold`): the stand-ins on plain
+        modules come off before it traces code that may call them."""
+        plain = [entry for entry in self.handles if _plain_unsafe(entry[0](), flagged=False)]
+        if plain:
+            self.handles = [entry for entry in self.handles if entry not in plain]
+            for entry in plain:
+                timed.take_off(entry)
+        return bool(plain)
 
     def failed(self, reason: str) -> None:
         self.disabled = reason
@@ -321,17 +332,21 @@ class NanWatch:
         self.sentinels_of.clear()
         for model in TRACER.live_models():
             self.sentinels.update(id(p) for p in _sentinels_of(model, lambda p: p.requires_grad))
+            if _plain_unsafe(model):
+                continue  # (its step is searched from its gradients, as a compiled model's)
             entry = timed.put_on(model, self._stand_in(model))
             if entry is not None:
                 self.handles.append(entry)
         self.loss_modules = False
         for ref in TRACER.losses:
             module = ref()
-            if module is not None:
+            if module is not None and not _plain_unsafe(module):
                 entry = timed.put_on(module, self._loss_stand_in(ref))
                 if entry is not None:
                     self.handles.append(entry)
                     self.loss_modules = True
+        if self.handles:
+            models.hold(self.take_off_plain)
         if self.hooked:
             self._unwatch_first_forward()
         else:
@@ -358,8 +373,8 @@ class NanWatch:
         compiled function that calls modules): they do nothing while it
         does (a graph break there, and an error under `fullgraph=True`).
         A compiled program's first step is then searched from its
-        gradients, and a graph compiled with the hooks there compiles once
-        more when they go."""
+        gradients; the hooks go as the program calls `torch.compile`, so
+        that no graph is compiled with them (`models.before_compile`)."""
         if self.first_hooks is not None:
             return
         from torch.nn.modules import module as nn_module
@@ -371,6 +386,11 @@ class NanWatch:
             post = nn_module.register_module_forward_hook(self._first_post, with_kwargs=True)
         registration = nn_module.register_module_module_registration_hook(self._first_registration)
         self.first_hooks = (pre, post, registration)
+        # So that nothing is compiled with these hooks there (dynamo guards
+        # on how many global hooks there are: the graph would compile again
+        # when they go), they go as the program calls `torch.compile`
+        # (`module.compile()` calls it too), before anything is compiled.
+        models.before_compile(self._unwatch_first_forward)
         self.depth = {}
         self.first_calls = 0
 
@@ -382,6 +402,7 @@ class NanWatch:
         return None
 
     def _unwatch_first_forward(self):
+        models.forget_before_compile(self._unwatch_first_forward)
         hooks, self.first_hooks = self.first_hooks, None
         if hooks is not None:
             from torch.nn.modules import module as nn_module
@@ -1341,6 +1362,17 @@ def _autocast_if_on():
     if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
         return None
     return _autocast_now()
+
+
+def _plain_unsafe(module, flagged=True) -> bool:
+    """Whether a stand-in on `module` would be seen by dynamo: it is not
+    compiled itself, and code the program compiles calls modules (see
+    `models.COMPILED_CALLERS`; `flagged=False`: whether it is plain at all)."""
+    if module is None:
+        return False
+    if flagged and not models.COMPILED_CALLERS:
+        return False
+    return not models.is_compiled(module)
 
 
 def _has_params(module) -> bool:

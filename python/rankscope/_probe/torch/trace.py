@@ -378,6 +378,7 @@ class Tracer(_native.StepClock):
         self.known_optimizers: weakref.WeakSet = weakref.WeakSet()
         self.plan: list = []  # (module weakref, name, type, depth, rows, is_root, cuda)
         self.prepared = None  # (plan, what _attach puts on for it): see _prepare
+        self.replan = False  # the plan to be made again at the next boundary (`take_off_plain`)
         # The short way through a step boundary (set by the long way, under
         # the lock, and cleared by every change made from outside).
         self.quiet = False
@@ -576,6 +577,7 @@ class Tracer(_native.StepClock):
             self._detach()
             self.lean_clear()
             self._unwatch_backward()
+            models.release(self.take_off_plain)
             idle = not self.listeners
         done = self._stop_clock(wait_s) if idle else True
         try:
@@ -878,6 +880,10 @@ class Tracer(_native.StepClock):
             self.quiet = False
             if not self.on:
                 return
+            if self.replan:
+                # Compiled modules only from here on (`take_off_plain`).
+                self.replan = False
+                self.plan = self._plan()
             if unknown_optimizer:
                 self._rediscover()
             elif not self.models and self.step is not None and self.step >= self.next_rediscovery:
@@ -1049,6 +1055,8 @@ class Tracer(_native.StepClock):
             self.hooked = hooked
             self.slots, self.handles, self.full = slots, handles, full
             self.acc, self.zeros = acc, zeros
+            if handles:
+                models.hold(self.take_off_plain)
             if fixed != self.plan_fixed:
                 # The same modules as at the last sampled step keep their
                 # plan (the store keeps a few; rows wait for it in the outbox).
@@ -1098,6 +1106,21 @@ class Tracer(_native.StepClock):
             fixed.append(None)
             entries.append((ref, lambda inner, at=at: timed.tap(inner, acc, at, None, self._loss_out), 0))
         return entries, slots, full, acc, [0] * len(acc), fixed
+
+    def take_off_plain(self) -> bool:
+        """dynamo begins to compile (`models.hold`, on the thread that
+        calls the compiled code): the stand-ins on plain modules come off
+        before it traces code that may call them, and the plan keeps to
+        compiled modules from now on. The next boundary takes the long way."""
+        handles = self.handles
+        if not any(entry[0]() is not None and not models.is_compiled(entry[0]()) for entry in handles):
+            return False
+        self.quiet = False
+        self.lean_clear()
+        self._detach()
+        # (`models.COMPILED_CALLERS` is set once this returns.)
+        self.replan = True
+        return True
 
     def _detach(self):
         handles, self.handles = self.handles, []
