@@ -1687,10 +1687,9 @@ def test_the_first_step_watch_leaves_compiled_and_failing_forwards_as_they_were(
 
 # A function compiled with fullgraph=True that calls a plain model: a
 # stand-in on the model's forward was traced by dynamo, a graph break, and
-# under fullgraph=True an error that ended the program. The stand-ins come
-# off plain modules as dynamo begins to compile, and stay off: the program
-# runs to the same losses, with no graph break and at most one graph more
-# (the compile that the stand-ins going on set off, once).
+# under fullgraph=True an error that ended the program. Once dynamo begins
+# to compile the program's own code, stand-ins stay off plain modules: the
+# program runs to the same losses, with no graph break and no graph more.
 COMPILED_FUNCTION = """
 import torch
 from torch import nn
@@ -1728,8 +1727,56 @@ def test_a_compiled_function_that_calls_a_plain_model_runs_as_it_did(torch_pytho
     bare, bare_graphs, bare_err = run(clean)
     watched, graphs, err = run({**clean, "RANKSCOPE": "1", "RANKSCOPE_DIR": endpoint_dir, "RANKSCOPE_TORCH": feature})
     assert watched == bare and bare[-1] == "breaks 0"
-    assert bare_graphs <= graphs <= bare_graphs + 1, (bare_graphs, graphs)
+    assert graphs == bare_graphs
     assert err == bare_err
+
+
+COMPILED_FUNCTION_LIVE = """
+import sys, time
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loss_of = torch.compile(lambda x, y: nn.functional.mse_loss(model(x), y), backend="eager", fullgraph=True)
+go = sys.argv[1]
+step = 0
+while True:
+    optimizer.zero_grad()
+    loss = loss_of(torch.randn(4, 8), torch.randn(4, 1))
+    loss.backward()
+    optimizer.step()
+    step += 1
+    if step == 3:
+        print("COMPILED", flush=True)
+    if step > 3 and __import__("os").path.exists(go):
+        break
+    time.sleep(0.005)
+for _ in range(20):
+    optimizer.zero_grad()
+    loss_of(torch.randn(4, 8), torch.randn(4, 1)).backward()
+    optimizer.step()
+print("GRAPHS", counters["stats"]["unique_graphs"], flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_feature_turned_on_after_a_function_was_compiled_says_why_it_traces_no_module(torch_python, spawn, cli, tmp_path):
+    # Told by dynamo's record of the code it compiled, before any stand-in
+    # goes on: the compiled function is not compiled again.
+    go = tmp_path / "go"
+    target = spawn(torch_python, COMPILED_FUNCTION_LIVE, args=[str(go)], wait=False)
+    target.wait_for_line("COMPILED")
+    for request in (["trace", "on"], ["activations", "--modules", "*"]):
+        refused = cli(target.pid, "torch", *request)
+        assert refused.returncode != 0 and "no module can be traced" in refused.stderr, (request, refused.stderr)
+        assert "torch.compile of a function" in refused.stderr
+    armed = cli(target.pid, "torch", "nan", "on")
+    assert armed.returncode == 0, armed.stderr
+    go.touch()
+    line = target.wait_for_line("GRAPHS")
+    assert line.split()[1] == "1", line
 
 
 # A module called three times a step on outputs of different sizes and

@@ -316,8 +316,10 @@ _WATCHING_DYNAMO = False
 
 
 def hold(take_off_plain) -> None:
-    """A feature puts stand-ins on modules: dynamo's compiles are watched
-    from now on (`_compile_starts`)."""
+    """A feature puts stand-ins on modules (or will): dynamo's compiles are
+    watched from now on (`_compile_starts`). `take_off_plain()` takes its
+    stand-ins off plain modules and keeps them off from then on; True
+    where it had any on."""
     if take_off_plain not in _HOLDERS:
         _HOLDERS.append(take_off_plain)
     _watch_dynamo()
@@ -370,22 +372,108 @@ def _watch_dynamo() -> None:
         return
     register(_compile_starts)
     _WATCHING_DYNAMO = True
+    _compiled_before()
+
+
+def _compiled_before() -> None:
+    """Code of the program's that dynamo compiled before its callback was
+    registered (a feature turned on mid-run): dynamo's own record of the
+    code it took (`convert_frame.input_codes`, weak references); where it
+    has none, the callback finds out at the next compile."""
+    global COMPILED_CALLERS
+    if COMPILED_CALLERS:
+        return
+    try:
+        seen = sys.modules["torch._dynamo.convert_frame"].input_codes.seen
+        codes = [ref() for ref in list(seen)]
+    except (KeyError, AttributeError, TypeError):
+        return
+    if any(code is not None and _programs_function(code) for code in codes):
+        COMPILED_CALLERS = True
+        for take_off_plain in list(_HOLDERS):
+            try:
+                take_off_plain()
+            except Exception:  # noqa: BLE001 - the flag keeps them off
+                pass
 
 
 def _compile_starts(args=None) -> None:
-    """dynamo begins to compile a frame, before it traces anything: the
-    stand-ins on plain modules come off first, where any is on."""
+    """dynamo begins to compile a frame, before it traces anything. Where
+    the frame is the program's own code (a compiled function, not torch's
+    wrapper of a compiled module), code dynamo compiles may call plain
+    modules: the features' stand-ins come off them, and stay off. Where
+    which frame cannot be told, that is done only if one was on."""
     global COMPILED_CALLERS
     if COMPILED_CALLERS or not _HOLDERS:
         return
+    program = _compiling_programs_code()
+    if program is False:
+        return  # a compiled module's boundary: its own tree is left alone
     took = False
     for take_off_plain in list(_HOLDERS):
         try:
             took = take_off_plain() or took
         except Exception:  # noqa: BLE001 - the compile goes on; the flag keeps them off
             took = True
-    if took:
+    if took or program:
         COMPILED_CALLERS = True
+
+
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
+
+
+def _compiling_programs_code():
+    """Whether the code dynamo is about to compile is the program's (True)
+    or torch's own (False: `torch.compile(module)` and `module.compile()`
+    compile a wrapper in `torch/_dynamo`); None where it cannot be found.
+    Read from dynamo's frame that holds it (`code`, in convert_frame.py),
+    a few frames above this callback."""
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return None
+        if frame.f_code.co_filename.endswith("convert_frame.py") and "code" in frame.f_code.co_varnames:
+            code = frame.f_locals.get("code")
+            if hasattr(code, "co_filename"):
+                return _programs_function(code)
+        frame = frame.f_back
+    return None
+
+
+# The code dynamo makes to go on after a graph break, named for the
+# function it broke in.
+_RESUMED = "torch_dynamo_resume_in_"
+_MODULE_CALLS = frozenset(("forward", "_call_impl", "_wrapped_call_impl"))
+
+
+def _programs_function(code) -> bool:
+    """Whether dynamo compiling `code` is compiling a function of the
+    program's (which may call any module), not a module's own method (a
+    compiled module's forward is compiled as a frame of its own, and so
+    are its methods after a graph break) nor torch's code."""
+    if code.co_filename.startswith(_TORCH_DIR):
+        return False
+    name = code.co_name
+    if name.startswith(_RESUMED):
+        return name[len(_RESUMED):].rsplit("_at_", 1)[0] not in _MODULE_CALLS
+    return not _a_modules_method(code)
+
+
+def _a_modules_method(code) -> bool:
+    """Whether `code` is a method of a module class (any subclass of
+    nn.Module the program has defined or imported)."""
+    stack, seen = [torch.nn.Module], set()
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub in seen:
+                continue
+            seen.add(sub)
+            stack.append(sub)
+            for value in vars(sub).values():
+                if getattr(getattr(value, "__func__", value), "__code__", None) is code:
+                    return True
+    return False
 
 
 def _watch_compile() -> None:
@@ -428,6 +516,10 @@ def no_match(glob: str, names: list, found: list = ()) -> str:
     """The error for a ``--modules`` glob that matches none of `names` (the
     qualified names it is matched against), listing the first few; and why
     a compiled model's modules are not among them, where one of `found` has one."""
+    if COMPILED_CALLERS and not names:
+        return ("no module can be traced: this process compiles code that calls its modules (torch.compile of a"
+                " function), and dynamo would trace a stand-in on them; compile the model itself"
+                " (torch.compile(model) or model.compile()) to have it timed at its boundary")
     more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
     text = f"no module matches {glob!r}; modules: {', '.join(names[:NAMES_SHOWN])}{more}"
     if COMPILED_CALLERS:

@@ -279,6 +279,8 @@ class NanWatch:
         self.disabled = None
         self.tripped_at = None
         TRACER.add_listener(self)
+        # Before any stand-in goes on: see models.hold.
+        models.hold(self.take_off_plain)
         self._hook_roots()
         TRACER.zero_grad_watch = self
         self.armed = True
@@ -313,7 +315,10 @@ class NanWatch:
             self.handles = [entry for entry in self.handles if entry not in plain]
             for entry in plain:
                 timed.take_off(entry)
-        return bool(plain)
+        # The first step's global hooks too: dynamo would trace them as well.
+        hooks = self.first_hooks is not None
+        self._unwatch_first_forward()
+        return bool(plain) or hooks
 
     def failed(self, reason: str) -> None:
         self.disabled = reason
@@ -375,8 +380,8 @@ class NanWatch:
         A compiled program's first step is then searched from its
         gradients; the hooks go as the program calls `torch.compile`, so
         that no graph is compiled with them (`models.before_compile`)."""
-        if self.first_hooks is not None:
-            return
+        if self.first_hooks is not None or models.COMPILED_CALLERS:
+            return  # (with code of the program's compiled: see models.hold)
         from torch.nn.modules import module as nn_module
 
         pre = nn_module.register_module_forward_pre_hook(self._first_pre)

@@ -573,6 +573,8 @@ class ActivationStats:
         if every < 1:
             raise ValueError("--every must be 1 or more")
         was_on = self.on
+        # Before the plan: see models.hold.
+        models.hold(self.take_off_plain)
         # The clock finds the models where it has none yet.
         TRACER.add_listener(self)
         found = TRACER.live_models()
@@ -581,6 +583,7 @@ class ActivationStats:
             # A request refused leaves the running watch as it was.
             if not was_on:
                 TRACER.remove_listener(self)
+                models.release(self.take_off_plain)
             from rankscope._probe.torch.trace import UserError
 
             raise UserError(models.no_match(glob, names, found))
@@ -591,6 +594,15 @@ class ActivationStats:
         self.disabled = None
         self.on = True
         return self.describe()
+
+    def take_off_plain(self) -> bool:
+        """dynamo begins to compile the program's code (`models.hold`): the
+        hooks come off, and the plan is made again at the next boundary,
+        with compiled modules only."""
+        had = bool(self.handles)
+        self._detach()
+        self.plan = []
+        return had
 
     @staticmethod
     def _plan(found, glob) -> tuple[list, list]:
@@ -608,6 +620,7 @@ class ActivationStats:
     def turn_off(self) -> dict:
         self.on = False
         self._detach()
+        models.release(self.take_off_plain)
         TRACER.remove_listener(self)
         described = self.describe()
         self.disabled = None  # said once: a look from now on turns it on
@@ -617,6 +630,7 @@ class ActivationStats:
         self.disabled = reason
         self.on = False
         self._detach()
+        models.release(self.take_off_plain)
 
     def _detach(self):
         handles, self.handles = self.handles, []

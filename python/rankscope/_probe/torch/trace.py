@@ -443,6 +443,17 @@ class Tracer(_native.StepClock):
     def turn_on(self, every: int, glob: str, backward: bool, wait_s: float = EDIT_WAIT_S) -> dict:
         if every < 1:
             raise UserError(f"--every must be 1 or more, not {every}")
+        # Before the plan: code of the program's that dynamo compiled
+        # already keeps stand-ins off plain modules (models.hold).
+        models.hold(self.take_off_plain)
+        try:
+            return self._turn_on(every, glob, backward, wait_s)
+        except BaseException:
+            if not self.tracing:
+                models.release(self.take_off_plain)
+            raise
+
+    def _turn_on(self, every: int, glob: str, backward: bool, wait_s: float) -> dict:
         with self.lock:
             self.quiet = False
             found, optimizers, losses = models.discover()
@@ -1112,14 +1123,13 @@ class Tracer(_native.StepClock):
         calls the compiled code): the stand-ins on plain modules come off
         before it traces code that may call them, and the plan keeps to
         compiled modules from now on. The next boundary takes the long way."""
-        handles = self.handles
-        if not any(entry[0]() is not None and not models.is_compiled(entry[0]()) for entry in handles):
-            return False
-        self.quiet = False
-        self.lean_clear()
-        self._detach()
         # (`models.COMPILED_CALLERS` is set once this returns.)
         self.replan = True
+        self.quiet = False
+        self.lean_clear()
+        if not any(entry[0]() is not None and not models.is_compiled(entry[0]()) for entry in self.handles):
+            return False
+        self._detach()
         return True
 
     def _detach(self):
