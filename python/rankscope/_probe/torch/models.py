@@ -11,6 +11,7 @@ their outputs are the step's loss.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
@@ -298,13 +299,14 @@ def outside_compiled(model):
 
 # ---- code that dynamo compiles, calling plain modules
 
-# Set once dynamo has begun to compile code while a stand-in of ours sat on
-# a plain module's `forward` (one not compiled itself): code the program
-# compiles (`torch.compile(fn)`, not of a module) may call plain modules,
-# and a stand-in there is seen by dynamo: a graph break (an error that ended
-# the program under `fullgraph=True`), and a compile again each time one is
-# put on or taken off. From then on stand-ins go on compiled modules'
-# boundaries only (`outside_compiled`), and the features say so.
+# Set once dynamo compiles a function of the program's (`torch.compile(fn)`,
+# not a module's own code), or any code while a stand-in of ours sat on a
+# plain module's `forward` (one not compiled itself): such code may call
+# plain modules, and a stand-in there is seen by dynamo: a graph break (an
+# error that ended the program under `fullgraph=True`), and a compile again
+# each time one is put on or taken off. From then on stand-ins go on
+# compiled modules' boundaries only (`outside_compiled`), and the features
+# say so.
 COMPILED_CALLERS = False
 # Each feature's `take_off_plain()`: its stand-ins taken off plain modules
 # now, True where it had any on.
@@ -335,11 +337,9 @@ def release(take_off_plain) -> None:
         handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
         remove = getattr(handler, "remove_start_callback", None)
         if remove is not None:
-            try:
+            with contextlib.suppress(ValueError):  # (already gone)
                 remove(_compile_starts)
-                _WATCHING_DYNAMO = False
-            except ValueError:
-                _WATCHING_DYNAMO = False
+            _WATCHING_DYNAMO = False
     _unwatch_compile()
 
 
